@@ -1,0 +1,171 @@
+"""The contracts between slime-rl's parts. Backends implement these; core never imports a backend.
+
+Units used throughout:
+- token ids are ``int`` vocabulary indices; a response is the ids an engine sampled,
+  never re-tokenised text;
+- log-probs are natural logs of the sampled token's probability under the
+  temperature-scaled distribution (logits / temperature, then top-p/top-k do not
+  renormalise the reported value), one per generated token;
+- a weight version is an ``int`` that starts at 0 (the initial weights) and grows
+  by one with every sync from the trainer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from slime_rl.core.sample import Reward, Sample
+
+FinishReason = Literal["stop", "length", "abort"]
+NamedTensors = list[tuple[str, torch.Tensor]]  # Hugging Face parameter names, full (unsharded) tensors
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 1024
+    stop: list[str] = field(default_factory=list)  # stop strings (kept out of the response when matched)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the model's eos
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class GenerateOutput:
+    token_ids: list[int]  # the new tokens only
+    log_probs: list[float]  # one per new token
+    finish_reason: FinishReason
+    weight_version: int  # the engine's weight version when the request finished
+
+
+class RolloutEngine(ABC):
+    """Token-in, token-out generation. All methods are coroutines; an engine may
+    serve many concurrent ``generate`` calls."""
+
+    @abstractmethod
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> GenerateOutput:
+        """Sample a continuation of ``input_ids``. An aborted request returns the
+        tokens made so far with ``finish_reason="abort"``."""
+
+    @abstractmethod
+    async def abort(self, request_id: str | None = None) -> None:
+        """Abort one request, or every in-flight request when ``request_id`` is None."""
+
+    @abstractmethod
+    async def update_weights(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
+        """Load one bucket of HF-named full tensors. Buckets of one sync share
+        ``version``; ``last=True`` marks the final bucket, after which the engine
+        serves the new weights and reports ``version``."""
+
+    @property
+    @abstractmethod
+    def weight_version(self) -> int: ...
+
+    async def release_memory(self) -> None:
+        """Free accelerator memory (weights, KV cache) for a colocated trainer. Optional."""
+
+    async def resume_memory(self) -> None:
+        """Take back what ``release_memory`` freed. Optional."""
+
+    async def health(self) -> bool:
+        return True
+
+    async def shutdown(self) -> None:
+        """Stop servers and free resources. Safe to call twice."""
+
+
+class PolicyTrainer(ABC):
+    """One rank of a (possibly TP x PP x DP) trainer. Every rank receives the same
+    full list of samples; the trainer shards by data-parallel rank itself and
+    returns results that are identical on all ranks."""
+
+    @abstractmethod
+    def compute_log_probs(self, samples: list[Sample], *, model: Literal["actor", "ref"] = "actor") -> list[list[float]]:
+        """Per sample, one log-prob per response token (at the rollout temperature)."""
+
+    @abstractmethod
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step over ``samples`` (which carry ``advantages``,
+        ``old_log_probs`` and, with a KL loss, ``ref_log_probs``); returns metrics
+        (loss, grad_norm, clip_frac, kl, entropy, lr, ...)."""
+
+    @abstractmethod
+    def named_weights(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        """The policy's full weights under HF names, in buckets of about
+        ``bucket_bytes``. Collective: every rank must iterate it to the end."""
+
+    @abstractmethod
+    def save(self, path: str) -> None: ...
+
+    @abstractmethod
+    def load(self, path: str) -> None: ...
+
+    def offload(self) -> None:
+        """Move weights and optimizer state to host memory (colocation). Optional."""
+
+    def onload(self) -> None:
+        """Bring back what ``offload`` moved. Optional."""
+
+    def compute_values(self, samples: list[Sample]) -> list[list[float]]:
+        """Critic values, one per response token (PPO). Only trainers with a value head."""
+        raise NotImplementedError(f"{type(self).__name__} has no value head")
+
+
+class DataSource(ABC):
+    """Prompts in, groups of PENDING samples out (``n_samples_per_prompt`` per group)."""
+
+    @abstractmethod
+    def get_groups(self, num_groups: int) -> list[list[Sample]]:
+        """The next ``num_groups`` prompt groups; fewer (possibly none) at the end of the data."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Buffer(ABC):
+    """Holds groups of samples between rollout and training (and aborted partial
+    groups until they are resumed). Implementations persist what ``add`` accepted."""
+
+    @abstractmethod
+    def add(self, groups: list[list[Sample]]) -> None:
+        """Store groups durably; when it returns, they survive a crash."""
+
+    @abstractmethod
+    def take(self, num_groups: int, *, current_version: int | None = None) -> list[list[Sample]]:
+        """Remove and return up to ``num_groups`` groups (fewer when it holds fewer)."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of groups held."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# Reward functions. A plain async callable, loaded by name or "module:attr":
+#   async def reward(sample: Sample) -> float | dict[str, float]
+# and the group variant, scoring all samples of one prompt together:
+#   async def group_reward(samples: list[Sample]) -> list[float | dict[str, float]]
+RewardFn = Callable[[Sample], Awaitable[Reward]]
+GroupRewardFn = Callable[[list[Sample]], Awaitable[list[Reward]]]
+
+# A custom generate function replaces single-turn generation (multi-turn, tools):
+#   async def generate(sample: Sample, params: SamplingParams, engine: RolloutEngine) -> Sample | list[Sample]
+# It appends sampled tokens with Sample.append_response(ids, log_probs, trained=True)
+# and observation tokens with trained=False (loss_mask 0).
+GenerateFn = Callable[[Sample, SamplingParams, RolloutEngine], Awaitable["Sample | list[Sample]"]]

@@ -1,0 +1,73 @@
+"""Load backends by entry-point name and user code by ``module:attr``."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+GROUPS = ("slime_rl.rollout_engines", "slime_rl.trainers", "slime_rl.buffers", "slime_rl.data_sources")
+
+# Which distribution provides a built-in backend name, for "pip install" hints.
+KNOWN_PROVIDERS = {
+    ("slime_rl.rollout_engines", "hf"): "slime-rl-rollout-hf",
+    ("slime_rl.rollout_engines", "sglang"): "slime-rl-rollout-sglang",
+    ("slime_rl.trainers", "megatron"): "slime-rl-trainer-megatron",
+    ("slime_rl.buffers", "default"): "slime-rl-buffer",
+    ("slime_rl.data_sources", "jsonl"): "slime-rl-buffer",
+    ("slime_rl.data_sources", "parquet"): "slime-rl-buffer",
+}
+
+
+class PluginError(LookupError):
+    """A name or ``module:attr`` that resolves to nothing; the message says what is installed."""
+
+
+def installed(group: str) -> dict[str, str]:
+    """Entry-point name -> ``module:attr`` for one group."""
+    return {ep.name: ep.value for ep in entry_points(group=group)}
+
+
+def load_attr(spec: str, *, what: str = "object") -> Any:
+    """Import ``module:attr`` (``attr`` may be dotted)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise PluginError(f"{what} {spec!r}: expected the form `package.module:attribute`")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise PluginError(f"{what} {spec!r}: cannot import module {module_name!r} ({err})") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise PluginError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def load_plugin(group: str, name: str) -> Any:
+    """A backend by entry-point name (``"sglang"``) or a user's own by ``module:attr``."""
+    if ":" in name:
+        return load_attr(name, what=group.rsplit(".", 1)[-1].rstrip("s"))
+    available = installed(group)
+    if name not in available:
+        provider = KNOWN_PROVIDERS.get((group, name))
+        hint = f"; `pip install {provider}` provides it" if provider else ""
+        names = ", ".join(sorted(available)) or "none"
+        raise PluginError(f"no {group} named {name!r} (installed: {names}){hint}; or give `module:attr`")
+    (ep,) = [ep for ep in entry_points(group=group) if ep.name == name]
+    return ep.load()
+
+
+def load_function(spec: str, builtins: dict[str, Any], *, what: str) -> Any:
+    """A user function: a built-in name from ``builtins`` or ``module:attr``."""
+    if ":" in spec:
+        fn = load_attr(spec, what=what)
+    elif spec in builtins:
+        fn = builtins[spec]
+    else:
+        raise PluginError(f"no built-in {what} named {spec!r} (built in: {', '.join(sorted(builtins))}); "
+                          "or give `module:attr`")
+    if not callable(fn):
+        raise PluginError(f"{what} {spec!r} is a {type(fn).__name__}, not a callable")
+    return fn

@@ -1,0 +1,98 @@
+"""`Sample`: the one currency between data source, rollout, buffer and trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class SampleStatus(str, Enum):
+    PENDING = "pending"  # not generated yet (or waiting to be resumed, see partial rollout)
+    COMPLETED = "completed"  # the engine stopped on a stop token or string
+    TRUNCATED = "truncated"  # the engine hit max_new_tokens / the context limit
+    ABORTED = "aborted"  # generation was cut short by abort; may hold partial response tokens
+    FAILED = "failed"  # generation or reward failed; metadata["error"] says why
+
+
+Reward = float | dict[str, float]
+
+
+@dataclass
+class Sample:
+    """One prompt and (after rollout) one sampled response.
+
+    Token layout: ``tokens`` is prompt ids followed by response ids, and
+    ``response_length`` counts the response part, so ``tokens[-response_length:]``
+    are the response ids. Every per-token list below (``loss_mask``,
+    ``rollout_log_probs``, ``old_log_probs``, ``ref_log_probs``, ``advantages``,
+    ``returns``, ``values``) has exactly ``response_length`` entries, one per
+    response token. Log-probs are natural-log probabilities of the sampled token
+    under the temperature-scaled distribution the engine sampled from.
+    """
+
+    index: int = 0  # global sample index (unique within a run)
+    group_index: int = 0  # samples of the same prompt share it
+    prompt: str | list[dict[str, Any]] = ""  # text, or chat messages
+    label: Any = None
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    loss_mask: list[int] = field(default_factory=list)  # 1 = trained on; 0 = tool/observation output
+    rollout_log_probs: list[float] = field(default_factory=list)  # from the engine
+    reward: Reward | None = None
+    status: SampleStatus = SampleStatus.PENDING
+    weight_version: int = 0  # the policy version that produced the (oldest part of the) response
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # Filled on the training side.
+    old_log_probs: list[float] = field(default_factory=list)  # trainer's, before the update
+    ref_log_probs: list[float] = field(default_factory=list)  # the reference model's
+    advantages: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)  # PPO value targets
+    values: list[float] = field(default_factory=list)  # PPO critic values
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[len(self.tokens) - self.response_length :]
+
+    def reward_value(self, key: str | None = None) -> float:
+        """The scalar reward: the float itself, or ``reward[key]`` for dict rewards."""
+        if self.reward is None:
+            raise ValueError(f"sample {self.index} has no reward yet")
+        if isinstance(self.reward, dict):
+            if key is None:
+                raise ValueError(f"sample {self.index} has a dict reward {sorted(self.reward)}; set reward_key")
+            return float(self.reward[key])
+        return float(self.reward)
+
+    def append_response(self, token_ids: list[int], log_probs: list[float] | None, *, trained: bool) -> None:
+        """Append tokens to the response: sampled tokens (``trained=True``, with log-probs)
+        or observation/tool tokens (``trained=False``, loss_mask 0, log-prob 0)."""
+        if log_probs is not None and len(log_probs) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens but {len(log_probs)} log-probs")
+        self.tokens.extend(token_ids)
+        self.response_length += len(token_ids)
+        self.loss_mask.extend([1 if trained else 0] * len(token_ids))
+        self.rollout_log_probs.extend(log_probs if log_probs is not None else [0.0] * len(token_ids))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (status as its string value)."""
+        out = dataclasses.asdict(self)
+        out["status"] = self.status.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown Sample fields {sorted(unknown)}")
+        kwargs = dict(data)
+        if "status" in kwargs:
+            kwargs["status"] = SampleStatus(kwargs["status"])
+        return cls(**kwargs)

@@ -1,0 +1,1 @@
+"""slime-rl rollout-hf."""
