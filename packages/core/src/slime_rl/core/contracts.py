@@ -15,11 +15,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from slime_rl.core.sample import Reward, Sample
+
+if TYPE_CHECKING:
+    from slime_rl.core.config import Config
 
 FinishReason = Literal["stop", "length", "abort"]
 NamedTensors = list[tuple[str, torch.Tensor]]  # Hugging Face parameter names, full (unsharded) tensors
@@ -47,7 +50,13 @@ class GenerateOutput:
 
 class RolloutEngine(ABC):
     """Token-in, token-out generation. All methods are coroutines; an engine may
-    serve many concurrent ``generate`` calls."""
+    serve many concurrent ``generate`` calls. One object fronts all of a run's
+    rollout servers (the SGLang engine holds N servers behind a router)."""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> RolloutEngine:
+        """Build (launch or attach) the engine a config describes. Called once, in the rollout process."""
+        raise NotImplementedError(f"{cls.__name__} does not implement from_config")
 
     @abstractmethod
     async def generate(
@@ -87,6 +96,13 @@ class PolicyTrainer(ABC):
     """One rank of a (possibly TP x PP x DP) trainer. Every rank receives the same
     full list of samples; the trainer shards by data-parallel rank itself and
     returns results that are identical on all ranks."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, role: Literal["actor", "critic"] = "actor") -> PolicyTrainer:
+        """Build this rank's trainer. Called in each rank's process with the torch.distributed
+        environment set (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK); the trainer
+        initialises the process group (gloo on CPU, nccl on CUDA) and its model-parallel groups."""
+        raise NotImplementedError(f"{cls.__name__} does not implement from_config")
 
     @abstractmethod
     def compute_log_probs(self, samples: list[Sample], *, model: Literal["actor", "ref"] = "actor") -> list[list[float]]:
