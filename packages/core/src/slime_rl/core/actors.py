@@ -1,0 +1,143 @@
+"""The Ray actors of a run: trainer ranks and the rollout manager.
+
+Both are plain classes wrapped with ``ray.remote`` by the loop, so they can be
+tested in process too. A trainer rank owns one `PolicyTrainer`; the rollout
+manager owns the `RolloutEngine`, the tokenizer, the data source and the buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from slime_rl.core.config import Config
+from slime_rl.core.contracts import NamedTensors
+from slime_rl.core.plugins import load_plugin
+from slime_rl.core.rollout import Group, RolloutRunner
+from slime_rl.core.sample import Sample
+
+
+def _set_threads(cfg: Config) -> None:
+    threads = int(os.environ.get("SLIME_RL_TORCH_THREADS", "0")) or None
+    if threads:
+        torch.set_num_threads(threads)
+
+
+class TrainerWorker:
+    """One trainer rank. Every call is collective: the loop calls it on all ranks at once."""
+
+    def __init__(self, cfg_dict: dict[str, Any], *, rank: int, world_size: int, master_addr: str,
+                 master_port: int, role: Literal["actor", "critic"] = "actor"):
+        cfg = Config.model_validate(cfg_dict)
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % cfg.cluster.actor_num_gpus_per_node))
+        _set_threads(cfg)
+        self.rank = rank
+        trainer_cls = load_plugin("slime_rl.trainers", cfg.trainer.backend)
+        self.trainer = trainer_cls.from_config(cfg, role=role)
+
+    def ready(self) -> bool:
+        return True
+
+    def compute_log_probs(self, samples: list[Sample], model: Literal["actor", "ref"]) -> list[list[float]]:
+        return self.trainer.compute_log_probs(samples, model=model)
+
+    def compute_values(self, samples: list[Sample]) -> list[list[float]]:
+        return self.trainer.compute_values(samples)
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        return self.trainer.train_step(samples)
+
+    def weight_buckets(self, bucket_bytes: int) -> list[NamedTensors] | None:
+        """All buckets on rank 0 (None elsewhere); every rank takes part in the gather."""
+        buckets = [list(bucket) for bucket in self.trainer.named_weights(bucket_bytes)]
+        return buckets if self.rank == 0 else None
+
+    def save(self, path: str) -> None:
+        self.trainer.save(path)
+
+    def load(self, path: str) -> None:
+        self.trainer.load(path)
+
+    def offload(self) -> None:
+        self.trainer.offload()
+
+    def onload(self) -> None:
+        self.trainer.onload()
+
+
+class RolloutManager:
+    """Owns generation: the engine, tokenizer, data source, pending and ready buffers, eval sets."""
+
+    def __init__(self, cfg_dict: dict[str, Any], state_dir: str):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg = Config.model_validate(cfg_dict)
+        _set_threads(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        engine_cls = load_plugin("slime_rl.rollout_engines", cfg.rollout.engine)
+        self.engine = engine_cls.from_config(cfg)
+        source_cls = load_plugin("slime_rl.data_sources", cfg.data.source)
+        self.data_source = source_cls.from_config(cfg, tokenizer=self.tokenizer)
+        buffer_cls = load_plugin("slime_rl.buffers", "default")
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        self.pending = buffer_cls.from_config(cfg, str(Path(state_dir) / "pending"))  # prompts to (re)generate
+        self.ready = buffer_cls.from_config(cfg, str(Path(state_dir) / "ready"))  # scored groups to train on
+        self.eval_sets = {
+            name: source_cls(path, tokenizer=self.tokenizer, **self._eval_source_kwargs()).get_groups(10**9)
+            for name, path in cfg.eval.prompt_data.items()
+        }
+        self.runner = RolloutRunner(cfg, self.engine, self._decode)
+
+    def _eval_source_kwargs(self) -> dict[str, Any]:
+        d = self.cfg.data
+        return dict(input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
+                    tools_key=d.tools_key, apply_chat_template=d.apply_chat_template,
+                    n_samples_per_prompt=self.cfg.eval.n_samples_per_prompt, shuffle=False, num_epoch=1)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    async def generate(self) -> tuple[list[Sample], dict[str, float], bool]:
+        """Roll out one step's groups, store them durably, and hand out one training batch."""
+        result = await self.runner.rollout(self.data_source, self.pending)
+        if result.groups:
+            self.ready.add(result.groups)
+        groups: list[Group] = self.ready.take(self.cfg.data.rollout_batch_size,
+                                              current_version=self.engine.weight_version)
+        return [s for g in groups for s in g], result.metrics, result.exhausted
+
+    async def evaluate(self) -> dict[str, float]:
+        return await self.runner.evaluate(self.eval_sets)
+
+    async def update_weights(self, buckets: list[NamedTensors], version: int) -> None:
+        for i, bucket in enumerate(buckets):
+            await self.engine.update_weights(bucket, version=version, last=i == len(buckets) - 1)
+
+    async def release_memory(self) -> None:
+        await self.engine.release_memory()
+
+    async def resume_memory(self) -> None:
+        await self.engine.resume_memory()
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data_source": self.data_source.state_dict(), "pending": self.pending.state_dict(),
+                "ready": self.ready.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data_source.load_state_dict(state["data_source"])
+        self.pending.load_state_dict(state["pending"])
+        self.ready.load_state_dict(state["ready"])
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+    async def ping(self) -> bool:
+        return await asyncio.sleep(0, result=True)

@@ -1,0 +1,205 @@
+"""The training loop: synchronous, colocated or not, on Ray. Reads top to bottom.
+
+    for step in range(start, num_steps):
+        samples = rollout()                       # generate, reward, filter (over-sampling)
+        log-probs (old, ref), values (PPO)
+        advantages
+        train_step
+        sync weights to the engines (version = step + 1)
+        eval every eval.interval, checkpoint every checkpoint.save_interval
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from slime_rl.core import checkpoint
+from slime_rl.core.actors import RolloutManager, TrainerWorker
+from slime_rl.core.advantages import compute_advantages
+from slime_rl.core.config import Config
+from slime_rl.core.metrics import MetricsLogger
+from slime_rl.core.ray_cluster import free_port, local_ray, resolve_device
+from slime_rl.core.sample import Sample
+
+Callback = Callable[[str, dict[str, Any]], None]  # (event, payload): "start", "step", "eval", "done"
+
+
+class TrainerGroup:
+    """The trainer's ranks as Ray actors; each method runs on all ranks and returns rank 0's answer."""
+
+    def __init__(self, cfg: Config, role: str = "actor"):
+        import ray
+
+        world = cfg.actor_num_gpus
+        on_gpu = resolve_device(cfg) == "cuda"
+        # Colocated engines share the GPU, so a rank takes only part of it (slime: 0.4 / 0.2).
+        gpus = (0.4 if cfg.cluster.colocate else 1.0) if on_gpu else 0
+        port = free_port()
+        worker = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerWorker)
+        self.workers = [
+            worker.remote(cfg.to_dict(), rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
+                          role=role)
+            for rank in range(world)
+        ]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])[0]
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+
+@contextlib.contextmanager
+def phase(timings: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[f"time/{name}"] = time.perf_counter() - start
+
+
+def _attach(samples: list[Sample], field: str, values: list[list[float]]) -> None:
+    for sample, value in zip(samples, values, strict=True):
+        setattr(sample, field, value)
+
+
+def logprob_gap(samples: list[Sample]) -> float:
+    """Mean |trainer old log-prob - engine log-prob| over trained tokens: train/inference mismatch."""
+    total = count = 0.0
+    for s in samples:
+        for old, rollout, mask in zip(s.old_log_probs, s.rollout_log_probs, s.loss_mask, strict=False):
+            if mask:
+                total += abs(old - rollout)
+                count += 1
+    return total / count if count else 0.0
+
+
+def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
+    """Run (or resume) a training job; returns a summary (steps, eval before and after, paths)."""
+    import ray
+
+    notify = callback or (lambda event, payload: None)
+    log_dir = Path(cfg.logging.dir)
+    save_dir = Path(cfg.checkpoint.save_dir or log_dir / "checkpoints")
+    algo = cfg.algorithm
+    needs_ref = algo.use_kl_loss or algo.kl_coef != 0
+    needs_critic = algo.advantage_estimator == "ppo"
+    # One step per rollout and on-policy: the trainer's own log-probs before the update are
+    # the old policy's, so it computes them in the training forward instead of a second pass.
+    separate_old_pass = cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs
+    bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
+    summary: dict[str, Any] = {"log_dir": str(log_dir), "checkpoint_dir": str(save_dir)}
+
+    with local_ray(cfg):
+        started = time.perf_counter()
+        actor = TrainerGroup(cfg, "actor")
+        critic = TrainerGroup(cfg, "critic") if needs_critic else None
+        manager = ray.remote(num_cpus=0)(RolloutManager).remote(cfg.to_dict(), str(log_dir / "rollout_state"))
+        ray.get(manager.ping.remote())
+        actor.call("ready")  # every rank built: a broken backend fails here, before any rollout
+        logger = MetricsLogger(log_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
+                               config=cfg.to_dict())
+
+        start_step = 0
+        resumed = checkpoint.latest(save_dir) if cfg.checkpoint.resume else None
+        if resumed is not None:
+            folder, meta = resumed
+            actor.call("load", str(folder / "actor"))
+            if critic is not None:
+                critic.call("load", str(folder / "critic"))
+            ray.get(manager.load_state_dict.remote(meta["rollout_state"]))
+            start_step = meta["step"]
+            buckets = actor.call("weight_buckets", bucket_bytes)
+            ray.get(manager.update_weights.remote(buckets, start_step))
+        summary["start_step"] = start_step
+        notify("start", {"start_step": start_step, "num_steps": cfg.data.num_rollout,
+                         "startup_s": time.perf_counter() - started})
+
+        last_eval: tuple[int, dict[str, float]] | None = None
+        if cfg.eval.prompt_data:
+            last_eval = (start_step, ray.get(manager.evaluate.remote()))
+            summary["eval_before"] = last_eval[1]
+            logger.log(start_step, last_eval[1])
+            notify("eval", {"step": start_step, "metrics": last_eval[1]})
+        last_save = start_step if resumed is not None else None
+
+        step = start_step
+        while cfg.data.num_rollout is None or step < cfg.data.num_rollout:
+            timings: dict[str, float] = {}
+            step_start = time.perf_counter()
+            with phase(timings, "rollout"):
+                samples, metrics, exhausted = ray.get(manager.generate.remote())
+            if not samples:
+                break
+            samples_ref = ray.put(samples)
+            if separate_old_pass:
+                with phase(timings, "log_probs"):
+                    _attach(samples, "old_log_probs", actor.call("compute_log_probs", samples_ref, "actor"))
+                metrics["train/rollout_logprob_abs_diff"] = logprob_gap(samples)
+            if algo.use_rollout_logprobs:
+                for s in samples:
+                    s.old_log_probs = list(s.rollout_log_probs)
+            if needs_ref:
+                with phase(timings, "ref_log_probs"):
+                    _attach(samples, "ref_log_probs", actor.call("compute_log_probs", samples_ref, "ref"))
+            if critic is not None:
+                with phase(timings, "values"):
+                    _attach(samples, "values", critic.call("compute_values", samples_ref))
+            compute_advantages(samples, algo, n_samples_per_prompt=cfg.data.n_samples_per_prompt,
+                               reward_key=cfg.rollout.reward_key)
+            samples_ref = ray.put(samples)
+            with phase(timings, "train"):
+                if critic is not None:
+                    metrics.update({f"critic/{k}": v for k, v in critic.call("train_step", samples_ref).items()})
+                metrics.update({f"train/{k}": v for k, v in actor.call("train_step", samples_ref).items()})
+            with phase(timings, "weight_sync"):
+                buckets = actor.call("weight_buckets", bucket_bytes)
+                ray.get(manager.update_weights.remote(buckets, step + 1))
+            step += 1
+            timings["time/step"] = time.perf_counter() - step_start
+            tokens = sum(len(s.tokens) for s in samples)
+            metrics.update(timings)
+            metrics["perf/tokens_per_s"] = tokens / timings["time/step"]
+            if cfg.eval.prompt_data and cfg.eval.interval and step % cfg.eval.interval == 0:
+                last_eval = (step, ray.get(manager.evaluate.remote()))
+                metrics.update(last_eval[1])
+                notify("eval", {"step": step, "metrics": last_eval[1]})
+            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                with phase(timings, "save"):
+                    _save(cfg, save_dir, step, actor, critic, manager)
+                last_save = step
+            logger.log(step, metrics)
+            notify("step", {"step": step, "metrics": metrics})
+            if exhausted:
+                break
+
+        if cfg.eval.prompt_data and last_eval is not None and last_eval[0] != step:
+            last_eval = (step, ray.get(manager.evaluate.remote()))
+            logger.log(step, last_eval[1])
+            notify("eval", {"step": step, "metrics": last_eval[1]})
+        if last_eval is not None:
+            summary["eval_after"] = last_eval[1]
+        if (cfg.checkpoint.save_interval or cfg.checkpoint.save_dir) and last_save != step:
+            _save(cfg, save_dir, step, actor, critic, manager)
+        logger.close()
+        ray.get(manager.shutdown.remote())
+        summary.update(steps=step, elapsed_s=time.perf_counter() - started, metrics_file=str(logger.jsonl_path))
+        notify("done", summary)
+    return summary
+
+
+def _save(cfg: Config, save_dir: Path, step: int, actor: TrainerGroup, critic: TrainerGroup | None,
+          manager: Any) -> None:
+    import ray
+
+    folder = checkpoint.step_dir(save_dir, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    actor.call("save", str(folder / "actor"))
+    if critic is not None:
+        critic.call("save", str(folder / "critic"))
+    state = ray.get(manager.state_dict.remote())
+    checkpoint.commit(save_dir, step, {"rollout_state": state}, keep_last=cfg.checkpoint.keep_last)

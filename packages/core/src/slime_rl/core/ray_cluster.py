@@ -1,0 +1,57 @@
+"""A Ray instance on loopback, and the placement of trainer ranks and engines on it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+
+from slime_rl.core.config import Config
+
+# Keep Ray on 127.0.0.1 and self-contained (shared/notes/ray.md).
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_device(cfg: Config) -> str:
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def local_ray(cfg: Config) -> Iterator[None]:
+    """Start (or join, when RAY_ADDRESS is set) Ray; shut it down on exit if we started it."""
+    import ray
+
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+    if ray.is_initialized():
+        yield
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:
+        temp_dir = tempfile.mkdtemp(prefix="slime-rl-ray-")
+        ray.init(
+            num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, 2),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            _temp_dir=temp_dir,
+            object_store_memory=2 * 1024**3,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+    try:
+        yield
+    finally:
+        ray.shutdown()

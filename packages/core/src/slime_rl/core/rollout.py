@@ -1,0 +1,235 @@
+"""Rollout orchestration: prompt groups in, scored and filtered sample groups out.
+
+One rollout step, as slime does it: submit ``over_sampling_batch_size`` prompt
+groups at once, score each group as soon as all its samples are back, keep the
+groups the dynamic-sampling filter accepts, refill while too few passed, and once
+``rollout_batch_size`` groups are kept abort the leftovers. Aborted groups are
+never lost: they go back to the pending buffer, keeping their tokens when
+``partial_rollout`` is on and reset to their prompt otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from slime_rl.core.config import Config
+from slime_rl.core.contracts import Buffer, DataSource, GenerateFn, RolloutEngine, SamplingParams
+from slime_rl.core.plugins import load_function
+from slime_rl.core.rewards import score_samples
+from slime_rl.core.sample import Sample, SampleStatus
+
+Decode = Callable[[list[int]], str]
+Group = list[Sample]
+
+_FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+_request_ids = itertools.count()
+
+
+def nonzero_std(group: Group) -> bool:
+    """DAPO dynamic sampling: keep a group only when its rewards are not all equal."""
+    return any(s.reward != group[0].reward for s in group)
+
+
+DYNAMIC_FILTERS: dict[str, Callable[[Group], bool]] = {"nonzero_std": nonzero_std}
+
+
+def sampling_params(cfg: Config, *, evaluation: bool = False) -> SamplingParams:
+    r = cfg.rollout
+    if evaluation:
+        return SamplingParams(
+            temperature=cfg.eval.temperature, top_p=1.0 if cfg.eval.temperature == 0 else r.top_p, top_k=r.top_k,
+            max_new_tokens=cfg.eval.max_response_len or r.max_response_len,
+            stop=list(r.stop), stop_token_ids=list(r.stop_token_ids),
+        )
+    return SamplingParams(
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_len,
+        stop=list(r.stop), stop_token_ids=list(r.stop_token_ids),
+    )
+
+
+async def generate_single_turn(sample: Sample, params: SamplingParams, engine: RolloutEngine) -> Sample:
+    """The default generate function: one engine call, the sampled ids appended to the sample.
+
+    A partially generated sample (partial rollout) continues where it stopped,
+    with ``max_new_tokens`` reduced by what it already has."""
+    remaining = params.max_new_tokens - sample.response_length
+    if remaining <= 0:
+        sample.status = SampleStatus.TRUNCATED
+        return sample
+    call_params = SamplingParams(**{**params.__dict__, "max_new_tokens": remaining})
+    request_id = f"s{sample.index}-{next(_request_ids)}"
+    out = await engine.generate(sample.tokens, call_params, request_id=request_id)
+    if sample.response_length == 0:
+        sample.weight_version = out.weight_version
+    sample.append_response(out.token_ids, out.log_probs, trained=True)
+    sample.status = _FINISH_STATUS[out.finish_reason]
+    return sample
+
+
+@dataclass
+class RolloutResult:
+    groups: list[Group]  # kept groups, scored, at most rollout_batch_size
+    metrics: dict[str, float] = field(default_factory=dict)
+    returned: int = 0  # groups put back in the pending buffer (aborted leftovers)
+    exhausted: bool = False  # the data ran out before enough groups passed
+
+
+class RolloutRunner:
+    """Generates, scores and filters groups through any `RolloutEngine`."""
+
+    def __init__(self, cfg: Config, engine: RolloutEngine, decode: Decode):
+        self.cfg = cfg
+        self.engine = engine
+        self.decode = decode
+        self.generate_fn: GenerateFn = (
+            load_function(cfg.rollout.generate_fn, {}, what="rollout.generate_fn")
+            if cfg.rollout.generate_fn else generate_single_turn
+        )
+        spec = cfg.rollout.dynamic_sampling_filter
+        self.keep_group = load_function(spec, DYNAMIC_FILTERS, what="rollout.dynamic_sampling_filter") if spec else None
+        self.semaphore = asyncio.Semaphore(cfg.rollout.max_concurrency)
+        self.enough = False  # set once a rollout has its groups: queued requests then never start
+
+    async def _generate_group(self, group: Group, params: SamplingParams) -> Group:
+        async def one(sample: Sample) -> list[Sample]:
+            async with self.semaphore:
+                if sample.status not in (SampleStatus.PENDING, SampleStatus.ABORTED):
+                    return [sample]  # finished before an earlier abort; keep it as is
+                if self.enough:
+                    sample.status = SampleStatus.ABORTED
+                    return [sample]
+                try:
+                    out = await self.generate_fn(sample, params, self.engine)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # a user's generate function failing loses only its sample
+                    sample.status = SampleStatus.FAILED
+                    sample.metadata["error"] = f"generate: {type(err).__name__}: {err}"
+                    return [sample]
+            return out if isinstance(out, list) else [out]
+
+        results = await asyncio.gather(*(one(s) for s in group))
+        samples = [s for part in results for s in part]
+        for s in samples:
+            s.response = self.decode(s.response_tokens)
+        if all(s.status != SampleStatus.ABORTED for s in samples):
+            await score_samples([s for s in samples if s.status != SampleStatus.FAILED], self.cfg.rollout)
+        return samples
+
+    async def rollout(self, data_source: DataSource, pending: Buffer) -> RolloutResult:
+        """One training rollout: ``rollout_batch_size`` kept groups (fewer only when the data ran out)."""
+        cfg = self.cfg
+        want = cfg.data.rollout_batch_size
+        params = sampling_params(cfg)
+        kept: list[Group] = []
+        seen = dropped_filter = dropped_failed = 0
+        returned = 0
+        exhausted = False
+        start = time.perf_counter()
+        self.enough = False
+        while len(kept) < want and not exhausted:
+            prompts = pending.take(cfg.over_sampling_batch_size)
+            if len(prompts) < cfg.over_sampling_batch_size:
+                prompts += data_source.get_groups(cfg.over_sampling_batch_size - len(prompts))
+            if not prompts:
+                exhausted = True
+                break
+            exhausted = len(prompts) < cfg.over_sampling_batch_size
+            tasks = [asyncio.ensure_future(self._generate_group(g, params)) for g in prompts]
+            leftovers: list[Group] = []
+            for next_done in asyncio.as_completed(tasks):
+                group = await next_done
+                if len(kept) >= want:  # finished after we had enough: not trained on, but not lost
+                    leftovers.append(group)
+                    continue
+                seen += 1
+                if any(s.reward is None for s in group):
+                    dropped_failed += 1  # a failed reward with on_reward_failure="drop"
+                    continue
+                if self.keep_group is not None and not self.keep_group(group):
+                    dropped_filter += 1
+                    continue
+                kept.append(group)
+                if len(kept) >= want:
+                    self.enough = True
+                    await self.engine.abort(None)
+            returned += self._return_leftovers(leftovers, pending)
+        elapsed = time.perf_counter() - start
+        metrics = self._metrics(kept, elapsed)
+        metrics.update({
+            "rollout/groups_seen": seen, "rollout/groups_dropped_by_filter": dropped_filter,
+            "rollout/groups_dropped_failed": dropped_failed, "rollout/groups_returned": returned,
+        })
+        return RolloutResult(kept, metrics, returned, exhausted)
+
+    def _return_leftovers(self, groups: list[Group], pending: Buffer) -> int:
+        """Aborted or surplus groups go back to the pending buffer: as they are (partial
+        rollout) or reset to their prompt, so that no prompt is skipped."""
+        back = []
+        for group in groups:
+            if all(s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) for s in group) and \
+                    all(s.reward is not None for s in group):
+                back.append(group)  # complete and scored: trainable next step as is
+                continue
+            if not self.cfg.rollout.partial_rollout:
+                group = [reset_to_prompt(s) for s in group]
+            else:
+                for s in group:
+                    s.metadata.setdefault("start_weight_version", s.weight_version)
+            back.append(group)
+        if back:
+            pending.add(back)
+        return len(back)
+
+    def _metrics(self, groups: list[Group], elapsed: float) -> dict[str, float]:
+        samples = [s for g in groups for s in g]
+        if not samples:
+            return {"rollout/time": elapsed}
+        key = self.cfg.rollout.reward_key
+        rewards = [s.reward_value(key) for s in samples if s.reward is not None]
+        lengths = [s.response_length for s in samples]
+        return {
+            "rollout/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "rollout/reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            "rollout/response_len_mean": statistics.fmean(lengths),
+            "rollout/response_len_max": max(lengths),
+            "rollout/truncated_frac": sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples),
+            "rollout/failed_frac": sum(s.status == SampleStatus.FAILED for s in samples) / len(samples),
+            "rollout/tokens": sum(lengths),
+            "rollout/tokens_per_s": sum(lengths) / elapsed if elapsed > 0 else 0.0,
+            "rollout/time": elapsed,
+        }
+
+    async def evaluate(self, eval_sets: dict[str, list[Group]]) -> dict[str, float]:
+        """Mean reward and pass@k (k = eval.n_samples_per_prompt) per eval set."""
+        params = sampling_params(self.cfg, evaluation=True)
+        self.enough = False
+        metrics: dict[str, float] = {}
+        for name, groups in eval_sets.items():
+            fresh = [[reset_to_prompt(s) for s in g] for g in groups]
+            done = await asyncio.gather(*(self._generate_group(g, params) for g in fresh))
+            key = self.cfg.rollout.reward_key
+            rewards = [[s.reward_value(key) if s.reward is not None else 0.0 for s in g] for g in done]
+            k = len(rewards[0]) if rewards else 1
+            metrics[f"eval/{name}/reward_mean"] = statistics.fmean(r for g in rewards for r in g) if rewards else 0.0
+            metrics[f"eval/{name}/pass@{k}"] = statistics.fmean(float(max(g) > 0) for g in rewards) if rewards else 0.0
+            metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(
+                s.response_length for g in done for s in g) if done else 0.0
+        return metrics
+
+
+def reset_to_prompt(sample: Sample) -> Sample:
+    """A copy of ``sample`` with its response removed, PENDING again."""
+    data = sample.to_dict()
+    data["tokens"] = sample.tokens[: sample.prompt_length]
+    for key in ("loss_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "advantages", "returns",
+                "values"):
+        data[key] = []
+    data.update(response="", response_length=0, reward=None, status=SampleStatus.PENDING.value)
+    data["metadata"] = {k: v for k, v in sample.metadata.items() if k != "error"}
+    return Sample.from_dict(data)
