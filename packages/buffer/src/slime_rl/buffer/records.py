@@ -1,0 +1,150 @@
+"""Random access to the records of a prompt file, without loading the file.
+
+JSONL: one streaming scan builds the byte offset of every line (8 bytes a line);
+a record is read with one seek. Parquet: rows are read by row group, only the
+columns asked for. Both answer ``read(ids)`` with one item per id: the record as
+a dict, ``None`` for a blank line, or a :class:`DataError` for a bad one, so the
+caller decides whether to raise or skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCAN_CHUNK_BYTES = 8 << 20  # bounds the scan's transient memory
+
+
+class DataError(ValueError):
+    """Bad prompt data. ``str(err)`` is one line: ``<file:line or key>: <what is wrong and the fix>``."""
+
+    def __init__(self, where: str, message: str):
+        self.where = where
+        super().__init__(f"{where}: {message}")
+
+
+def check_file(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(str(path), "file does not exist; set data.prompt_data to a JSONL or Parquet file of prompts")
+    if not path.is_file():
+        raise DataError(str(path), "is not a file; set data.prompt_data to a JSONL or Parquet file of prompts")
+    return path
+
+
+def scan_line_starts(path: Path) -> np.ndarray:
+    """Byte offsets of every line start, plus the file size as a final sentinel (uint64).
+
+    Streams the file in chunks, so memory is the offsets plus one chunk.
+    """
+    starts = [np.zeros(1, dtype=np.uint64)]
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(SCAN_CHUNK_BYTES):
+            newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 0x0A)
+            starts.append((newlines + (size + 1)).astype(np.uint64))
+            size += len(chunk)
+    offsets = np.concatenate(starts)
+    if offsets[-1] != size:  # the last line has no trailing newline
+        offsets = np.append(offsets, np.uint64(size))
+    return offsets
+
+
+class JsonlRecords:
+    """A JSONL file as an array of records, addressed by 0-based line id."""
+
+    def __init__(self, path: str | Path):
+        self.path = check_file(path)
+        self.offsets = scan_line_starts(self.path)  # len(self) + 1 entries
+        self.file_size = int(self.offsets[-1])
+        lengths = np.diff(self.offsets)
+        self.num_nonblank = int(np.count_nonzero(lengths > 1))  # a blank line is just "\n"
+        self._file = open(self.path, "rb")  # noqa: SIM115 - kept open for random reads, closed in close()
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:{i + 1}"
+
+    def read(self, ids: list[int]) -> list[dict[str, Any] | DataError | None]:
+        out: list[dict[str, Any] | DataError | None] = []
+        for i in ids:
+            start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+            self._file.seek(start)
+            raw = self._file.read(end - start)
+            out.append(self._parse(i, raw))
+        return out
+
+    def _parse(self, i: int, raw: bytes) -> dict[str, Any] | DataError | None:
+        if not raw.strip():
+            return None
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            reason = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8"
+            return DataError(self.where(i), f"malformed JSON ({reason}); fix the line or set data.skip_bad_lines=true")
+        if not isinstance(record, dict):
+            return DataError(self.where(i), f"expected a JSON object per line, got {type(record).__name__}; "
+                                            "fix the line or set data.skip_bad_lines=true")
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class ParquetRecords:
+    """A Parquet file as an array of rows; reads only the row groups and columns needed."""
+
+    def __init__(self, path: str | Path, columns: list[str]):
+        import pyarrow.parquet as pq
+
+        self.path = check_file(path)
+        try:
+            self._file = pq.ParquetFile(self.path)
+        except Exception as err:  # pyarrow raises ArrowInvalid and friends
+            raise DataError(str(self.path), f"cannot read as Parquet ({err}); give a JSONL or Parquet file") from None
+        names = set(self._file.schema_arrow.names)
+        self.columns = [c for c in columns if c in names]
+        self.all_columns = sorted(names)
+        meta = self._file.metadata
+        self.file_size = os.path.getsize(self.path)
+        sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        self.group_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self.num_nonblank = int(self.group_starts[-1])
+
+    def __len__(self) -> int:
+        return int(self.group_starts[-1])
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:row {i}"
+
+    def read(self, ids: list[int]) -> list[dict[str, Any] | DataError | None]:
+        import pyarrow as pa
+
+        groups = np.searchsorted(self.group_starts, ids, side="right") - 1
+        rows: dict[int, dict[str, Any]] = {}
+        for g in np.unique(groups):
+            wanted = [i for i, gi in zip(ids, groups, strict=True) if gi == g]
+            local = pa.array([i - int(self.group_starts[g]) for i in wanted], type=pa.int64())
+            table = self._file.read_row_group(int(g), columns=self.columns).take(local)
+            rows.update(zip(wanted, table.to_pylist(), strict=True))
+        return [rows[i] for i in ids]
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def open_records(path: str | Path, fmt: str | None, columns: list[str]) -> JsonlRecords | ParquetRecords:
+    """``fmt`` None: by suffix (.parquet/.pq is Parquet, anything else JSONL)."""
+    if fmt is None:
+        fmt = "parquet" if Path(path).suffix.lower() in (".parquet", ".pq") else "jsonl"
+    if fmt == "parquet":
+        return ParquetRecords(path, columns)
+    if fmt == "jsonl":
+        return JsonlRecords(path)
+    raise DataError("data.source", f"unknown prompt file format {fmt!r}; use jsonl or parquet")
