@@ -121,7 +121,7 @@ def test_normalize_advantages_whitens_over_trained_tokens():
     samples = [make_sample(i, i // 2, r, n, loss_mask=m) for i, (r, n, m) in
                enumerate([(1.0, 3, [1, 1, 1]), (0.0, 2, [1, 0]), (0.2, 4, [1, 1, 1, 1]), (0.9, 1, [1])])]
     compute_advantages(samples, AlgorithmConfig(normalize_advantages=True), n_samples_per_prompt=2)
-    trained = [a for s in samples for a, m in zip(s.advantages, s.loss_mask) if m]
+    trained = [a for s in samples for a, m in zip(s.advantages, s.loss_mask, strict=True) if m]
     assert statistics.fmean(trained) == pytest.approx(0.0, abs=1e-9)
     assert statistics.stdev(trained) == pytest.approx(1.0, abs=1e-6)
     assert samples[1].advantages[1] == 0.0
