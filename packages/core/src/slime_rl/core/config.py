@@ -138,6 +138,7 @@ class ClusterConfig(_Section):
     actor_num_gpus_per_node: int = Field(1, ge=1)  # trainer ranks per node (processes on CPU)
     rollout_num_gpus: int | None = Field(None, ge=1)  # defaults: the actor's GPUs when colocated
     rollout_num_gpus_per_engine: int = Field(1, ge=1)  # the engine's tensor-parallel size
+    num_gpus_per_node: int | None = Field(None, ge=1)  # node size, for placement; default max(8, actor's per node)
     colocate: bool = True
     async_train: bool = Field(False, alias="async")  # one-step-off: generate k+1 while training k
     num_cpus: int | None = None  # for the local Ray instance
@@ -202,6 +203,11 @@ class Config(_Section):
         if self.cluster.rollout_num_gpus is not None:
             return self.cluster.rollout_num_gpus
         return self.actor_num_gpus if self.cluster.colocate else self.cluster.rollout_num_gpus_per_engine
+
+    @property
+    def num_gpus_per_node(self) -> int:
+        c = self.cluster
+        return c.num_gpus_per_node if c.num_gpus_per_node is not None else max(8, c.actor_num_gpus_per_node)
 
     @property
     def num_engines(self) -> int:
@@ -296,6 +302,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
             raise ConfigError(str(path), f"is not valid YAML: {err}".replace("\n", " ")) from None
+        if not isinstance(data, dict):
+            raise ConfigError(str(path), f"expected a mapping of sections (model:, data:, ...), got {type(data).__name__}")
         base_dir = path.parent
     data = _merge(data, parse_overrides(overrides or []))
     _check_keys(data, Config, "")
@@ -347,6 +355,12 @@ def check_config(cfg: Config) -> None:
     """The checks slime users learn about from a hang or a crash an hour in; here, before anything starts."""
     d, t, c, p, r = cfg.data, cfg.trainer, cfg.cluster, cfg.parallel, cfg.rollout
     samples_per_rollout = d.rollout_batch_size * d.n_samples_per_prompt
+    if cfg.global_batch_size < 1:
+        raise ConfigError(
+            "trainer.num_steps_per_rollout",
+            f"{t.num_steps_per_rollout} optimizer steps leave fewer than 1 of the {samples_per_rollout} samples"
+            " per step; lower it",
+        )
     if samples_per_rollout != cfg.global_batch_size * t.num_steps_per_rollout:
         raise ConfigError(
             "trainer.global_batch_size",
@@ -355,8 +369,6 @@ def check_config(cfg: Config) -> None:
             f" = {cfg.global_batch_size} * {t.num_steps_per_rollout}; set global_batch_size to"
             f" {samples_per_rollout // t.num_steps_per_rollout} or leave it unset",
         )
-    if cfg.global_batch_size < 1:
-        raise ConfigError("trainer.num_steps_per_rollout", "leaves fewer than 1 sample per optimizer step")
     model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if cfg.actor_num_gpus % model_parallel:
         raise ConfigError(
@@ -373,7 +385,8 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             "cluster.rollout_num_gpus_per_engine",
             f"the engine TP size {c.rollout_num_gpus_per_engine} must divide cluster.rollout_num_gpus"
-            f" = {cfg.rollout_num_gpus}",
+            f" = {cfg.rollout_num_gpus}" + ("" if c.rollout_num_gpus is not None else (
+                " (unset: the trainer's GPUs when colocated)" if c.colocate else "")),
         )
     if c.colocate and cfg.rollout_num_gpus > cfg.actor_num_gpus:
         raise ConfigError(
@@ -404,7 +417,12 @@ def check_config(cfg: Config) -> None:
     for name, eval_path in cfg.eval.prompt_data.items():
         if not Path(eval_path).is_file():
             raise ConfigError(f"eval.prompt_data.{name}", f"file {eval_path} does not exist")
+    if cfg.checkpoint.resume and cfg.checkpoint.save_dir is None:
+        raise ConfigError("checkpoint.save_dir", "resuming needs the folder that holds the checkpoints; set it")
     _check_model(cfg)
+    from slime_rl.core.placement import plan_placement  # here: placement imports this module
+
+    plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)
 
 
 def _check_model(cfg: Config) -> None:

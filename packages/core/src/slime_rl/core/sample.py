@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class SampleStatus(str, Enum):
+class SampleStatus(StrEnum):
     PENDING = "pending"  # not generated yet (or waiting to be resumed, see partial rollout)
     COMPLETED = "completed"  # the engine stopped on a stop token or string
     TRUNCATED = "truncated"  # the engine hit max_new_tokens / the context limit

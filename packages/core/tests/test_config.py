@@ -1,0 +1,230 @@
+import json
+
+import pytest
+import yaml
+
+from slime_rl.core.config import Config, ConfigError, load_config, parse_overrides
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"input": "1 + 1 =", "label": "2"}\n')
+    return path
+
+
+def write_config(tmp_path, tree, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def refused(path=None, overrides=()):
+    """The ConfigError load_config raises; every message is one line."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_defaults_follow_slime(prompts):
+    cfg = load_config(None, [f"data.prompt_data={prompts}"])
+    assert cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0 and cfg.rollout.top_k == -1
+    assert cfg.algorithm.advantage_estimator == "grpo"
+    assert cfg.algorithm.eps_clip == 0.2 and cfg.eps_clip_high == 0.2  # eps_clip_high defaults to eps_clip
+    assert cfg.global_batch_size == cfg.data.rollout_batch_size * cfg.data.n_samples_per_prompt
+    assert cfg.over_sampling_batch_size == cfg.data.rollout_batch_size
+    assert cfg.rollout_num_gpus == cfg.actor_num_gpus == 1  # colocated: the trainer's GPUs
+    assert cfg.num_engines == 1 and cfg.data_parallel_size == 1
+
+
+def test_yaml_then_overrides(tmp_path, prompts):
+    path = write_config(tmp_path, {
+        "data": {"prompt_data": str(prompts), "rollout_batch_size": 4, "n_samples_per_prompt": 2},
+        "rollout": {"temperature": 0.9, "stop": ["</answer>"]},
+        "algorithm": {"eps_clip_high": 0.28},
+    })
+    cfg = load_config(path, [
+        "rollout.temperature=0.7", "rollout.top_k=20", "trainer.num_steps_per_rollout=2",
+        "eval.prompt_data={math: " + str(prompts) + "}", "cluster.async=false", "model.dtype=bfloat16",
+    ])
+    assert cfg.rollout.temperature == 0.7 and cfg.rollout.top_k == 20  # override wins, parsed as YAML
+    assert cfg.rollout.stop == ["</answer>"]  # untouched keys survive
+    assert cfg.eps_clip_high == 0.28
+    assert cfg.global_batch_size == 4  # 4 * 2 samples over 2 optimizer steps
+    assert cfg.eval.prompt_data == {"math": str(prompts)}
+    assert cfg.model.dtype == "bfloat16"
+
+
+def test_resolved_yaml_loads_back_to_the_same_config(tmp_path, prompts):
+    cfg = load_config(None, [f"data.prompt_data={prompts}", "cluster.colocate=false", "cluster.async=true",
+                             "rollout.engine_args={mem_fraction_static: 0.5}"])
+    dumped = cfg.to_yaml()
+    assert "async: true" in dumped  # the user's spelling, not the Python attribute name
+    again = load_config(write_config(tmp_path, yaml.safe_load(dumped), "resolved.yaml"))
+    assert again == cfg
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    (tmp_path / "conf" / "data").mkdir(parents=True)
+    (tmp_path / "conf" / "data" / "p.jsonl").write_text("{}\n")
+    path = write_config(tmp_path / "conf", {"data": {"prompt_data": "data/p.jsonl"}})
+    monkeypatch.chdir(tmp_path)  # not the config's folder
+    cfg = load_config(path)
+    assert cfg.data.prompt_data == str(tmp_path / "conf" / "data" / "p.jsonl")
+
+
+def test_unknown_keys_suggest_the_nearest(tmp_path, prompts):
+    err = refused(None, [f"data.prompt_data={prompts}", "rollout.temprature=0.5"])
+    assert err.field == "rollout.temprature"
+    assert "rollout.temperature" in str(err)
+    err = refused(write_config(tmp_path, {"rolout": {"temperature": 0.5}}))
+    assert err.field == "rolout" and "`rollout`" in str(err)
+    err = refused(None, ["algorithm.eps_clip_hgih=0.3"])
+    assert "algorithm.eps_clip_high" in str(err)
+    err = refused(None, ["cluster.zzz=1"])  # nothing close: list what is valid
+    assert "valid keys here" in str(err) and "colocate" in str(err)
+
+
+def test_bad_values_name_the_field(prompts):
+    err = refused(None, [f"data.prompt_data={prompts}", "data.rollout_batch_size=0"])
+    assert err.field == "data.rollout_batch_size" and "(got 0)" in str(err)
+    err = refused(None, [f"data.prompt_data={prompts}", "algorithm.advantage_estimator=grpoo"])
+    assert err.field == "algorithm.advantage_estimator"
+    err = refused(None, [f"data.prompt_data={prompts}", "rollout.top_p=1.5"])
+    assert err.field == "rollout.top_p"
+    err = refused(None, [f"data.prompt_data={prompts}", "rollout=3"])
+    assert err.field == "rollout"
+
+
+def test_override_syntax(prompts):
+    assert parse_overrides(["a.b=1", "a.c=x y", "d=[1, 2]", "e="]) == {"a": {"b": 1, "c": "x y"}, "d": [1, 2], "e": ""}
+    assert refused(None, ["rollout.temperature"]).field == "rollout.temperature"
+    assert refused(None, ["rollout.temperature=0.5", "rollout.temperature.x=1"]).field == "rollout.temperature.x"
+
+
+def test_config_file_problems(tmp_path):
+    err = refused(tmp_path / "missing.yaml")
+    assert err.field == "config" and "missing.yaml" in str(err)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    err = refused(bad)
+    assert "bad.yaml" in str(err) and "not valid YAML" in str(err)
+    err = refused(write_config(tmp_path, [1, 2], "list.yaml"))
+    assert "list.yaml" in str(err) and "expected a mapping" in str(err)
+
+
+def test_batch_identity(prompts):
+    base = [f"data.prompt_data={prompts}", "data.rollout_batch_size=8", "data.n_samples_per_prompt=4"]
+    assert load_config(None, base + ["trainer.global_batch_size=16", "trainer.num_steps_per_rollout=2"])
+    err = refused(None, base + ["trainer.global_batch_size=16"])
+    assert err.field == "trainer.global_batch_size"
+    assert "8 * 4 = 32" in str(err) and "set global_batch_size to 32" in str(err)
+    err = refused(None, base + ["trainer.num_steps_per_rollout=64"])
+    assert err.field == "trainer.num_steps_per_rollout" and "fewer than 1" in str(err)
+
+
+def test_parallel_sizes_divide_the_gpus(prompts):
+    base = [f"data.prompt_data={prompts}", "cluster.actor_num_gpus_per_node=4", "data.rollout_batch_size=4",
+            "data.n_samples_per_prompt=4"]
+    cfg = load_config(None, base + ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
+    assert cfg.data_parallel_size == 1
+    assert refused(None, base + ["parallel.tensor_model_parallel_size=3"]).field == "parallel.tensor_model_parallel_size"
+    # data parallel 4 cannot split a global batch of 6
+    err = refused(None, base + ["data.rollout_batch_size=3", "data.n_samples_per_prompt=2"])
+    assert err.field == "trainer.global_batch_size" and "data-parallel size 4" in str(err)
+
+
+def test_engine_size_divides_the_rollout_gpus(prompts):
+    base = [f"data.prompt_data={prompts}", "cluster.actor_num_gpus_per_node=4", "data.n_samples_per_prompt=4"]
+    assert load_config(None, base + ["cluster.rollout_num_gpus_per_engine=2"]).num_engines == 2
+    err = refused(None, base + ["cluster.rollout_num_gpus_per_engine=3"])
+    assert err.field == "cluster.rollout_num_gpus_per_engine" and "divide" in str(err)
+
+
+def test_colocated_and_disaggregated_gpu_counts(prompts):
+    base = [f"data.prompt_data={prompts}", "cluster.actor_num_gpus_per_node=2"]
+    err = refused(None, base + ["cluster.rollout_num_gpus=4"])
+    assert err.field == "cluster.rollout_num_gpus" and "colocate=false" in str(err)
+    cfg = load_config(None, base + ["cluster.rollout_num_gpus=4", "cluster.colocate=false"])
+    assert cfg.num_engines == 4
+    cfg = load_config(None, base + ["cluster.colocate=false", "cluster.rollout_num_gpus_per_engine=2"])
+    assert cfg.rollout_num_gpus == 2  # disaggregated default: one engine
+
+
+def test_async_needs_disaggregation(prompts):
+    err = refused(None, [f"data.prompt_data={prompts}", "cluster.async=true"])
+    assert err.field == "cluster.async" and "colocate=false" in str(err)
+    assert load_config(None, [f"data.prompt_data={prompts}", "cluster.async=true", "cluster.colocate=false"])
+
+
+def test_over_sampling_batch_at_least_the_rollout_batch(prompts):
+    base = [f"data.prompt_data={prompts}", "data.rollout_batch_size=8", "data.n_samples_per_prompt=1"]
+    assert load_config(None, base + ["rollout.over_sampling_batch_size=12"]).over_sampling_batch_size == 12
+    assert refused(None, base + ["rollout.over_sampling_batch_size=4"]).field == "rollout.over_sampling_batch_size"
+
+
+def test_files_exist(tmp_path, prompts):
+    err = refused(None, [f"data.prompt_data={tmp_path / 'nope.jsonl'}"])
+    assert err.field == "data.prompt_data" and "nope.jsonl" in str(err)
+    assert refused(None, []).field == "data.prompt_data"  # the JSONL source needs a file
+    err = refused(None, [f"data.prompt_data={prompts}", f"eval.prompt_data={{aime: {tmp_path / 'aime.jsonl'}}}"])
+    assert err.field == "eval.prompt_data.aime"
+    err = refused(None, [f"data.prompt_data={prompts}", f"model.path={tmp_path / 'no-model'}"])
+    assert err.field == "model.path"
+    # a user's own data source decides what it reads
+    assert load_config(None, ["data.source=my_pkg.data:Source"]).data.prompt_data is None
+
+
+def test_model_shape_checks(tmp_path, prompts):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2}))
+    base = [f"data.prompt_data={prompts}", f"model.path={model}", "cluster.actor_num_gpus_per_node=8",
+            "data.n_samples_per_prompt=8"]
+    assert load_config(None, base + ["parallel.tensor_model_parallel_size=4", "parallel.pipeline_model_parallel_size=2"])
+    err = refused(None, base + ["parallel.pipeline_model_parallel_size=4"])
+    assert err.field == "parallel.pipeline_model_parallel_size" and "6 layers" in str(err)
+    # megatron-core replicates KV heads when TP exceeds them, so 8 heads, 2 KV heads and TP 8 is fine
+    assert load_config(None, base + ["parallel.tensor_model_parallel_size=8"])
+    (model / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4}))
+    err = refused(None, base + ["cluster.actor_num_gpus_per_node=6", "data.n_samples_per_prompt=6",
+                                "parallel.tensor_model_parallel_size=6"])
+    assert err.field == "parallel.tensor_model_parallel_size" and "4 KV heads" in str(err)
+    err = refused(None, base + ["parallel.tensor_model_parallel_size=8"])
+    assert err.field == "parallel.tensor_model_parallel_size" and "12 attention heads" in str(err)
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "num_attention_heads": 6}))
+    err = refused(None, base + ["cluster.rollout_num_gpus_per_engine=4"])
+    assert err.field == "cluster.rollout_num_gpus_per_engine" and "6 heads" in str(err)
+
+
+def test_algorithm_checks(prompts):
+    base = [f"data.prompt_data={prompts}"]
+    assert refused(None, base + ["algorithm.eps_clip_c=0.5"]).field == "algorithm.eps_clip_c"
+    assert load_config(None, base + ["algorithm.eps_clip_c=3"]).algorithm.eps_clip_c == 3
+
+
+def test_resume_needs_the_save_dir(tmp_path, prompts):
+    err = refused(None, [f"data.prompt_data={prompts}", "checkpoint.resume=true"])
+    assert err.field == "checkpoint.save_dir"
+    cfg = load_config(None, [f"data.prompt_data={prompts}", "checkpoint.resume=true",
+                             f"checkpoint.save_dir={tmp_path}"])
+    assert cfg.checkpoint.resume
+
+
+def test_engines_must_not_straddle_nodes(prompts):
+    # 3 trainer GPUs, then 2-GPU engines on 4-GPU nodes: the second engine would take GPU 3 of node 0 and GPU 0 of node 1
+    base = [f"data.prompt_data={prompts}", "cluster.actor_num_gpus_per_node=3", "cluster.num_gpus_per_node=4",
+            "cluster.colocate=false", "cluster.rollout_num_gpus_per_engine=2", "data.n_samples_per_prompt=3"]
+    err = refused(None, base + ["cluster.rollout_num_gpus=4"])
+    assert err.field == "cluster.rollout_num_gpus_per_engine" and "across nodes" in str(err)
+    assert load_config(None, base + ["cluster.rollout_num_gpus_per_engine=1", "cluster.rollout_num_gpus=4"])
+    err = refused(None, base + ["cluster.num_gpus_per_node=2"])
+    assert err.field == "cluster.actor_num_gpus_per_node"
+
+
+def test_check_false_skips_cross_field_checks():
+    cfg = load_config(None, ["trainer.global_batch_size=3"], check=False)
+    assert isinstance(cfg, Config) and cfg.trainer.global_batch_size == 3
