@@ -1,0 +1,363 @@
+"""Hugging Face <-> Megatron weights: names, fused QKV and gate/up, TP/PP sharding.
+
+Loading: every rank reads only the HF tensors of its pipeline stage and copies its
+tensor-parallel slice into the model. Exporting: the owner stage gathers TP slices,
+splits fused tensors back into HF ones, and broadcasts them over the pipeline group,
+so every rank yields the same full, HF-named tensors.
+
+Megatron layouts (local spec):
+- ``linear_qkv``: per query group ``g``: ``[q heads of g, k_g, v_g]`` stacked on dim 0;
+  TP ranks hold contiguous runs of groups.
+- ``linear_fc1``: ``[gate; up]`` on dim 0; each TP rank holds ``[gate_r; up_r]``.
+- ``linear_proj`` and ``linear_fc2`` are split on dim 1 (row parallel); embedding and
+  output layer on dim 0 (vocab parallel); norms are replicated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from slime_rl.trainer_megatron.model import HFModelShape, PolicyGPT
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron suffix inside a layer -> (HF suffix inside model.layers.{i}, TP split)
+# split: None = replicated, 0 = column (dim 0), 1 = row (dim 1), "qkv", "glu"
+_LAYER_PARAMS = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", None),
+    "self_attention.linear_qkv.weight": ("self_attn.{q,k,v}_proj.weight", "qkv"),
+    "self_attention.linear_qkv.bias": ("self_attn.{q,k,v}_proj.bias", "qkv"),
+    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight", None),
+    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight", None),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight", 1),
+    "mlp.linear_fc1.weight": ("mlp.{gate,up}_proj.weight", "glu"),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
+}
+_GLOBAL_PARAMS = {
+    "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
+    "decoder.final_layernorm.weight": ("model.norm.weight", None),
+    "output_layer.weight": ("lm_head.weight", 0),
+}
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """One Megatron parameter in global terms."""
+
+    megatron_name: str  # with the global layer index
+    hf_names: tuple[str, ...]
+    split: int | str | None
+    layer: int | None  # global layer index, None for embedding / final norm / output layer
+
+
+def _expand(hf_suffix: str) -> tuple[str, ...]:
+    m = re.search(r"\{(.+?)\}", hf_suffix)
+    if not m:
+        return (hf_suffix,)
+    return tuple(hf_suffix.replace(m.group(0), part) for part in m.group(1).split(","))
+
+
+def param_refs(shape: HFModelShape) -> list[ParamRef]:
+    """Every Megatron parameter of the whole model (all stages), in HF order."""
+    refs = [ParamRef("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), 0, None)]
+    for i in range(shape.num_layers):
+        for suffix, (hf_suffix, split) in _LAYER_PARAMS.items():
+            if suffix.endswith("linear_qkv.bias") and not shape.qkv_bias:
+                continue
+            if "q_layernorm" in suffix or "k_layernorm" in suffix:
+                if not shape.qk_norm:
+                    continue
+            hf = tuple(f"model.layers.{i}.{name}" for name in _expand(hf_suffix))
+            refs.append(ParamRef(f"decoder.layers.{i}.{suffix}", hf, split, i))
+    refs.append(ParamRef("decoder.final_layernorm.weight", ("model.norm.weight",), None, None))
+    if not shape.tie_word_embeddings:
+        refs.append(ParamRef("output_layer.weight", ("lm_head.weight",), 0, None))
+    return refs
+
+
+# ---------------------------------------------------------------- fusing and splitting
+
+
+def hf_to_full(ref: ParamRef, tensors: list[torch.Tensor], shape: HFModelShape) -> torch.Tensor:
+    """HF tensors -> the full (unsharded) Megatron tensor."""
+    if ref.split == "qkv":
+        q, k, v = tensors
+        groups, d = shape.num_kv_heads, shape.head_dim
+        rest = q.shape[1:]
+        q = q.reshape(groups, -1, *rest)
+        k = k.reshape(groups, d, *rest)
+        v = v.reshape(groups, d, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+    if ref.split == "glu":
+        return torch.cat(tensors, dim=0)
+    (t,) = tensors
+    return t
+
+
+def full_to_hf(ref: ParamRef, full: torch.Tensor, shape: HFModelShape) -> list[torch.Tensor]:
+    if ref.split == "qkv":
+        groups, d = shape.num_kv_heads, shape.head_dim
+        per_group = shape.num_heads // groups
+        rest = full.shape[1:]
+        grouped = full.reshape(groups, (per_group + 2) * d, *rest)
+        q, k, v = grouped.split([per_group * d, d, d], dim=1)
+        return [x.reshape(-1, *rest).contiguous() for x in (q, k, v)]
+    if ref.split == "glu":
+        return [x.contiguous() for x in full.chunk(2, dim=0)]
+    return [full]
+
+
+def shard(ref: ParamRef, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's slice of a full Megatron tensor."""
+    if ref.split is None or tp_size == 1:
+        return full
+    if ref.split == "glu":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
+    dim = 0 if ref.split == "qkv" else ref.split
+    return full.chunk(tp_size, dim)[tp_rank]
+
+
+def unshard(ref: ParamRef, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of ``shard`` over all TP ranks' slices."""
+    if ref.split is None or len(shards) == 1:
+        return shards[0]
+    if ref.split == "glu":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    dim = 0 if ref.split == "qkv" else ref.split
+    return torch.cat(shards, dim=dim)
+
+
+# ---------------------------------------------------------------- local names
+
+
+def layer_offset(model: PolicyGPT) -> int:
+    """Global index of this stage's first layer."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[ParamRef, torch.nn.Parameter]]:
+    """This rank's parameters keyed by local name, each with its global ParamRef."""
+    refs = {r.megatron_name: r for r in param_refs(shape)}
+    offset = layer_offset(model)
+    out = {}
+    for name, param in model.named_parameters():
+        if name.startswith("value_head."):
+            continue
+        m = _LAYER.match(name)
+        global_name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
+        if global_name == "output_layer.weight" and shape.tie_word_embeddings:
+            # PP > 1 with tied embeddings: the last stage's copy of the embedding.
+            ref = ParamRef("output_layer.weight", ("model.embed_tokens.weight",), 0, None)
+        elif global_name not in refs:
+            raise KeyError(f"Megatron parameter {name} has no Hugging Face counterpart")
+        else:
+            ref = refs[global_name]
+        out[name] = (ref, param)
+    return out
+
+
+# ---------------------------------------------------------------- HF folder in
+
+
+class SafetensorsFolder:
+    """Read tensors by name from a HF folder (one file or an index of shards)."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (folder / "model.safetensors").is_file():
+            with safe_open(folder / "model.safetensors", "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"model.path: {folder} has no model.safetensors or model.safetensors.index.json")
+        self.folder = folder
+        self.weight_map = weight_map
+        self._open = {}
+        self._safe_open = safe_open
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise KeyError(f"{self.folder}: tensor {name} is missing from the checkpoint")
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = self._safe_open(self.folder / file, "pt")
+        return self._open[file].get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf(model: PolicyGPT, folder: str | Path, shape: HFModelShape) -> None:
+    """Copy this rank's TP/PP slice of the HF weights in ``folder`` into ``model``."""
+    reader = SafetensorsFolder(folder)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    for name, (ref, param) in local_params(model, shape).items():
+        hf_names = ref.hf_names
+        if ref.megatron_name == "output_layer.weight" and "lm_head.weight" not in reader:
+            if not shape.tie_word_embeddings:
+                raise KeyError(f"{folder}: lm_head.weight is missing and tie_word_embeddings is false")
+        full = hf_to_full(ref, [reader.get(n) for n in hf_names], shape)
+        local = shard(ref, full, tp_rank, tp_size)
+        if local.shape != param.shape:
+            raise ValueError(f"{folder}: {hf_names} give shape {tuple(local.shape)} for {name}, expected {tuple(param.shape)}")
+        param.data.copy_(local)
+
+
+# ---------------------------------------------------------------- HF tensors out
+
+
+def _stage_of(ref: ParamRef, shape: HFModelShape, pp_size: int) -> int:
+    if ref.layer is not None:
+        return ref.layer // (shape.num_layers // pp_size)
+    return 0 if ref.megatron_name.startswith("embedding") else pp_size - 1
+
+
+def _dtype_of(model: PolicyGPT) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _hf_shapes(ref: ParamRef, shape: HFModelShape) -> list[tuple[int, ...]]:
+    """Full HF shapes of a ref's tensors (what non-owner stages allocate to receive)."""
+    h, d = shape.hidden_size, shape.head_dim
+    out = []
+    for name in ref.hf_names:
+        if name.endswith(("q_proj.weight",)):
+            out.append((shape.num_heads * d, h))
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            out.append((shape.num_kv_heads * d, h))
+        elif name.endswith("q_proj.bias"):
+            out.append((shape.num_heads * d,))
+        elif name.endswith(("k_proj.bias", "v_proj.bias")):
+            out.append((shape.num_kv_heads * d,))
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            out.append((d,))
+        elif name.endswith("o_proj.weight"):
+            out.append((h, shape.num_heads * d))
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            out.append((shape.intermediate_size, h))
+        elif name.endswith("down_proj.weight"):
+            out.append((h, shape.intermediate_size))
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            out.append((shape.vocab_size, h))
+        else:  # norms
+            out.append((h,))
+    return out
+
+
+@torch.no_grad()
+def iter_hf_tensors(model: PolicyGPT, shape: HFModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors, identical on every rank. Collective over TP and PP groups."""
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
+    dtype = _dtype_of(model)
+    device = next(model.parameters()).device
+    by_global = {ref.megatron_name: param for ref, param in local_params(model, shape).values()}
+    for ref in param_refs(shape):
+        owner = _stage_of(ref, shape, pp_size)
+        if owner == pp_rank:
+            local = by_global[ref.megatron_name].detach()
+            if ref.split is not None and tp_size > 1:
+                shards = [torch.empty_like(local) for _ in range(tp_size)]
+                dist.all_gather(shards, local.contiguous(), group=tp_group)
+            else:
+                shards = [local]
+            tensors = full_to_hf(ref, unshard(ref, shards), shape)
+        else:
+            tensors = [torch.empty(s, dtype=dtype, device=device) for s in _hf_shapes(ref, shape)]
+        if pp_size > 1:
+            for t in tensors:
+                dist.broadcast(t, src=pp_ranks[owner], group=pp_group)
+        yield from zip(ref.hf_names, tensors)
+
+
+def bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
+    """Group (name, tensor) pairs into lists of about ``bucket_bytes`` (a tensor never splits)."""
+    bucket, size = [], 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def save_hf(
+    model: PolicyGPT, shape: HFModelShape, source_folder: str | Path, out_folder: str | Path,
+    *, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30,
+) -> None:
+    """Write an HF folder (config, tokenizer files copied from ``source_folder``, safetensors shards).
+
+    Collective: every rank must call it; rank 0 writes.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_folder)
+    writer = dist.get_rank() == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in iter_hf_tensors(model, shape):
+        if not writer:
+            continue
+        t = t.to("cpu", dtype or t.dtype).contiguous()
+        if shards[-1] and size + t.numel() * t.element_size() > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.numel() * t.element_size()
+    if writer:
+        _write_shards(save_file, shards, out)
+        src = Path(source_folder)
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, out / f.name)
+        if dtype is not None:
+            cfg = json.loads((out / "config.json").read_text())
+            name = str(dtype).removeprefix("torch.")
+            cfg["dtype" if "dtype" in cfg or "torch_dtype" not in cfg else "torch_dtype"] = name
+            (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    dist.barrier()
+
+
+def _write_shards(save_file, shards: list[dict[str, torch.Tensor]], out: Path) -> None:
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, part in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, out / file, metadata={"format": "pt"})
+        for name, t in part.items():
+            weight_map[name] = file
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -1,0 +1,209 @@
+"""Where the trainer runs: CUDA, or the CPU with megatron-core's CUDA-only call sites redirected.
+
+megatron-core assumes a GPU in a handful of places (``torch.cuda.current_device()``,
+``torch.zeros(..., device="cuda")``, a CUDA RNG tracker, a clip-grad assert on
+``torch.cuda.FloatTensor``). On the CPU we hand those Megatron modules a ``torch``
+whose CUDA device means the CPU, install an RNG tracker over the CPU generator and
+swap the one clip function that asserts CUDA tensors. The model code is the same on
+both devices; only this module knows the difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import os
+import types
+from typing import Literal
+
+import torch
+
+Device = Literal["cpu", "cuda"]
+
+# The Megatron modules that create tensors on "cuda" or call torch.cuda.* on the
+# training path we use (GPTModel, DDP, optimizer, schedules, p2p, checkpointing).
+_CUDA_MODULES = (
+    "megatron.core.utils",
+    "megatron.core.parallel_state",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.utils",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.module",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+)
+
+_CPU = torch.device("cpu")
+_redirected = False
+
+
+def resolve_device(setting: str) -> Device:
+    """``cluster.device`` -> the device this rank trains on (auto: CUDA when present)."""
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("cluster.device: cuda requested but torch sees no GPU; set cluster.device=cpu")
+    return setting  # type: ignore[return-value]
+
+
+def _to_cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _redirect_factory(fn):
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        kwargs.pop("pin_memory", None)  # pinning needs a CUDA runtime
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """``torch.cuda`` as Megatron sees it on the CPU: the current device is the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return _CPU
+
+    @staticmethod
+    def synchronize(*args, **kwargs):
+        return None
+
+    @staticmethod
+    def empty_cache():
+        return None
+
+    @staticmethod
+    def device_count():
+        return 0
+
+    @staticmethod
+    def stream(*args, **kwargs):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_stream(*args, **kwargs):
+        return None
+
+
+def _make_cpu_torch() -> types.ModuleType:
+    """A stand-in for the ``torch`` module: everything is torch's, except that CUDA means CPU."""
+    proxy = types.ModuleType("torch")
+    proxy.__dict__.update({k: v for k, v in vars(torch).items() if not k.startswith("__")})
+    proxy.cuda = _CpuCuda()
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like", "randn"):
+        setattr(proxy, name, _redirect_factory(getattr(torch, name)))
+    return proxy
+
+
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's clip_grad_by_total_norm_fp32 without its assert on CUDA tensors."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for param in parameters:
+            grad = getattr(param, attr, None)
+            if grad is not None:
+                grad.detach().mul_(clip_coeff)
+
+
+def redirect_megatron_to_cpu() -> None:
+    """Point megatron-core's CUDA-only call sites at the CPU. Idempotent; call before building the model."""
+    global _redirected
+    if _redirected:
+        return
+    cpu_torch = _make_cpu_torch()
+    for name in _CUDA_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # a module another megatron-core version does not have
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = cpu_torch
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    _install_cpu_rng_tracker()
+    _redirected = True
+
+
+def _install_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mpu_random
+
+    class CpuRNGStatesTracker(mpu_random.CudaRNGStatesTracker):
+        """Megatron's named RNG streams over the CPU generator (dropout stays reproducible)."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mpu_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    mpu_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def init_distributed(device: Device, timeout_minutes: int = 30) -> None:
+    """torch.distributed from the torchrun/Ray environment (gloo on CPU, nccl on CUDA)."""
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing and not torch.distributed.is_initialized():
+        raise RuntimeError(
+            f"environment: {', '.join(missing)} not set; start the trainer under torchrun or the Ray launcher"
+        )
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes)
+        )
+
+
+def current_device(device: Device) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else _CPU

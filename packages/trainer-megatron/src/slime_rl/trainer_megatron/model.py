@@ -1,0 +1,313 @@
+"""A Hugging Face config -> a Megatron GPTModel (local layer spec) for Llama, Qwen2/2.5 and Qwen3.
+
+The model returns the final hidden states (after the last RMSNorm) instead of logits:
+``logprobs.py`` applies the output layer in chunks, so full-vocabulary logits for a
+whole micro-batch are never materialised. Core attention is torch's
+``scaled_dot_product_attention`` (flash/efficient kernels on CUDA, the fused CPU
+kernel on the CPU) instead of the local spec's unfused baddbmm + softmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+@dataclass(frozen=True)
+class HFModelShape:
+    """What the conversion and the model need from an HF config.json."""
+
+    family: str  # llama | qwen2 | qwen3
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_type: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+
+def read_hf_config(path: str | Path):
+    """The transformers config object of a local HF folder (never downloads)."""
+    from transformers import AutoConfig
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"model.path: {config_file} does not exist; give a local Hugging Face model folder")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def hf_model_shape(hf_config) -> HFModelShape:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        arch = by_type.get(getattr(hf_config, "model_type", ""))
+    if arch is None:
+        raise ValueError(
+            f"model.path: architecture {archs or hf_config.model_type!r} is not supported; "
+            f"the Megatron trainer handles {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"model.path: hidden_act={act!r} is not supported (only silu/SwiGLU)")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("model.path: mlp_bias=true is not supported")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("model.path: use_sliding_window=true is not supported; set it to false in config.json")
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    if family == "qwen2":
+        qkv_bias = True  # Qwen2 always has q/k/v biases
+    else:
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False))
+    return HFModelShape(
+        family=family,
+        architecture=arch,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        rope_theta=float(rope_theta),
+        rope_type=rope_type,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=family == "qwen3",
+    )
+
+
+def check_parallel_fits(shape: HFModelShape, tp: int, pp: int) -> None:
+    if shape.num_kv_heads % tp:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size: {tp} must divide the model's {shape.num_kv_heads} KV heads"
+        )
+    if shape.vocab_size % tp:
+        raise ValueError(f"parallel.tensor_model_parallel_size: {tp} must divide the vocabulary ({shape.vocab_size})")
+    if shape.intermediate_size % tp:
+        raise ValueError(f"parallel.tensor_model_parallel_size: {tp} must divide intermediate_size")
+    if shape.num_layers % pp:
+        raise ValueError(f"parallel.pipeline_model_parallel_size: {pp} must divide the model's {shape.num_layers} layers")
+
+
+def transformer_config(
+    shape: HFModelShape, *, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False, sequence_parallel: bool = False
+) -> TransformerConfig:
+    """The TransformerConfig for ``shape``: RMSNorm, SwiGLU, RoPE, GQA, no biases but Qwen's QKV."""
+    if sequence_parallel:
+        raise ValueError(
+            "parallel.sequence_parallel: needs TransformerEngine or Apex norms, which the local spec does not use;"
+            " set it to false"
+        )
+    extra = {}
+    if recompute:
+        extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    config = TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.intermediate_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # Weights come from the HF checkpoint: skip random init (and the time it takes).
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        # The fused paths need TransformerEngine or Apex.
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        # Losses arrive already normalised by the global token/sequence counts (see trainer.py).
+        calculate_per_token_loss=True,
+        **extra,
+    )
+    # Micro-batches of different lengths (dynamic batching, packing) under PP. Set after
+    # construction: __post_init__ refuses it with the (unused here) MoE allgather dispatcher.
+    config.variable_seq_lengths = True
+    return config
+
+
+class SDPAttention(DotProductAttention):
+    """Core attention over torch's scaled_dot_product_attention, causal, with GQA.
+
+    Padded batches (``[s, b, heads, dim]``) use ``is_causal`` (right padding never
+    reaches a real token). Packed batches (``thd``) attend within each sequence:
+    one SDPA call per sequence on CUDA (flash kernels, no T x T mask), one call with
+    a block-diagonal mask on the CPU (fewer kernel launches for short sequences).
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        assert attention_bias is None, "attention bias is not supported"
+        dropout = self.attention_dropout.p if self.training else 0.0
+        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        if packed_seq_params is None:
+            # [s, b, n, d] -> [b, n, s, d]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            out = self._sdpa(q, k, v, is_causal=True, dropout=dropout, gqa=gqa)
+            s, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        # thd: [t, n, d]
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, n, t, d]
+        mask = getattr(packed_seq_params, "block_causal_mask", None)
+        if mask is not None:
+            out = self._sdpa(q, k, v, mask=mask, dropout=dropout, gqa=gqa)
+        else:
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            out = torch.cat(
+                [
+                    self._sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, dropout=dropout, gqa=gqa)
+                    for a, b in zip(bounds[:-1], bounds[1:])
+                ],
+                dim=2,
+            )
+        return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)
+
+    def _sdpa(self, q, k, v, *, is_causal=False, mask=None, dropout=0.0, gqa=False):
+        if gqa and q.device.type == "cuda":
+            # enable_gqa is not served by every CUDA kernel; expanding keeps flash attention in play.
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            gqa = False
+        kwargs = dict(attn_mask=mask, is_causal=is_causal, dropout_p=dropout, scale=self.softmax_scale)
+        if gqa:
+            kwargs["enable_gqa"] = True
+        if dropout > 0:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@dataclass
+class PackedSequences(PackedSeqParams):
+    """Megatron's thd packing parameters, plus the CPU's block-diagonal causal mask."""
+
+    block_causal_mask: torch.Tensor | None = None
+
+
+def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedSequences:
+    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    mask = None
+    if device.type == "cpu":
+        seg = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
+        total = len(seg)
+        causal = torch.ones(total, total, dtype=torch.bool).tril_()
+        mask = (seg[:, None] == seg[None, :]) & causal
+    longest = max(seq_lens)
+    return PackedSequences(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+        block_causal_mask=mask,
+    )
+
+
+class PolicyGPT(GPTModel):
+    """GPTModel whose last stage returns the final hidden states ``[s, b, h]``.
+
+    The output layer's weight still lives here (``output_layer`` or the tied
+    embedding) and is applied by ``logprobs.py``; a critic adds ``value_head``.
+    """
+
+    def __init__(self, *args, value_head: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.value_head = None
+        if value_head and self.post_process:
+            self.value_head = torch.nn.Linear(self.config.hidden_size, 1, bias=True, dtype=self.config.params_dtype)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+    def output_weight(self) -> torch.Tensor:
+        """This TP rank's slice of the LM head, ``[vocab / tp, hidden]`` (last stage only)."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.output_layer.weight
+
+
+def layer_spec(shape: HFModelShape):
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    attention = spec.submodules.self_attention.submodules
+    spec.submodules.self_attention.submodules = dataclasses.replace(attention, core_attention=SDPAttention)
+    return spec
+
+
+def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, value_head: bool = False) -> PolicyGPT:
+    """This rank's pipeline stage of the model (weights uninitialised until convert.load_hf)."""
+    model = PolicyGPT(
+        config=config,
+        transformer_layer_spec=layer_spec(shape),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=shape.rope_theta,
+        value_head=value_head,
+    )
+    _apply_hf_rope_scaling(model, shape, hf_config)
+    return model
+
+
+def _apply_hf_rope_scaling(model: PolicyGPT, shape: HFModelShape, hf_config) -> None:
+    """RoPE scaling as transformers computes it (linear, llama3, ...): set Megatron's inverse frequencies."""
+    if shape.rope_type == "default":
+        return
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if shape.rope_type not in ROPE_INIT_FUNCTIONS or shape.rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"model.path: rope_type={shape.rope_type!r} is not supported (default, linear, llama3, yarn)")
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[shape.rope_type](hf_config, torch.device("cpu"))
+    if abs(attention_factor - 1.0) > 1e-12:
+        raise ValueError(f"model.path: rope_type={shape.rope_type!r} with attention factor {attention_factor} != 1")
+    rotary = getattr(model, "rotary_pos_emb", None)
+    if rotary is not None:
+        rotary.inv_freq = inv_freq.float()
+        type(rotary).forward.cache_clear()  # RoPE embeddings are lru-cached per sequence length

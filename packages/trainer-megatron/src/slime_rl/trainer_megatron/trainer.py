@@ -1,0 +1,520 @@
+"""``MegatronTrainer``: one rank of a TP x PP x DP policy (or critic) trainer over megatron-core.
+
+Every rank gets the full list of samples, takes its data-parallel share, runs
+Megatron's forward-backward schedule over micro-batches (1F1B under PP), and
+returns results identical on every rank: per-token outputs are summed over the
+DP group (each sample filled by exactly one rank) and broadcast from the last
+pipeline stage.
+
+Loss scaling: the core losses divide by the GLOBAL token and sequence counts of
+the optimizer step, so the sum over micro-batches and DP ranks is the whole
+batch's loss. Megatron is told not to rescale on top: ``calculate_per_token_loss``
+(no division by the number of micro-batches, DDP sums instead of averaging over
+DP) and a finalize step that skips the per-token division.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
+
+from slime_rl.core import losses
+from slime_rl.core.config import Config
+from slime_rl.core.contracts import NamedTensors, PolicyTrainer
+from slime_rl.core.sample import Sample
+from slime_rl.trainer_megatron import batching, convert, device as dev
+from slime_rl.trainer_megatron.logprobs import token_log_probs
+from slime_rl.trainer_megatron.model import (
+    PolicyGPT,
+    build_model,
+    check_parallel_fits,
+    hf_model_shape,
+    read_hf_config,
+    transformer_config,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
+    """Megatron's grad finalisation (DP all-reduce, tied-embedding sync) minus the division by
+    the token count: our losses are already normalised by the global counts."""
+    return finalize_model_grads(model, None, **kwargs)
+
+
+class MegatronTrainer(PolicyTrainer):
+    """See the module docstring. Build with ``MegatronTrainer.from_config(cfg, role=...)``."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, role: Literal["actor", "critic"] = "actor") -> MegatronTrainer:
+        return cls(cfg, role=role)
+
+    def __init__(self, cfg: Config, *, role: Literal["actor", "critic"] = "actor"):
+        if role not in ("actor", "critic"):
+            raise ValueError(f"role: {role!r}; use 'actor' or 'critic'")
+        if cfg.model.path.startswith("builtin:"):
+            raise ValueError(
+                f"model.path: {cfg.model.path} must be resolved to an HF folder first"
+                " (slime_rl.cli.builtin_model.resolve_model_path; slime-cli does it)"
+            )
+        self.cfg, self.role = cfg, role
+        self.device_type = dev.resolve_device(cfg.cluster.device)
+        if self.device_type == "cpu":
+            dev.redirect_megatron_to_cpu()
+        dev.init_distributed(self.device_type)
+        self.device = dev.current_device(self.device_type)
+        tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+        world = dist.get_world_size()
+        if world % (tp * pp):
+            raise ValueError(f"parallel: TP * PP = {tp * pp} must divide the {world} trainer ranks")
+        self._init_parallel_state(tp, pp)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self._set_seed(cfg.trainer.seed)
+
+        self.dtype = self._resolve_dtype(cfg.model.dtype)
+        self.hf_config = read_hf_config(cfg.model.path)
+        self.shape = hf_model_shape(self.hf_config)
+        check_parallel_fits(self.shape, tp, pp)
+        self.tconfig = transformer_config(
+            self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=cfg.trainer.recompute,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+        )
+        self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=role == "critic")
+        if self.device_type == "cuda":
+            self.model.cuda()
+
+        # Reference weights: HF ref_path (or the initial weights) kept in host memory, swapped in on demand.
+        self._ref_weights: dict[str, torch.Tensor] | None = None
+        algo = cfg.algorithm
+        needs_ref = role == "actor" and (algo.use_kl_loss or algo.kl_coef != 0 or cfg.model.ref_path is not None)
+        ref_path = cfg.model.ref_path or cfg.model.path
+        if needs_ref and ref_path != cfg.model.path:
+            convert.load_hf(self.model, ref_path, self.shape)
+            self._ref_weights = self._snapshot_to_host()
+        convert.load_hf(self.model, cfg.model.path, self.shape)
+        if needs_ref and self._ref_weights is None:
+            self._ref_weights = self._snapshot_to_host()
+
+        module = Float16Module(self.tconfig, self.model) if self.dtype != torch.float32 else self.model
+        self.ddp = DistributedDataParallel(
+            config=self.tconfig,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            ),
+            module=module,
+        )
+        self.tconfig.no_sync_func = self.ddp.no_sync
+        self.tconfig.finalize_model_grads_func = _finalize_grads_without_token_scaling
+
+        t = cfg.trainer
+        lr = (t.critic_lr or t.lr) if role == "critic" else t.lr
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+                bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+                use_distributed_optimizer=False,
+            ),
+            [self.ddp],
+        )
+        if self.device_type == "cpu":
+            # torch's fused CPU Adam: one pass over each tensor instead of a chain of elementwise ops.
+            for inner in _torch_optimizers(self.optimizer):
+                for group in inner.param_groups:
+                    group["fused"] = True
+        self.scheduler = self._make_scheduler(lr)
+        self.step_count = 0
+        self._forward_backward = get_forward_backward_func()
+
+    # ---------------------------------------------------------------- setup helpers
+
+    def _init_parallel_state(self, tp: int, pp: int) -> None:
+        if parallel_state.model_parallel_is_initialized():
+            if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (tp, pp):
+                raise RuntimeError("parallel: this process already initialised Megatron with another TP/PP layout")
+            return
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+    def _set_seed(self, seed: int) -> None:
+        # Same on every rank: dropout masks (if any) depend only on the seed, not on the layout.
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+
+    def _resolve_dtype(self, name: str) -> torch.dtype:
+        if name == "auto":
+            return torch.bfloat16 if self.device_type == "cuda" else torch.float32
+        if name != "float32" and self.device_type == "cpu":
+            raise ValueError(f"model.dtype: {name} training on the CPU is not supported; use float32 or auto")
+        return _DTYPES[name]
+
+    def _make_scheduler(self, lr: float) -> OptimizerParamScheduler:
+        t, d = self.cfg.trainer, self.cfg.data
+        warmup = t.lr_warmup_steps
+        if t.lr_decay_style == "constant":
+            total = warmup + 1
+        else:
+            if d.num_rollout is None:
+                raise ValueError(
+                    f"trainer.lr_decay_style: {t.lr_decay_style} needs the total number of optimizer steps;"
+                    " set data.num_rollout"
+                )
+            total = d.num_rollout * t.num_steps_per_rollout
+            if total <= warmup:
+                raise ValueError(f"trainer.lr_warmup_steps: {warmup} must be below the {total} optimizer steps")
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=t.min_lr,
+            lr_warmup_steps=warmup, lr_decay_steps=total, lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=total, wd_incr_style="constant",
+        )
+
+    # ---------------------------------------------------------------- micro-batching
+
+    def _my_micro_batches(self, samples: list[Sample]) -> list[batching.MicroBatch]:
+        batching.check_samples(samples)
+        if len(samples) < self.dp_size:
+            raise ValueError(
+                f"got {len(samples)} samples for data-parallel size {self.dp_size}; every DP rank needs at least one"
+            )
+        ids = batching.dp_shard(samples, self.dp_rank, self.dp_size)
+        t = self.cfg.trainer
+        return batching.micro_batches(
+            samples, ids, micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_gpu, device=self.device
+        )
+
+    def _run(self, mbs: list[batching.MicroBatch], loss_func, *, forward_only: bool) -> list[Any]:
+        """Megatron's schedule over ``mbs``; ``loss_func(mb, hidden) -> (loss, outputs)``.
+        Returns the ``outputs`` of each micro-batch on the last stage ([] elsewhere)."""
+        fp16_kwargs = {"fp32_output": False} if self.dtype != torch.float32 else {}
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            hidden = model(mb.input_ids, None, None, packed_seq_params=mb.packed, **fp16_kwargs)
+
+            def on_last_stage(output):
+                loss, outputs = loss_func(mb, output)
+                return loss, torch.ones((), dtype=torch.int), outputs
+
+            return hidden, on_last_stage
+
+        longest = max(mb.input_ids.shape[1] for mb in mbs)
+        widest = max(mb.input_ids.shape[0] for mb in mbs)
+        return self._forward_backward(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
+            seq_length=longest, micro_batch_size=widest, decoder_seq_length=longest, forward_only=forward_only,
+        )
+
+    def _hidden_rows(self, mb: batching.MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states that predict the response tokens, ``[N, h]``."""
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.hidden_index)
+
+    def _temperature(self) -> float:
+        if self.cfg.algorithm.loss_type == "sft":
+            return 1.0
+        temperature = self.cfg.rollout.temperature
+        if temperature <= 0:
+            raise ValueError("rollout.temperature: 0 (greedy) has no log-probs to train on; use a temperature > 0")
+        return temperature
+
+    # ---------------------------------------------------------------- results to every rank
+
+    def _share_per_token(self, samples: list[Sample], per_mb: list[tuple[list[int], torch.Tensor]]) -> list[list[float]]:
+        """Per-token values of this rank's micro-batches -> every sample's list, on every rank."""
+        offsets = [0, *itertools.accumulate(s.response_length for s in samples)]
+        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
+        for sample_ids, values in per_mb:
+            pos = 0
+            for i in sample_ids:
+                r = samples[i].response_length
+                flat[offsets[i] : offsets[i] + r] = values[pos : pos + r]
+                pos += r
+        if self.dp_size > 1:  # each sample is filled by exactly one DP rank: the sum is exact
+            dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+        self._broadcast_from_last_stage(flat)
+        values = flat.cpu().tolist()
+        return [values[offsets[i] : offsets[i + 1]] for i in range(len(samples))]
+
+    def _broadcast_from_last_stage(self, tensor: torch.Tensor) -> None:
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if pp > 1:
+            group = parallel_state.get_pipeline_model_parallel_group()
+            dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
+
+    def _share_metrics(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        local = losses.reduce_metrics(parts) if parts else {}
+        if self.dp_size > 1:
+            gathered: list[dict[str, float] | None] = [None] * self.dp_size
+            dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
+            local = losses.reduce_metrics([g for g in gathered if g])
+        box = [local]
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast_object_list(
+                box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                group=parallel_state.get_pipeline_model_parallel_group(),
+            )
+        return box[0]
+
+    # ---------------------------------------------------------------- log-probs and values
+
+    @torch.no_grad()
+    def compute_log_probs(self, samples: list[Sample], *, model: Literal["actor", "ref"] = "actor") -> list[list[float]]:
+        if self.role != "actor":
+            raise ValueError("compute_log_probs: this trainer is a critic; use compute_values")
+        if model not in ("actor", "ref"):
+            raise ValueError(f"compute_log_probs: model={model!r}; use 'actor' or 'ref'")
+        if not samples:
+            return []
+        temperature = self._temperature()
+        mbs = self._my_micro_batches(samples)
+
+        def loss_func(mb, hidden):
+            logp, _ = token_log_probs(
+                self._hidden_rows(mb, hidden), self.model.output_weight(), mb.targets, temperature=temperature
+            )
+            return hidden.new_zeros(()), {"values": logp}
+
+        self.ddp.eval()
+        with self._weights(model):
+            outputs = self._run(mbs, loss_func, forward_only=True)
+        self.ddp.train()
+        per_mb = [(mb.sample_ids, out["values"]) for mb, out in zip(mbs, outputs)] if self.is_last_stage else []
+        return self._share_per_token(samples, per_mb)
+
+    @torch.no_grad()
+    def compute_values(self, samples: list[Sample]) -> list[list[float]]:
+        if self.role != "critic":
+            raise NotImplementedError("compute_values: this trainer is an actor (build it with role='critic')")
+        if not samples:
+            return []
+        mbs = self._my_micro_batches(samples)
+
+        def loss_func(mb, hidden):
+            return hidden.new_zeros(()), {"values": self._values(mb, hidden).float()}
+
+        self.ddp.eval()
+        outputs = self._run(mbs, loss_func, forward_only=True)
+        self.ddp.train()
+        per_mb = [(mb.sample_ids, out["values"]) for mb, out in zip(mbs, outputs)] if self.is_last_stage else []
+        return self._share_per_token(samples, per_mb)
+
+    def _values(self, mb: batching.MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
+        rows = self._hidden_rows(mb, hidden)
+        return self.model.value_head(rows.to(self.model.value_head.weight.dtype)).squeeze(-1)
+
+    # ---------------------------------------------------------------- training
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        if not samples:
+            raise ValueError("train_step: got no samples")
+        algo = self.cfg.algorithm
+        mbs = self._my_micro_batches(samples)
+        # Global counts of this optimizer step: every rank holds every sample.
+        num_tokens = float(sum(sum(s.loss_mask) if s.loss_mask else s.response_length for s in samples))
+        num_seqs = float(len(samples))
+        if num_tokens == 0:
+            raise ValueError("train_step: every loss_mask is 0; there is nothing to train on")
+        temperature = 1.0 if self.role == "critic" else self._temperature()
+        eps_clip_high = self.cfg.eps_clip_high
+        want_entropy_grad = algo.entropy_coef != 0 and algo.loss_type != "sft"
+
+        def field(mb, name):
+            return batching.padded_field(samples, mb, name, device=self.device)
+
+        def loss_mask(mb):
+            mask = field(mb, "loss_mask")
+            return mask if mask is not None else mb.response_mask.float().to(self.device)
+
+        def actor_loss(mb, hidden):
+            logp, entropy = token_log_probs(
+                self._hidden_rows(mb, hidden), self.model.output_weight(), mb.targets,
+                temperature=temperature, with_entropy=algo.loss_type != "sft",
+            )
+            log_probs = batching.scatter_padded(logp, mb)
+            mask = loss_mask(mb)
+            if algo.loss_type == "sft":
+                batch = losses.LossBatch(log_probs=log_probs, old_log_probs=log_probs.detach(),
+                                         advantages=torch.zeros_like(mask), loss_mask=mask)
+            else:
+                advantages = field(mb, "advantages")
+                if advantages is None:
+                    raise ValueError("train_step: samples need advantages (one per response token)")
+                rollout = field(mb, "rollout_log_probs")
+                old = rollout if algo.use_rollout_logprobs else field(mb, "old_log_probs")
+                if old is None:  # on-policy single step: the ratio is 1 at the current weights
+                    old = log_probs.detach()
+                ent = batching.scatter_padded(entropy if want_entropy_grad else entropy.detach(), mb)
+                batch = losses.LossBatch(
+                    log_probs=log_probs, old_log_probs=old, advantages=advantages, loss_mask=mask,
+                    rollout_log_probs=rollout, ref_log_probs=field(mb, "ref_log_probs"), entropy=ent,
+                )
+            return losses.compute_loss(algo, batch, eps_clip_high=eps_clip_high, num_tokens=num_tokens,
+                                       num_seqs=num_seqs)
+
+        def critic_loss(mb, hidden):
+            values = batching.scatter_padded(self._values(mb, hidden).float(), mb)
+            old_values, returns = field(mb, "values"), field(mb, "returns")
+            if old_values is None or returns is None:
+                raise ValueError("train_step (critic): samples need values and returns (one per response token)")
+            loss, metrics = losses.value_loss(
+                values, old_values, returns, loss_mask(mb), value_clip=algo.value_clip, loss_agg=algo.loss_agg,
+                num_tokens=num_tokens, num_seqs=num_seqs,
+            )
+            return loss, {**metrics, "loss": loss.detach()}
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(mbs, critic_loss if self.role == "critic" else actor_loss, forward_only=False)
+        lr = self.optimizer.param_groups[0]["lr"]
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.step_count += 1
+        metrics = self._share_metrics(outputs if self.is_last_stage else [])
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"), lr=float(lr),
+                       update_skipped=float(not update_ok))
+        return metrics
+
+    # ---------------------------------------------------------------- weights out
+
+    def named_weights(self, bucket_bytes: int) -> Iterator[NamedTensors]:
+        return convert.bucketed(convert.iter_hf_tensors(self.model, self.shape), bucket_bytes)
+
+    def save_hf(self, folder: str) -> None:
+        """Write the current weights as an HF folder (collective; rank 0 writes)."""
+        hf_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(hf_dtype, str):
+            hf_dtype = _DTYPES.get(hf_dtype)
+        convert.save_hf(self.model, self.shape, self.cfg.model.path, folder, dtype=hf_dtype)
+
+    # ---------------------------------------------------------------- reference weights
+
+    def _snapshot_to_host(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+
+    @contextlib.contextmanager
+    def _weights(self, which: Literal["actor", "ref"]):
+        """Run with the reference weights swapped in (and the actor's swapped back after)."""
+        if which == "actor":
+            yield
+            return
+        if self._ref_weights is None:
+            raise ValueError(
+                "compute_log_probs(model='ref'): no reference weights kept; set algorithm.use_kl_loss,"
+                " algorithm.kl_coef or model.ref_path"
+            )
+        self._swap_ref()
+        try:
+            yield
+        finally:
+            self._swap_ref()
+
+    @torch.no_grad()
+    def _swap_ref(self) -> None:
+        for name, param in self.model.named_parameters():
+            host = self._ref_weights[name]
+            if param.device.type == "cpu":  # host memory already: swap storage, no copy
+                param.data, self._ref_weights[name] = host, param.data
+            else:
+                actor = param.data.to("cpu", non_blocking=True)
+                param.data.copy_(host, non_blocking=True)
+                self._ref_weights[name] = actor
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def _sharded_state(self) -> dict[str, Any]:
+        model_sd = self.ddp.sharded_state_dict()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        rng = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+        if self.device_type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return {
+            "model": model_sd,
+            "optimizer": self.optimizer.sharded_state_dict(model_sd),
+            "rng": ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step_count,
+            "world_size": world,
+        }
+
+    def save(self, path: str) -> None:
+        """Model, optimizer, LR scheduler and RNG with Megatron's distributed checkpointing (collective)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(), path)
+        if dist.get_rank() == 0:
+            (Path(path) / "slime_rl_trainer.json").write_text(
+                json.dumps({"role": self.role, "step": self.step_count, "model": self.shape.architecture})
+            )
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        if not (Path(path) / "metadata.json").is_file():
+            raise FileNotFoundError(f"checkpoint: {path} is not a Megatron distributed checkpoint (no metadata.json)")
+        template = self._sharded_state()
+        state = dist_checkpointing.load(template, path)
+        self.ddp.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step_count = int(state["step"])
+        rng = state["rng"]
+        if int(state["world_size"]) == dist.get_world_size():  # RNG streams belong to ranks
+            torch.set_rng_state(rng["cpu"])
+            get_cuda_rng_tracker().set_states(rng["tracker"])
+            if self.device_type == "cuda" and "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"])
+
+    # ---------------------------------------------------------------- colocation
+
+    def offload(self) -> None:
+        """Weights, gradients and optimizer state to host memory (CUDA; a no-op on the CPU)."""
+        if self.device_type != "cuda":
+            return
+        self.optimizer.offload_to_cpu()
+        self.ddp.offload_grad_buffers()
+        for param in self.model.parameters():
+            if param.is_cuda:
+                param.data = param.data.to("cpu", non_blocking=True).pin_memory()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.device_type != "cuda":
+            return
+        for param in self.model.parameters():
+            if not param.is_cuda:
+                param.data = param.data.to(self.device, non_blocking=True)
+        self.ddp.restore_grad_buffers()
+        self.optimizer.restore_from_cpu()
+        torch.cuda.synchronize()
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron (possibly chained) optimizer."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [inner for opt in chained for inner in _torch_optimizers(opt)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def local_rank_env() -> dict[str, str]:
+    """The torch.distributed variables of this process (for logs and error messages)."""
+    return {k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
