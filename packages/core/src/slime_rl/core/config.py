@@ -68,6 +68,7 @@ class RolloutConfig(_Section):
     reward: str = "math"  # built-in reward name or module:attr
     group_reward: bool = False  # the reward takes a whole group
     reward_key: str | None = None  # for dict rewards
+    reward_url: str | None = None  # the `remote` reward POSTs each sample here (slime: --rm-url)
     reward_timeout: float = Field(30.0, gt=0)  # seconds per reward call
     reward_concurrency: int = Field(64, ge=1)
     on_reward_failure: Literal["zero", "drop"] = "zero"

@@ -1,0 +1,142 @@
+"""Rewards: the built-in registry, loading by name or ``module:attr``, and the concurrent scorer.
+
+A reward is ``async def reward(sample) -> float | dict[str, float]`` (plain
+``def`` works too; it runs in a thread), or with ``rollout.group_reward`` a
+group reward ``async def reward(samples) -> list[...]`` over one prompt's samples.
+It reads ``sample.response`` (text), ``sample.label`` and ``sample.metadata``.
+
+:func:`score_samples` runs at most ``rollout.reward_concurrency`` calls at a
+time, each under ``rollout.reward_timeout`` seconds. A call that raises, times
+out or returns something that is not a reward marks its samples FAILED with
+``metadata["error"]`` saying why, and scores them 0.0 (``on_reward_failure:
+zero``) or None (``drop``: the orchestrator drops the group); the rest score normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from slime_rl.core.config import RolloutConfig
+from slime_rl.core.plugins import PluginError, load_function
+from slime_rl.core.rewards.math_answer import dapo_reward, deepscaler_reward, math_reward
+from slime_rl.core.rewards.remote import RemoteReward
+from slime_rl.core.rewards.text_match import exact_match_reward, f1_reward
+from slime_rl.core.sample import Reward, Sample, SampleStatus
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
+    "math": math_reward,
+    "dapo": dapo_reward,
+    "deepscaler": deepscaler_reward,
+    "exact_match": exact_match_reward,
+    "f1": f1_reward,
+    "remote": RemoteReward,  # needs rollout.reward_url; built by load_reward
+}
+
+__all__ = ["BUILTIN_REWARDS", "RemoteReward", "load_reward", "score_samples"]
+
+
+def load_reward(spec: str, *, group: bool, reward_url: str | None = None) -> Callable[..., Any]:
+    """The reward ``spec`` names: a built-in (``math``, ``dapo``, ``deepscaler``, ``exact_match``,
+    ``f1``, ``remote``) or ``module:attr``. ``group=True`` expects a group reward (``module:attr`` only)."""
+    if spec in BUILTIN_REWARDS and group:
+        raise PluginError(f"rollout.group_reward: the built-in reward {spec!r} scores one sample at a time; "
+                          "set rollout.group_reward=false, or give a group reward as module:attr")
+    if spec == "remote":
+        if not reward_url:
+            raise PluginError("rollout.reward_url: the remote reward posts to a URL; set rollout.reward_url="
+                              "http://host:port/path")
+        return RemoteReward(reward_url)
+    return load_function(spec, BUILTIN_REWARDS, what="reward")
+
+
+async def score_samples(samples: list[Sample], rollout_cfg: RolloutConfig) -> None:
+    """Set ``sample.reward`` for every sample (see the module docstring for failures)."""
+    if not samples:
+        return
+    cfg = rollout_cfg
+    reward_fn = load_reward(cfg.reward, group=cfg.group_reward, reward_url=cfg.reward_url)
+    limit = asyncio.Semaphore(cfg.reward_concurrency)
+    units = _groups(samples) if cfg.group_reward else [[s] for s in samples]
+    failures: list[str] = []
+
+    def fail(unit: list[Sample], reason: str) -> None:
+        reason = " ".join(reason.split())[:500]  # one line
+        failures.append(reason)
+        for sample in unit:
+            sample.status = SampleStatus.FAILED
+            sample.metadata["error"] = reason
+            sample.reward = 0.0 if cfg.on_reward_failure == "zero" else None
+
+    async def score(unit: list[Sample]) -> None:
+        async with limit:
+            try:
+                arg = unit if cfg.group_reward else unit[0]
+                result = await asyncio.wait_for(_call(reward_fn, arg), cfg.reward_timeout)
+                rewards = _check_result(result, len(unit), cfg)
+            except TimeoutError:
+                fail(unit, f"reward {cfg.reward!r} timed out after {cfg.reward_timeout:g} s")
+                return
+            except Exception as err:  # the user's reward failing costs only its samples
+                fail(unit, f"reward {cfg.reward!r} raised {type(err).__name__}: {err}")
+                return
+        for sample, reward in zip(unit, rewards, strict=True):
+            sample.reward = reward
+
+    await asyncio.gather(*(score(unit) for unit in units))
+    if failures:
+        logger.warning("%d of %d reward calls failed; first: %s", len(failures), len(units), failures[0])
+
+
+async def _call(fn: Callable[..., Any], arg: Any) -> Any:
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):  # async def, or an object's
+        return await fn(arg)
+    result = await asyncio.to_thread(fn, arg)  # a plain function must not block the event loop
+    return await result if inspect.isawaitable(result) else result
+
+
+def _groups(samples: list[Sample]) -> list[list[Sample]]:
+    """Consecutive runs of samples sharing group_index."""
+    groups: list[list[Sample]] = []
+    for s in samples:
+        if groups and groups[-1][0].group_index == s.group_index:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def _check_result(result: Any, size: int, cfg: RolloutConfig) -> list[Reward]:
+    """The rewards of one call as a list, or ValueError saying what is wrong with them."""
+    if cfg.group_reward:
+        if not isinstance(result, list | tuple) or len(result) != size:
+            got = f"{len(result)} rewards" if isinstance(result, list | tuple) else type(result).__name__
+            raise ValueError(f"a group reward must return a list of {size} rewards, got {got}")
+        values = list(result)
+    else:
+        values = [result]
+    return [_check_one(v, cfg.reward_key) for v in values]
+
+
+def _check_one(value: Any, key: str | None) -> Reward:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"reward is {value}")
+        return float(value)
+    if isinstance(value, dict) and value and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
+        if key is None:
+            raise ValueError(f"reward is a dict with keys {sorted(value)}; set rollout.reward_key to one")
+        if key not in value:
+            raise ValueError(f"reward dict has no key {key!r} (rollout.reward_key); it has {sorted(value)}")
+        if not math.isfinite(value[key]):
+            raise ValueError(f"reward[{key!r}] is {value[key]}")
+        return {str(k): float(v) for k, v in value.items()}
+    raise ValueError(f"a reward is a number or a dict of numbers, got {type(value).__name__} {value!r:.80}")
+
