@@ -1,0 +1,147 @@
+"""The async HTTP client over the router's ``/generate``: token ids in, token ids and
+log-probs out, with bounded concurrency, per-request timeouts and retries when a
+connection drops or the router has no live worker (an engine died or is restarting).
+
+The router rebuilds the body from its own schema and silently drops unknown fields
+(notes/sglang-router.md), so the payload holds only fields it passes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from slime_rl.core.contracts import GenerateOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Router answers worth retrying: no worker alive or reachable right now (500
+# call_upstream_request_error, 502/504 from a dying upstream, 503 no_available_workers).
+_RETRY_STATUS = {500, 502, 503, 504}
+
+
+class GenerateError(RuntimeError):
+    pass
+
+
+def build_payload(input_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
+    """An SGLang ``/generate`` body. ``logprob_start_len=-1``: log-probs of the new tokens only."""
+    sampling: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "ignore_eos": params.ignore_eos,
+        # Token-in/token-out: keep special tokens and stop strings in the ids the trainer scores.
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if params.stop:
+        sampling["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        sampling["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        sampling["sampling_seed"] = params.seed
+    return {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True,
+            "logprob_start_len": -1, "rid": rid}
+
+
+def parse_response(body: dict[str, Any], *, default_version: int) -> GenerateOutput:
+    """SGLang's answer -> `GenerateOutput`. ``meta_info.output_token_logprobs`` is
+    ``[[logprob, token_id, text_or_null], ...]``, one per new token; ``finish_reason`` is
+    ``{"type": "stop" | "length" | "abort", ...}``."""
+    meta = body.get("meta_info") or {}
+    ids = [int(t) for t in body.get("output_ids") or []]
+    entries = meta.get("output_token_logprobs") or []
+    finish = (meta.get("finish_reason") or {}).get("type", "length")
+    if finish not in ("stop", "length", "abort"):
+        raise GenerateError(f"request {meta.get('id')}: unknown finish_reason {meta.get('finish_reason')!r}")
+    if len(entries) != len(ids):
+        if finish != "abort":
+            raise GenerateError(f"request {meta.get('id')}: {len(ids)} output ids but {len(entries)} log-probs "
+                                "(was the request sent with return_logprob?)")
+        n = min(len(ids), len(entries))  # an abort can land between a token and its log-prob
+        ids, entries = ids[:n], entries[:n]
+    log_probs = [float(e[0]) for e in entries]
+    if any(int(e[1]) != t for e, t in zip(entries, ids)):
+        raise GenerateError(f"request {meta.get('id')}: output_token_logprobs ids differ from output_ids")
+    version = meta.get("weight_version")
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        version = default_version  # "default": the weights the server started with
+    return GenerateOutput(token_ids=ids, log_probs=log_probs, finish_reason=finish, weight_version=version)
+
+
+class GenerateClient:
+    """One connection pool to the router, at most ``max_concurrency`` requests in flight."""
+
+    def __init__(self, router_url: str, *, max_concurrency: int = 512, request_timeout: float = 3600.0,
+                 retry_timeout: float = 900.0):
+        self.router_url = router_url.rstrip("/")
+        self.request_timeout = request_timeout  # one generation, start to end
+        self.retry_timeout = retry_timeout  # how long to keep retrying a request no worker can take
+        self._max_concurrency = max_concurrency
+        self._http: httpx.AsyncClient | None = None
+        self._semaphore: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.retries = 0  # attempts beyond the first, over the client's life (a metric)
+
+    def _bind(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        """The pool and the semaphore of the running event loop (made on first use in each loop)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            limits = httpx.Limits(max_connections=self._max_concurrency,
+                                  max_keepalive_connections=self._max_concurrency)
+            self._http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.request_timeout, connect=10.0))
+            self._semaphore = asyncio.Semaphore(self._max_concurrency)
+            self._loop = loop
+        return self._http, self._semaphore
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, rid_prefix: str, *,
+                       default_version: int = 0, should_stop: Callable[[], bool] | None = None) -> GenerateOutput:
+        """POST one request; on a dropped connection or a 5xx from the router, retry with a
+        fresh rid (``{rid_prefix}.{attempt}``) until ``retry_timeout``. An abort of
+        ``rid_prefix`` reaches every attempt (SGLang matches aborts by rid prefix).
+        ``should_stop()`` true when a slot frees up or before a retry: an empty abort result."""
+        http, semaphore = self._bind()
+        deadline = time.monotonic() + self.retry_timeout
+        attempt, backoff = 0, 0.05
+        async with semaphore:
+            while True:
+                if should_stop is not None and should_stop():
+                    return GenerateOutput([], [], "abort", default_version)
+                payload = build_payload(input_ids, params, f"{rid_prefix}.{attempt}")
+                try:
+                    resp = await http.post(f"{self.router_url}/generate", json=payload)
+                except httpx.ReadTimeout:
+                    raise GenerateError(f"request {rid_prefix}: no answer from the router at {self.router_url} "
+                                        f"within {self.request_timeout:g} s") from None
+                except httpx.TransportError as err:
+                    problem = f"{type(err).__name__}: {err}"
+                else:
+                    if resp.status_code == 200:
+                        return parse_response(resp.json(), default_version=default_version)
+                    if resp.status_code not in _RETRY_STATUS:
+                        raise GenerateError(f"request {rid_prefix}: the router answered HTTP {resp.status_code}: "
+                                            f"{resp.text[:500]}")
+                    problem = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                if time.monotonic() + backoff > deadline:
+                    raise GenerateError(f"request {rid_prefix}: gave up after {attempt + 1} attempts over "
+                                        f"{self.retry_timeout:g} s; last: {problem}")
+                logger.info("request %s attempt %d failed (%s); retrying", rid_prefix, attempt, problem)
+                await asyncio.sleep(backoff * (1 + random.random() * 0.2))
+                backoff = min(backoff * 2, 2.0)
+                attempt += 1
+                self.retries += 1
+
+    async def aclose(self) -> None:
+        if self._http is not None and self._loop is asyncio.get_running_loop():
+            await self._http.aclose()
+        self._http = self._semaphore = self._loop = None

@@ -1,0 +1,539 @@
+"""`SGLangEngine`: N SGLang servers behind one sglang-router, as one `RolloutEngine`.
+
+Generation goes through the router; control calls (abort, weight sync, memory) go to
+every server directly (the router does not forward ``/abort_request``). A monitor task
+watches the servers: one that dies is taken out of the router, restarted (or, when
+attached, waited for), given the current weights and registered again. Its in-flight
+requests are retried elsewhere by the router or by the client, and each ``generate``
+call returns exactly once.
+
+A weight sync pauses generation (SGLang aborts in-flight requests, which come back with
+the tokens made so far); those requests continue from where they stopped once the new
+weights are in, so a sync loses no work and never surfaces as an abort to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import httpx
+import torch
+
+from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
+from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.client import GenerateClient
+from slime_rl.rollout_sglang.router import Router, launch_router
+from slime_rl.rollout_sglang.server import (
+    SGLangServer,
+    ServerStartError,
+    attach_server,
+    restart_server,
+    start_server,
+    wait_healthy,
+)
+
+if TYPE_CHECKING:
+    from slime_rl.core.config import Config
+
+logger = logging.getLogger(__name__)
+
+Transport = Literal["auto", "tensor", "nccl", "disk"]
+ALL_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclass
+class _Request:
+    rid: str
+    wire_prefix: str | None = None  # rid prefix of the attempt on the wire; None while queued here
+    aborted: bool = False  # the caller asked for it to stop
+    done: bool = False
+
+
+class SGLangEngine(RolloutEngine):
+    def __init__(self, servers: list[SGLangServer], router: Router, *, model_path: str, work_dir: str | Path,
+                 max_concurrency: int = 512, transport: Transport = "auto", colocated: bool = True,
+                 request_timeout: float = 3600.0, sync_timeout: float = 600.0, startup_timeout: float = 900.0,
+                 health_interval: float = 5.0, keep_weights_for_recovery: bool = True,
+                 verify_weights: bool = False, weights_cpu_backup: bool = False):
+        self.servers = servers
+        self.router = router
+        self.model_path = model_path
+        self.work_dir = Path(work_dir)
+        self.transport = transport
+        self.colocated = colocated
+        self.sync_timeout = sync_timeout  # one transfer step (one bucket into one engine, a pause, a flush)
+        self.startup_timeout = startup_timeout  # a restarted server until /health
+        self.health_interval = health_interval
+        self.keep_weights_for_recovery = keep_weights_for_recovery  # a CPU copy, to restore a restarted engine
+        self.verify_weights = verify_weights  # compare engine and trainer weights after each sync
+        self.weights_cpu_backup = weights_cpu_backup  # the servers keep weights over a memory release
+        self.client = GenerateClient(router.url, max_concurrency=max_concurrency, request_timeout=request_timeout,
+                                     retry_timeout=startup_timeout)
+        self._version = 0
+        self._inflight: dict[str, _Request] = {}
+        self._closed_by: set[str] = set()  # why generation is held: "sync", "memory"
+        self._pause_epoch = 0  # grows with every pause; a request aborted by one continues
+        self._syncing: int | None = None  # the version whose buckets are arriving
+        self._bucket_index = 0
+        self._sync_transport: str | None = None
+        self._sync_lock: asyncio.Lock | None = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
+        self._weights_cpu: dict[str, torch.Tensor] = {}
+        self._verify_sample: dict[str, torch.Tensor] = {}
+        self._disk_folder: Path | None = None  # the HF folder of the current version (disk transport)
+        self._restore_folder: tuple[int, Path] | None = None
+        self._released: set[str] = set()
+        self._weights_stale = False  # weights were released without a backup; restore before generating
+        self._nccl_group = None
+        self._nccl_urls: list[str] = []
+        self._recovering: set[int] = set()
+        self._failures: dict[int, int] = {}
+        self._monitor_task: asyncio.Task | None = None
+        self._shut = False
+        self.restarts = 0  # engines restarted after a failure (a metric)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> SGLangEngine:
+        """Launch ``cfg.num_engines`` servers of ``rollout_num_gpus_per_engine`` GPUs each (or attach
+        to ``rollout.engine_urls``), start the router and register them."""
+        r, c = cfg.rollout, cfg.cluster
+        if r.engine_urls:
+            return cls.attach(r.engine_urls, work_dir=Path(cfg.logging.dir) / "sglang", policy=r.router_policy,
+                              max_concurrency=r.max_concurrency, transport=r.update_weight_transport,
+                              colocated=c.colocate)
+        model_path = cfg.model.path
+        if model_path.startswith("builtin:"):
+            raise ValueError(f"model.path: SGLang needs a local HF model folder, not {model_path!r}")
+        engine_args = dict(r.engine_args)
+        if cfg.model.tokenizer_path:
+            engine_args.setdefault("tokenizer_path", cfg.model.tokenizer_path)
+        if cfg.model.dtype != "auto":
+            engine_args.setdefault("dtype", cfg.model.dtype)
+        if c.colocate:  # release/resume memory needs SGLang's memory saver
+            engine_args.setdefault("enable_memory_saver", True)
+        if not r.stop:  # token ids in and out; stop strings need SGLang's detokenizer
+            engine_args.setdefault("skip_tokenizer_init", True)
+        gpu_ids = None if c.device == "cpu" else _engine_gpu_ids(cfg)
+        return cls.launch(model_path, num_engines=cfg.num_engines, tp_size=c.rollout_num_gpus_per_engine,
+                          engine_args=engine_args, python=r.engine_python, gpu_ids=gpu_ids,
+                          work_dir=Path(cfg.logging.dir) / "sglang", policy=r.router_policy,
+                          max_concurrency=r.max_concurrency, transport=r.update_weight_transport,
+                          colocated=c.colocate)
+
+    @classmethod
+    def launch(cls, model_path: str, *, num_engines: int = 1, tp_size: int = 1, engine_args: dict | None = None,
+               python: str | None = None, gpu_ids: list[list[int]] | None = None, work_dir: str | Path | None = None,
+               policy: str = "round_robin", startup_timeout: float = 900.0, **kwargs) -> SGLangEngine:
+        """Start the servers (all at once), wait until each is healthy, then the router."""
+        work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
+        log_dir = work_dir / "logs"
+        engine_args = dict(engine_args or {})
+        servers: list[SGLangServer] = []
+        router = None
+        try:
+            for i in range(num_engines):
+                servers.append(start_server(i, model_path, log_dir=log_dir, python=python, tp_size=tp_size,
+                                            engine_args=engine_args, gpu_ids=gpu_ids[i] if gpu_ids else None))
+            for server in servers:
+                wait_healthy(server, startup_timeout)
+            router = launch_router(log_dir, policy=policy)
+            for server in servers:
+                router.add_worker(server.url)
+            router.wait_ready(len(servers))
+        except BaseException:
+            for server in servers:
+                if server.process is not None:
+                    server.process.stop()
+            if router is not None:
+                router.stop()
+            raise
+        weights_cpu_backup = bool(engine_args.get("enable_weights_cpu_backup"))
+        return cls(servers, router, model_path=model_path, work_dir=work_dir, startup_timeout=startup_timeout,
+                   weights_cpu_backup=weights_cpu_backup, **kwargs)
+
+    @classmethod
+    def attach(cls, urls: list[str], *, work_dir: str | Path | None = None, policy: str = "round_robin",
+               **kwargs) -> SGLangEngine:
+        """Front servers someone else runs; a failed one is waited for (not restarted) and then
+        given the current weights again."""
+        work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
+        servers = [attach_server(i, url) for i, url in enumerate(urls)]
+        model_path = httpx.get(f"{servers[0].url}/model_info", timeout=30).json()["model_path"]
+        router = launch_router(work_dir / "logs", policy=policy)
+        try:
+            for server in servers:
+                router.add_worker(server.url)
+            router.wait_ready(len(servers))
+        except BaseException:
+            router.stop()
+            raise
+        return cls(servers, router, model_path=model_path, work_dir=work_dir, **kwargs)
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def targets(self) -> list[ws.Target]:
+        """The servers that take part in control calls now (not those being restarted)."""
+        return [ws.Target(s.name, s.url, s.tp_size) for s in self.servers if s.index not in self._recovering]
+
+    def _lock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        if self._sync_lock is None or self._lock_loop is not loop:
+            self._sync_lock, self._lock_loop = asyncio.Lock(), loop
+        return self._sync_lock
+
+    def _start_monitor(self) -> None:
+        loop = asyncio.get_running_loop()
+        task = self._monitor_task
+        if self.health_interval > 0 and (task is None or task.done() or task.get_loop() is not loop):
+            self._monitor_task = loop.create_task(self._monitor())
+
+    async def _gate(self) -> None:
+        """Wait while a sync or a memory release holds generation; restore stale weights first."""
+        while self._closed_by or self._weights_stale:
+            if self._shut:
+                raise RuntimeError("SGLangEngine is shut down")
+            if not self._closed_by and self._weights_stale:
+                await self._restore_stale_weights()
+                continue
+            await asyncio.sleep(0.02)
+        if self._shut:
+            raise RuntimeError("SGLangEngine is shut down")
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, input_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> GenerateOutput:
+        self._start_monitor()
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._inflight:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        req = self._inflight[rid] = _Request(rid)
+        tokens: list[int] = []
+        log_probs: list[float] = []
+        try:
+            while True:
+                await self._gate()
+                epoch = self._pause_epoch
+                if req.aborted:
+                    return GenerateOutput(tokens, log_probs, "abort", self._version)
+                part_params = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
+                req.wire_prefix = f"{rid}#{uuid.uuid4().hex[:12]}"  # unique: SGLang aborts by rid prefix
+                out = await self.client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
+                                                 default_version=self._version, should_stop=lambda: req.aborted)
+                tokens += out.token_ids
+                log_probs += out.log_probs
+                paused_meanwhile = epoch != self._pause_epoch or bool(self._closed_by)
+                if out.finish_reason == "abort" and not req.aborted and paused_meanwhile:
+                    if len(tokens) < params.max_new_tokens:
+                        continue  # cut short by a sync or a memory release: go on where it stopped
+                    return GenerateOutput(tokens, log_probs, "length", out.weight_version)
+                return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version)
+        finally:
+            req.done = True
+            self._inflight.pop(rid, None)
+
+    async def abort(self, request_id: str | None = None) -> None:
+        """Abort one request or all in flight; they return what they have with ``finish_reason="abort"``.
+        Returns once the aborted requests that reached a server have come back (or after 30 s)."""
+        if request_id is None:
+            reqs = list(self._inflight.values())
+        else:
+            reqs = [self._inflight[request_id]] if request_id in self._inflight else []
+        for req in reqs:
+            req.aborted = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30.0
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            while True:
+                sent = [r for r in reqs if not r.done and r.wire_prefix is not None]
+                if not sent:
+                    return
+                # Re-sent until they return: an abort can reach a server before its request does.
+                posts = [http.post(f"{t.url}/abort_request", json={"rid": r.wire_prefix})
+                         for r in sent for t in self.targets()]
+                await asyncio.gather(*posts, return_exceptions=True)
+                if loop.time() >= deadline:
+                    logger.warning("%d aborted requests still running after 30 s", len(sent))
+                    return
+                await asyncio.sleep(0.2)
+
+    # ------------------------------------------------------------------ weights
+
+    def _resolve_transport(self, named_tensors: NamedTensors) -> str:
+        if self.transport != "auto":
+            return self.transport
+        on_cuda = any(t.is_cuda for _, t in named_tensors)
+        return "nccl" if on_cuda and not self.colocated else "tensor"
+
+    async def update_weights(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
+        """One bucket of a sync. The first bucket of a version pauses generation; the last flushes the
+        prefix cache, (optionally) checks the weights and lets generation continue on ``version``."""
+        self._start_monitor()
+        if self._shut:
+            raise RuntimeError("SGLangEngine is shut down")
+        if self._syncing is None:
+            await self._lock().acquire()  # held until the last bucket: a restarted engine waits for it
+            self._syncing, self._bucket_index = version, 0
+            self._sync_transport = self._resolve_transport(named_tensors)
+            self._verify_sample = {}
+            self._closed_by.add("sync")
+            self._pause_epoch += 1
+            try:
+                await asyncio.to_thread(ws.pause_generation, self.targets(), timeout=self.sync_timeout,
+                                        step=f"weight sync v{version}: pause generation")
+            except BaseException:
+                self._end_sync()
+                raise
+        elif version != self._syncing:
+            raise ws.WeightSyncError(f"weight sync v{self._syncing} is unfinished (no bucket with last=True) "
+                                     f"and a bucket for v{version} arrived")
+        step = f"weight sync v{version} bucket {self._bucket_index} ({self._sync_transport})"
+        try:
+            await self._send_bucket(named_tensors, version=version, last=last, step=step)
+            if self.keep_weights_for_recovery and self._sync_transport != "disk":
+                for name, tensor in named_tensors:
+                    self._weights_cpu[name] = tensor.detach().to("cpu", copy=True)
+            if self.verify_weights:
+                for name, tensor in (named_tensors[0], named_tensors[-1]):
+                    self._verify_sample[name] = tensor.detach()[:100].to("cpu", copy=True)
+            self._bucket_index += 1
+            if last:
+                await self._finish_sync(version)
+        except BaseException:
+            # Partly loaded weights must not serve requests: generation stays held until a full sync.
+            self._end_sync(reopen=False)
+            raise
+
+    async def _send_bucket(self, named_tensors: NamedTensors, *, version: int, last: bool, step: str) -> None:
+        tag = version if last else None  # engines report the new version once they have all of it
+        targets = self.targets()
+        if self._sync_transport == "tensor":
+            for target in targets:
+                await asyncio.to_thread(ws.update_from_tensor, target, named_tensors, version=tag,
+                                        timeout=self.sync_timeout, step=step)
+        elif self._sync_transport == "nccl":
+            await self._ensure_nccl_group(named_tensors)
+            await asyncio.to_thread(ws.broadcast_bucket, self._nccl_group, targets, named_tensors, version=tag,
+                                    timeout=self.sync_timeout, step=step)
+        elif self._sync_transport == "disk":
+            folder = self.work_dir / "weights" / f"v{version}"
+            if self._bucket_index == 0 and folder.exists():
+                shutil.rmtree(folder)
+            await asyncio.to_thread(ws.write_shard, folder, self._bucket_index, named_tensors)
+            if last:
+                await asyncio.to_thread(ws.finish_hf_folder, folder, self.model_path)
+                for target in targets:
+                    await asyncio.to_thread(ws.update_from_disk, target, folder, version=version,
+                                            timeout=self.sync_timeout, step=step)
+                previous, self._disk_folder = self._disk_folder, folder
+                if previous is not None and previous != folder:
+                    shutil.rmtree(previous, ignore_errors=True)
+        else:
+            raise ValueError(f"rollout.update_weight_transport: unknown transport {self._sync_transport!r}")
+
+    async def _ensure_nccl_group(self, named_tensors: NamedTensors) -> None:
+        urls = [t.url for t in self.targets()]
+        if self._nccl_group is not None and urls == self._nccl_urls:
+            return
+        await asyncio.to_thread(self._drop_nccl_group)
+        backend = "nccl" if named_tensors[0][1].is_cuda else "gloo"
+        self._nccl_group = await asyncio.to_thread(ws.init_nccl_group, self.targets(), timeout=self.sync_timeout,
+                                                   backend=backend)
+        self._nccl_urls = urls
+
+    def _drop_nccl_group(self) -> None:
+        if self._nccl_group is not None:
+            group, self._nccl_group = self._nccl_group, None
+            ws.destroy_nccl_group(group, self.targets(), timeout=30.0)
+
+    async def _finish_sync(self, version: int) -> None:
+        step = f"weight sync v{version}"
+        targets = self.targets()
+        if self._verify_sample:
+            for target in targets:
+                await asyncio.to_thread(ws.check_weights, target, self._verify_sample, timeout=self.sync_timeout,
+                                        step=step)
+        await asyncio.to_thread(ws.flush_cache, targets, timeout=self.sync_timeout, step=f"{step}: flush cache")
+        if "memory" not in self._closed_by:
+            await asyncio.to_thread(ws.continue_generation, targets, timeout=self.sync_timeout,
+                                    step=f"{step}: continue generation")
+        self._version = version
+        self._weights_stale = False
+        self._end_sync()
+
+    def _end_sync(self, reopen: bool = True) -> None:
+        self._syncing = None
+        if reopen:
+            self._closed_by.discard("sync")
+        if self._sync_lock is not None and self._sync_lock.locked():
+            self._sync_lock.release()
+
+    # ------------------------------------------------------------------ memory
+
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free GPU memory for a colocated trainer (default: weights, KV cache and CUDA graphs).
+        Generation is held until `resume_memory`."""
+        self._closed_by.add("memory")
+        self._pause_epoch += 1
+        targets = self.targets()
+        await asyncio.to_thread(ws.pause_generation, targets, timeout=self.sync_timeout, step="release: pause")
+        await asyncio.to_thread(ws.flush_cache, targets, timeout=self.sync_timeout, step="release: flush cache")
+        await asyncio.to_thread(ws.release_memory, targets, tags, timeout=self.sync_timeout)
+        self._released |= set(tags or ALL_MEMORY_TAGS)
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take the memory back. Weights released without a CPU backup hold garbage until the next
+        sync; if generation is asked for first, the current version is restored from its copy."""
+        tags = list(tags or ALL_MEMORY_TAGS)
+        await asyncio.to_thread(ws.resume_memory, self.targets(), tags, timeout=self.sync_timeout)
+        if "weights" in tags and "weights" in self._released and not self.weights_cpu_backup:
+            self._weights_stale = True
+        self._released -= set(tags)
+        if not self._released:
+            if "sync" not in self._closed_by:
+                await asyncio.to_thread(ws.continue_generation, self.targets(), timeout=self.sync_timeout,
+                                        step="resume: continue generation")
+            self._closed_by.discard("memory")
+
+    # ------------------------------------------------------------------ faults
+
+    def _restore_source(self) -> Path:
+        """An HF folder holding the current version: the model itself, the last disk sync, or the
+        CPU copy of the last tensor/NCCL sync written out once."""
+        if self._version == 0:
+            return Path(self.model_path)
+        if self._disk_folder is not None and self._sync_transport in (None, "disk"):
+            return self._disk_folder
+        if self._restore_folder is not None and self._restore_folder[0] == self._version:
+            return self._restore_folder[1]
+        if not self._weights_cpu:
+            raise ws.WeightSyncError(f"cannot restore weight version {self._version}: no copy was kept "
+                                     "(keep_weights_for_recovery=False)")
+        folder = self.work_dir / "weights" / f"restore-v{self._version}"
+        shutil.rmtree(folder, ignore_errors=True)
+        ws.save_hf_folder(list(self._weights_cpu.items()), folder, self.model_path)
+        if self._restore_folder is not None:
+            shutil.rmtree(self._restore_folder[1], ignore_errors=True)
+        self._restore_folder = (self._version, folder)
+        return folder
+
+    def _restore_weights(self, targets: list[ws.Target]) -> None:
+        folder = self._restore_source()
+        for target in targets:
+            ws.update_from_disk(target, folder, version=self._version, timeout=self.sync_timeout,
+                                step=f"restore weight version {self._version}")
+        ws.flush_cache(targets, timeout=self.sync_timeout, step="restore: flush cache")
+
+    async def _restore_stale_weights(self) -> None:
+        async with self._lock():
+            if self._weights_stale:
+                await asyncio.to_thread(self._restore_weights, self.targets())
+                self._weights_stale = False
+
+    async def _monitor(self) -> None:
+        while not self._shut:
+            await asyncio.sleep(self.health_interval)
+            for server in list(self.servers):
+                if server.index in self._recovering or self._shut:
+                    continue
+                if await self._is_dead(server):
+                    self._recovering.add(server.index)
+                    asyncio.get_running_loop().create_task(self._recover(server))
+
+    async def _is_dead(self, server: SGLangServer, failures_allowed: int = 3) -> bool:
+        if server.process is not None and not server.process.alive():
+            return True
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as http:
+                ok = (await http.get(f"{server.url}/health")).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        self._failures[server.index] = 0 if ok else self._failures.get(server.index, 0) + 1
+        return self._failures[server.index] >= failures_allowed
+
+    async def _recover(self, server: SGLangServer) -> None:
+        """Out of the router, restarted (or waited for), current weights in, back in the router."""
+        idx = server.index
+        try:
+            logger.warning("%s failed; taking it out of the router and restarting it", server.name)
+            await asyncio.to_thread(self.router.remove_worker, server.url)
+            await asyncio.to_thread(self._drop_nccl_group)  # its members changed; made anew at the next sync
+            if server.process is not None:
+                fresh = await asyncio.to_thread(restart_server, server)
+            else:
+                fresh = server
+            await asyncio.to_thread(wait_healthy, fresh, self.startup_timeout)
+            async with self._lock():  # a sync in progress ends first; then this engine gets its version
+                target = ws.Target(fresh.name, fresh.url, fresh.tp_size)
+                if self._version > 0 or self._weights_stale:
+                    await asyncio.to_thread(self._restore_weights, [target])
+                if self._closed_by:
+                    await asyncio.to_thread(ws.pause_generation, [target], timeout=self.sync_timeout,
+                                            step="recovery: hold generation")
+                self.servers[self.servers.index(server)] = fresh
+                self._failures[idx] = 0
+                await asyncio.to_thread(self.router.add_worker, fresh.url)
+            self.restarts += 1
+            logger.warning("%s is back with weight version %d", fresh.name, self._version)
+        except (ServerStartError, ws.WeightSyncError, OSError, RuntimeError) as err:
+            logger.error("recovery of %s failed: %s", server.name, err)
+        finally:
+            self._recovering.discard(idx)
+
+    async def health(self) -> bool:
+        """True when every server answers ``/health`` and none is being restarted."""
+        if self._recovering:
+            return False
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            results = await asyncio.gather(*(http.get(f"{s.url}/health") for s in self.servers),
+                                           return_exceptions=True)
+        return all(not isinstance(r, BaseException) and r.status_code == 200 for r in results)
+
+    async def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        if self._monitor_task is not None and not self._monitor_task.done():
+            self._monitor_task.cancel()
+        await self.client.aclose()
+        if self._nccl_group is not None:
+            try:
+                torch.distributed.destroy_process_group(self._nccl_group)
+            except Exception:  # the engines are about to go anyway
+                pass
+            self._nccl_group = None
+        self.router.stop()
+        for server in self.servers:
+            if server.process is not None:
+                server.process.stop()
+
+
+def _engine_gpu_ids(cfg: Config) -> list[list[int]]:
+    """Each engine's GPUs on this node: colocated engines share the trainer's GPUs from 0,
+    disaggregated ones take those after the trainer's (slime's placement)."""
+    tp = cfg.cluster.rollout_num_gpus_per_engine
+    offset = 0 if cfg.cluster.colocate else cfg.actor_num_gpus
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    devices = [int(d) for d in visible.split(",") if d.strip().isdigit()] if visible.strip() else []
+    needed = offset + cfg.num_engines * tp
+    if len(devices) < needed:  # not restricted (or restricted to fewer than the plan): physical ids
+        devices = list(range(needed))
+    return [devices[offset + i * tp: offset + (i + 1) * tp] for i in range(cfg.num_engines)]

@@ -1,0 +1,373 @@
+"""Weights into SGLang servers, three ways, each step with a timeout and an error that names
+the engine and the step:
+
+- tensor (colocated): buckets serialised with torch's multiprocessing pickler, so CUDA
+  tensors travel as CUDA-IPC handles (no copy), through ``/update_weights_from_tensor``;
+- nccl (disaggregated): the trainer joins a process group with the engines
+  (``/init_weights_update_group``) and broadcasts each bucket while the engines receive
+  it (``/update_weights_from_distributed``);
+- disk: an HF folder written shard by shard, loaded with ``/update_weights_from_disk``.
+
+Plain blocking functions: the trainer process calls them directly; the async engine
+runs them in a thread. Buckets travel as one flat byte tensor plus metadata (SGLang's
+``load_format="flattened_bucket"``), one transfer per bucket instead of one per tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import torch
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+GROUP_NAME = "slime_rl_weight_sync"
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Target:
+    """An engine as a sync sees it."""
+
+    name: str  # for messages, e.g. "sglang engine 0 (http://127.0.0.1:30001)"
+    url: str
+    tp_size: int = 1
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+def post(target: Target, path: str, body: dict[str, Any] | None, *, timeout: float, step: str,
+         ok_status: tuple[int, ...] = (200,)) -> Any:
+    """POST and check SGLang's answer (HTTP 200 and, where present, ``success: true``)."""
+    try:
+        resp = httpx.post(f"{target.url}{path}", json=body if body is not None else {}, timeout=timeout)
+    except httpx.TimeoutException:
+        raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
+    except httpx.HTTPError as err:
+        raise WeightSyncError(f"{target.name}: {step}: {path} failed: {type(err).__name__}: {err}") from None
+    if resp.status_code not in ok_status:
+        raise WeightSyncError(f"{target.name}: {step}: {path} answered HTTP {resp.status_code}: {resp.text[:500]}")
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text
+    if isinstance(data, dict) and data.get("success") is False:
+        raise WeightSyncError(f"{target.name}: {step}: {path} failed: {data.get('message')}")
+    return data
+
+
+def post_all(targets: list[Target], path: str, body: Callable[[int, Target], dict] | dict | None, *,
+             timeout: float, step: str) -> list[Any]:
+    """The same call on every engine at once; the first failure is raised after all returned."""
+    if not targets:
+        return []
+    with ThreadPoolExecutor(len(targets)) as pool:
+        futures = [pool.submit(post, t, path, body(i, t) if callable(body) else body, timeout=timeout, step=step)
+                   for i, t in enumerate(targets)]
+        return [f.result() for f in futures]
+
+
+def pause_generation(targets: list[Target], *, timeout: float, step: str) -> None:
+    """Stop generating: SGLang aborts in-flight requests (they return what they have) and holds
+    new ones until `continue_generation`."""
+    post_all(targets, "/pause_generation", {"mode": "abort"}, timeout=timeout, step=step)
+
+
+def continue_generation(targets: list[Target], *, timeout: float, step: str) -> None:
+    post_all(targets, "/continue_generation", {}, timeout=timeout, step=step)
+
+
+def flush_cache(targets: list[Target], *, timeout: float, step: str) -> None:
+    """Drop the prefix cache (its KV came from the old weights). SGLang refuses (HTTP 400)
+    while requests are pending, so poll until it succeeds."""
+    for target in targets:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                resp = httpx.post(f"{target.url}/flush_cache", timeout=timeout)
+                if resp.status_code == 200:
+                    break
+                problem = f"HTTP {resp.status_code}: {resp.text.strip()[:200]}"
+            except httpx.HTTPError as err:
+                problem = f"{type(err).__name__}: {err}"
+            if time.monotonic() >= deadline:
+                raise WeightSyncError(f"{target.name}: {step}: /flush_cache did not succeed within "
+                                      f"{timeout:.0f} s; last: {problem}")
+            time.sleep(0.1)
+
+
+def release_memory(targets: list[Target], tags: list[str] | None, *, timeout: float) -> None:
+    post_all(targets, "/release_memory_occupation", {"tags": tags}, timeout=timeout, step="release memory")
+
+
+def resume_memory(targets: list[Target], tags: list[str] | None, *, timeout: float) -> None:
+    post_all(targets, "/resume_memory_occupation", {"tags": tags}, timeout=timeout, step="resume memory")
+
+
+# ---------------------------------------------------------------- buckets
+
+
+def flatten_bucket(named_tensors: NamedTensors) -> tuple[torch.Tensor, list[SimpleNamespace]]:
+    """All tensors of a bucket as one byte tensor (on their device) and per-tensor metadata,
+    laid out as SGLang's FlattenedTensorBucket expects."""
+    if not named_tensors:
+        raise ValueError("empty weight bucket")
+    try:  # SGLang's own bucket, when it is importable here (same layout)
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        bucket = FlattenedTensorBucket(named_tensors=[(n, t.detach().contiguous()) for n, t in named_tensors])
+        return bucket.get_flattened_tensor(), bucket.get_metadata()
+    except ImportError:
+        pass
+    parts, metadata, offset = [], [], 0
+    for name, tensor in named_tensors:
+        flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        parts.append(flat)
+        # SimpleNamespace: SGLang's SafeUnpickler allows ``types.*``; it reads these attributes.
+        metadata.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=offset,
+                                        end_idx=offset + flat.numel(), numel=flat.numel()))
+        offset += flat.numel()
+    return torch.cat(parts), metadata
+
+
+def serialize_bucket(named_tensors: NamedTensors) -> str:
+    """One bucket as base64 text for ``/update_weights_from_tensor`` (load_format
+    ``flattened_bucket``). CUDA tensors go as CUDA-IPC handles through torch's
+    ForkingPickler (SGLang's MultiprocessingSerializer format): the engine on the same
+    GPU maps them without a copy, and the caller must keep them alive until the POST
+    returns. CPU tensors go by value (an engine in another process cannot map them)."""
+    flat, metadata = flatten_bucket(named_tensors)
+    payload = {"flattened_tensor": flat, "metadata": metadata}
+    if flat.is_cuda:
+        try:  # the engine's own serializer, when SGLang is importable here
+            from sglang.srt.utils.common import MultiprocessingSerializer
+
+            return MultiprocessingSerializer.serialize(payload, output_str=True)
+        except ImportError:
+            from multiprocessing.reduction import ForkingPickler
+
+            buf = io.BytesIO()
+            ForkingPickler(buf).dump(payload)
+            data = buf.getvalue()
+    else:
+        data = pickle.dumps(payload)
+    import base64
+
+    return base64.b64encode(data).decode("ascii")
+
+
+def update_from_tensor(target: Target, named_tensors: NamedTensors, *, version: int | None, timeout: float,
+                       step: str) -> None:
+    """Load one bucket into one engine; one payload per TP rank (each rank maps its own handles)."""
+    payloads = [serialize_bucket(named_tensors) for _ in range(target.tp_size)]
+    body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False}
+    if version is not None:
+        body["weight_version"] = str(version)
+    post(target, "/update_weights_from_tensor", body, timeout=timeout, step=step)
+
+
+def push_tensor_bucket(targets: list[Target], named_tensors: NamedTensors, *, version: int | None,
+                       timeout: float, step: str) -> None:
+    """Trainer side of a colocated sync: one bucket into every engine. Pass ``version`` with the
+    last bucket only, so an engine reports the new version once it has all of it."""
+    for target in targets:
+        update_from_tensor(target, named_tensors, version=version, timeout=timeout, step=step)
+
+
+# ---------------------------------------------------------------- NCCL
+
+
+def local_address_for(url: str) -> str:
+    """This host's address as seen from the engine at ``url`` (loopback for local engines)."""
+    host = urlparse(url).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, 80))  # no packet is sent; this only picks the outgoing interface
+        return sock.getsockname()[0]
+
+
+def _join_group(init_method: str, *, world_size: int, rank: int, group_name: str, backend: str, timeout: float):
+    """A process group apart from the default one (the trainer's own stays untouched), made the way
+    SGLang's engines make theirs, so both sides meet in the same rendezvous."""
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timedelta(seconds=timeout)))
+    store.set_timeout(timedelta(seconds=timeout))
+    group, _ = _new_process_group_helper(world_size, rank, [], torch.distributed.Backend(backend),
+                                         PrefixStore(group_name, store), group_name=group_name,
+                                         timeout=timedelta(seconds=timeout))
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def _wait_with_posts(work: Any, futures: list[tuple[Target, Future]], *, timeout: float, step: str,
+                     what: str) -> None:
+    """Wait for a collective and the engines' HTTP answers together; the first failure or the
+    deadline raises (an engine that refused would otherwise leave the collective hanging)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for target, fut in futures:
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()
+        if (work is None or work.is_completed()) and all(f.done() for _, f in futures):
+            if work is not None:
+                work.wait()
+            return
+        if time.monotonic() >= deadline:
+            pending = [t.name for t, f in futures if not f.done()] or ["this trainer process"]
+            raise WeightSyncError(f"{step}: {what} timed out after {timeout:.0f} s waiting for {', '.join(pending)}")
+        time.sleep(0.005)
+
+
+def init_nccl_group(targets: list[Target], *, timeout: float, backend: str = "nccl", group_name: str = GROUP_NAME,
+                    master_addr: str | None = None, master_port: int | None = None):
+    """Trainer side: create the weight-update group (trainer = rank 0, engine TP ranks after it).
+    Every engine's ``/init_weights_update_group`` blocks until all ranks joined, so the calls
+    go out in threads while this process joins."""
+    from slime_rl.rollout_sglang.process import free_port
+
+    master_addr = master_addr or local_address_for(targets[0].url)
+    master_port = master_port or free_port("0.0.0.0" if master_addr != "127.0.0.1" else master_addr)
+    world_size = 1 + sum(t.tp_size for t in targets)
+    offsets = [1 + sum(t.tp_size for t in targets[:i]) for i in range(len(targets))]
+    step = f"init weight-update group {group_name} (world size {world_size}, {backend})"
+    with ThreadPoolExecutor(len(targets)) as pool:
+        futures = [(t, pool.submit(post, t, "/init_weights_update_group", {
+            "master_address": master_addr, "master_port": master_port, "rank_offset": offsets[i],
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout=timeout, step=step))
+            for i, t in enumerate(targets)]
+        try:
+            group = _join_group(f"tcp://{master_addr}:{master_port}", world_size=world_size, rank=0,
+                                group_name=group_name, backend=backend, timeout=timeout)
+        except Exception as err:
+            for _, f in futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception() from None
+            raise WeightSyncError(f"{step}: the trainer could not join at {master_addr}:{master_port}: {err}") from None
+        _wait_with_posts(None, futures, timeout=timeout, step=step, what="engines joining")
+    return group
+
+
+def broadcast_bucket(group, targets: list[Target], named_tensors: NamedTensors, *, version: int | None,
+                     timeout: float, step: str, group_name: str = GROUP_NAME) -> None:
+    """Trainer side of a disaggregated sync: every engine posts a receive for the bucket, and
+    this process broadcasts it as one flat byte tensor (rank 0 of ``group``)."""
+    flat, metadata = flatten_bucket(named_tensors)
+    body = {"names": [m.name for m in metadata], "dtypes": [str(m.dtype).removeprefix("torch.") for m in metadata],
+            "shapes": [list(m.shape) for m in metadata], "group_name": group_name,
+            "load_format": "flattened_bucket", "flush_cache": False}
+    if version is not None:
+        body["weight_version"] = str(version)
+    with ThreadPoolExecutor(len(targets)) as pool:
+        futures = [(t, pool.submit(post, t, "/update_weights_from_distributed", body, timeout=timeout, step=step))
+                   for t in targets]
+        work = torch.distributed.broadcast(flat, src=0, group=group, async_op=True)
+        _wait_with_posts(work, futures, timeout=timeout, step=step, what="broadcast")
+
+
+def destroy_nccl_group(group, targets: list[Target], *, timeout: float, group_name: str = GROUP_NAME) -> None:
+    """Leave the group on both sides (after an engine restart the group must be made anew)."""
+    for target in targets:
+        try:
+            post(target, "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout,
+                 step="destroy weight-update group")
+        except WeightSyncError:
+            pass  # a dead engine has no group left to destroy
+    if group is not None:
+        torch.distributed.destroy_process_group(group)
+
+
+# ---------------------------------------------------------------- disk
+
+
+_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def write_shard(folder: str | Path, index: int, named_tensors: NamedTensors) -> Path:
+    """One bucket as ``model-{index:05d}.safetensors`` in ``folder``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"model-{index:05d}.safetensors"
+    save_file({name: t.detach().to("cpu").contiguous() for name, t in named_tensors}, str(path))
+    return path
+
+
+def finish_hf_folder(folder: str | Path, base_model_path: str | Path) -> Path:
+    """Make ``folder`` a loadable HF model: the base model's config and tokenizer files and
+    a ``model.safetensors.index.json`` over the shards written so far."""
+    from safetensors import safe_open
+
+    folder, base = Path(folder), Path(base_model_path)
+    for name in _HF_FILES:
+        if (base / name).is_file():
+            shutil.copy2(base / name, folder / name)
+    weight_map, total = {}, 0
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                weight_map[key] = shard.name
+        total += shard.stat().st_size
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return folder
+
+
+def save_hf_folder(named_tensors: NamedTensors, folder: str | Path, base_model_path: str | Path) -> Path:
+    write_shard(folder, 0, named_tensors)
+    return finish_hf_folder(folder, base_model_path)
+
+
+def update_from_disk(target: Target, folder: str | Path, *, version: int | None, timeout: float, step: str) -> None:
+    body: dict[str, Any] = {"model_path": str(folder), "flush_cache": False}
+    if version is not None:
+        body["weight_version"] = str(version)
+    post(target, "/update_weights_from_disk", body, timeout=timeout, step=step)
+
+
+# ---------------------------------------------------------------- check
+
+
+def check_weights(target: Target, expected: dict[str, torch.Tensor], *, timeout: float, step: str,
+                  atol: float = 1e-6, truncate_size: int = 100) -> None:
+    """Compare the engine's parameters with the trainer's (``/get_weights_by_name`` returns the
+    first ``truncate_size`` rows, of TP rank 0's shard when the engine is sharded)."""
+    problems = []
+    for name, want in expected.items():
+        got_list = post(target, "/get_weights_by_name", {"name": name, "truncate_size": truncate_size},
+                        timeout=timeout, step=f"{step}: check {name}")
+        if got_list is None:
+            problems.append(f"{name}: the engine has no such parameter")
+            continue
+        got = torch.tensor(got_list, dtype=torch.float32)
+        want = want.detach().to("cpu", torch.float32)
+        if got.dim() != want.dim():
+            problems.append(f"{name}: engine returned {got.dim()}-d data for a {want.dim()}-d tensor")
+            continue
+        want = want[tuple(slice(0, n) for n in got.shape)]  # the TP-0 shard's first rows
+        if want.shape != got.shape or not torch.allclose(got, want, atol=atol, rtol=0):
+            diff = (got - want).abs().max().item() if want.shape == got.shape else float("nan")
+            problems.append(f"{name}: max |engine - trainer| = {diff:.3g} over shape {tuple(got.shape)}")
+    if problems:
+        raise WeightSyncError(f"{target.name}: {step}: engine weights differ from the trainer's: "
+                              + "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))

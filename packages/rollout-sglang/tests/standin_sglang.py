@@ -1,0 +1,455 @@
+"""TEST DOUBLE: a stand-in for an SGLang 0.5.17 HTTP server, for CPU tests only.
+
+SGLang needs a GPU, so CPU tests put this process behind the real sglang-router. It
+answers the endpoints slime-rl uses with SGLang's request and response shapes
+(sglang/srt/entrypoints/http_server.py and managers/io_struct.py of 0.5.17), but its
+"model" is a deterministic function: the next token is a hash of the context and of
+the loaded weights, so a weight update visibly changes what it generates. Weights are
+real tensors (loaded from the model folder's safetensors, replaced by the update
+endpoints, read back by /get_weights_by_name); the NCCL path joins a real
+torch.distributed group (gloo on CPU).
+
+Run as ``python standin_sglang.py --model-path DIR --host H --port P [SGLang flags]``;
+unknown SGLang flags are accepted and reported in /server_info like SGLang does.
+Stand-in-only flags start with ``--standin-``. ``GET /standin/state`` reports what the
+server saw (requests, weight updates, pauses, flushes) so tests can check it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+print(f"[standin-sglang] starting: {' '.join(sys.argv[1:])}", flush=True)  # before the slow imports, like SGLang's first log lines
+
+import argparse
+import asyncio
+import base64
+import hashlib
+import io
+import json
+import pickle
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from aiohttp import web
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", "--tp", type=int, default=1)
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--standin-startup-delay", type=float, default=0.0)  # /health answers 503 this long
+    p.add_argument("--standin-never-healthy", action="store_true")  # /health always 503
+    p.add_argument("--standin-crash-on-start", action="store_true")  # exit 1 after logging an error
+    p.add_argument("--standin-token-delay", type=float, default=0.0)  # seconds per generated token
+    return p.parse_known_args(argv)
+
+
+class StandinServer:
+    def __init__(self, args: argparse.Namespace, extra_flags: list[str]):
+        self.args = args
+        self.extra_flags = extra_flags
+        model_dir = Path(args.model_path)
+        self.tokenizer = Tokenizer.from_file(str(Path(args.tokenizer_path or model_dir) / "tokenizer.json"))
+        self.hf_config = json.loads((model_dir / "config.json").read_text())
+        self.vocab_size = int(self.hf_config["vocab_size"])
+        self.eos_token_id = int(self.hf_config["eos_token_id"])
+        self.weights = self._load_folder(model_dir)
+        self.weight_version = "default"
+        self.started_at = time.time()
+        self.paused = False
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.memory = {"weights": True, "kv_cache": True, "cuda_graph": True}
+        self.running: dict[str, asyncio.Event] = {}  # rid -> abort flag
+        self.groups: dict[str, object] = {}
+        self.events: list[dict] = []  # what happened, in order (test inspection)
+        self.completed: list[str] = []  # rids answered (finished or aborted)
+
+    # ------------------------------------------------------------------ model
+
+    @staticmethod
+    def _load_folder(path: Path) -> dict[str, torch.Tensor]:
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            weights.update(load_file(str(file)))
+        return weights
+
+    def fingerprint(self) -> int:
+        digest = hashlib.sha256()
+        for name in sorted(self.weights):
+            digest.update(name.encode())
+            digest.update(self.weights[name].float().contiguous().numpy().tobytes())
+        return int.from_bytes(digest.digest()[:8], "little")
+
+    def next_token(self, fingerprint: int, context: list[int], salt: int) -> tuple[int, float]:
+        key = f"{fingerprint}:{salt}:{len(context)}:{context[-8:]}".encode()
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+        token = h % self.vocab_size
+        log_prob = -0.05 - (h >> 20) % 400 / 100.0  # in (-4.05, -0.05]
+        return token, log_prob
+
+    def record(self, kind: str, **fields) -> None:
+        self.events.append({"kind": kind, "time": time.time(), **fields})
+
+    # ------------------------------------------------------------------ generate
+
+    async def generate_one(self, input_ids: list[int], sp: dict, rid: str, return_logprob: bool,
+                           logprob_start_len: int) -> dict:
+        aborted = asyncio.Event()
+        self.running[rid] = aborted
+        started = time.time()
+        self.record("generate", rid=rid, input_len=len(input_ids), sampling_params=sp)
+        try:
+            await self.resumed.wait()  # paused: new requests wait (SGLang's is_pause_cond)
+            max_new = sp.get("max_new_tokens", 128)
+            max_new = 128 if max_new is None else int(max_new)
+            temperature = float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0)
+            salt = 0 if temperature == 0 else int(sp.get("sampling_seed") or 0) + 1
+            stop_ids = set(sp.get("stop_token_ids") or [])
+            if not sp.get("ignore_eos"):
+                stop_ids.add(self.eos_token_id)
+            stops = sp.get("stop") or []
+            stops = [stops] if isinstance(stops, str) else list(stops)
+            out: list[int] = []
+            lps: list[float] = []
+            finish: dict = {"type": "length", "length": max_new}
+            for _ in range(max_new):
+                if self.args.standin_token_delay:
+                    await asyncio.sleep(self.args.standin_token_delay)
+                if aborted.is_set():
+                    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                    break
+                token, lp = self.next_token(self.fingerprint(), input_ids + out, salt)
+                out.append(token)
+                lps.append(lp)
+                if token in stop_ids:
+                    finish = {"type": "stop", "matched": token}
+                    break
+                if stops:
+                    text = self.tokenizer.decode(out, skip_special_tokens=False)
+                    matched = next((s for s in stops if s in text), None)
+                    if matched is not None:
+                        finish = {"type": "stop", "matched": matched}
+                        break
+        finally:
+            self.running.pop(rid, None)
+        self.completed.append(rid)
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(input_ids),
+            "weight_version": self.weight_version,
+            "num_retractions": 0,
+        }
+        if return_logprob:
+            start = logprob_start_len if logprob_start_len is not None and logprob_start_len >= 0 else len(input_ids)
+            meta["input_token_logprobs"] = [[None if i == 0 else -1.0, input_ids[i], None]
+                                            for i in range(start, len(input_ids))]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out)]
+            meta["output_token_logprobs_length"] = len(out)
+        meta.update(reasoning_tokens=0, completion_tokens=len(out), cached_tokens=0,
+                    e2e_latency=time.time() - started)
+        return {"text": self.tokenizer.decode(out, skip_special_tokens=True), "output_ids": out, "meta_info": meta}
+
+    async def handle_generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.record("generate_body", body={k: v for k, v in body.items() if k != "input_ids"})
+        if not self.memory["weights"] or not self.memory["kv_cache"]:
+            return _error("memory is released; call /resume_memory_occupation first")
+        ids = body.get("input_ids")
+        if ids is None:
+            if body.get("text") is None:
+                return _error("Either text, input_ids or input_embeds should be provided.")
+            texts = body["text"] if isinstance(body["text"], list) else [body["text"]]
+            batch = [self.tokenizer.encode(t).ids for t in texts]
+            single = not isinstance(body["text"], list)
+        else:
+            single = not ids or not isinstance(ids[0], list)
+            batch = [ids] if single else ids
+        rids = body.get("rid")
+        if rids is None:
+            rids = [f"{time.time_ns()}-{i}" for i in range(len(batch))]
+        elif isinstance(rids, str):
+            rids = [rids] if single else [f"{rids}_{i}" for i in range(len(batch))]
+        sps = body.get("sampling_params") or {}
+        sps = sps if isinstance(sps, list) else [sps] * len(batch)
+        outs = await asyncio.gather(*[
+            self.generate_one(x, sp, rid, bool(body.get("return_logprob")), body.get("logprob_start_len", -1))
+            for x, sp, rid in zip(batch, sps, rids)
+        ])
+        return web.json_response(outs[0] if single else outs)
+
+    async def handle_abort(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        rid, abort_all = body.get("rid") or "", bool(body.get("abort_all"))
+        self.record("abort_request", rid=rid, abort_all=abort_all)
+        if not abort_all and not rid:
+            return web.Response(status=200)
+        for running_rid, flag in list(self.running.items()):
+            if abort_all or running_rid.startswith(rid):  # SGLang's scheduler matches by prefix
+                flag.set()
+        return web.Response(status=200)
+
+    # ------------------------------------------------------------------ info
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        if self.args.standin_never_healthy or time.time() - self.started_at < self.args.standin_startup_delay:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    def server_args(self) -> dict:
+        return {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+                "host": self.args.host, "port": self.args.port, "tp_size": self.args.tp_size, "dp_size": 1,
+                "skip_tokenizer_init": False, "enable_memory_saver": self.args.enable_memory_saver,
+                "standin_extra_flags": self.extra_flags}
+
+    async def handle_server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({**self.server_args(), "version": "0.5.17", "internal_states": [{}],
+                                  "max_total_num_tokens": 65536, "kv_events": None})
+
+    async def handle_model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.args.model_path,
+            "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": self.hf_config.get("model_type"), "architectures": self.hf_config.get("architectures"),
+        })
+
+    async def handle_get_load(self, request: web.Request) -> web.Response:
+        return web.json_response([{"dp_rank": 0, "num_reqs": len(self.running), "num_waiting_reqs": 0,
+                                   "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
+
+    async def handle_state(self, request: web.Request) -> web.Response:
+        return web.json_response({"events": self.events, "completed": self.completed, "paused": self.paused,
+                                  "memory": self.memory, "weight_version": self.weight_version,
+                                  "fingerprint": self.fingerprint(), "running": sorted(self.running)})
+
+    # ------------------------------------------------------------------ control
+
+    async def handle_flush_cache(self, request: web.Request) -> web.Response:
+        if self.running and not self.paused:
+            self.record("flush_cache", success=False)
+            return web.Response(status=400, text="Cache not flushed because there are pending requests.\n")
+        self.record("flush_cache", success=True)
+        return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
+                            "(When there are running or waiting requests, the operation will not be performed.)\n")
+
+    async def handle_pause(self, request: web.Request) -> web.Response:
+        body = await _json_or_empty(request)
+        mode = body.get("mode", "abort")
+        self.record("pause_generation", mode=mode)
+        self.paused = True
+        self.resumed.clear()
+        if mode == "abort":
+            for flag in self.running.values():
+                flag.set()
+            while self.running:
+                await asyncio.sleep(0.01)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def handle_continue(self, request: web.Request) -> web.Response:
+        self.record("continue_generation")
+        self.paused = False
+        self.resumed.set()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def handle_release(self, request: web.Request) -> web.Response:
+        body = await _json_or_empty(request)
+        tags = body.get("tags") or list(self.memory)
+        self.record("release_memory_occupation", tags=tags)
+        for tag in tags:
+            self.memory[tag] = False
+        return web.json_response(None)
+
+    async def handle_resume(self, request: web.Request) -> web.Response:
+        body = await _json_or_empty(request)
+        tags = body.get("tags") or list(self.memory)
+        self.record("resume_memory_occupation", tags=tags)
+        for tag in tags:
+            self.memory[tag] = True
+        return web.json_response(None)
+
+    # ------------------------------------------------------------------ weights
+
+    def _apply(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        for name, tensor in named:
+            if name not in self.weights:
+                raise KeyError(f"unknown parameter {name}")
+            if tuple(tensor.shape) != tuple(self.weights[name].shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(self.weights[name].shape)}")
+            self.weights[name] = tensor.detach().to("cpu", copy=True)
+        if version is not None:
+            self.weight_version = version
+
+    async def handle_update_from_tensor(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        payloads = body["serialized_named_tensors"]
+        self.record("update_weights_from_tensor", load_format=body.get("load_format"), num_payloads=len(payloads),
+                    weight_version=body.get("weight_version"), flush_cache=body.get("flush_cache", True))
+        try:
+            if len(payloads) != self.args.tp_size:
+                raise ValueError(f"{len(payloads)} payloads for tp_size {self.args.tp_size}")
+            data = pickle.load(io.BytesIO(base64.b64decode(payloads[0], validate=True)))
+            if body.get("load_format") == "flattened_bucket":
+                flat = data["flattened_tensor"]
+                named = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in data["metadata"]]
+            else:
+                named = data
+            self._apply(named, body.get("weight_version"))
+        except Exception as err:  # SGLang answers 400 with success=false
+            return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def handle_update_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.record("update_weights_from_disk", model_path=body["model_path"], weight_version=body.get("weight_version"))
+        try:
+            loaded = self._load_folder(Path(body["model_path"]))
+            if not loaded:
+                raise FileNotFoundError(f"no *.safetensors in {body['model_path']}")
+            self._apply(list(loaded.items()), body.get("weight_version"))
+        except Exception as err:
+            return web.json_response({"success": False, "message": f"Failed to update weights: {err}",
+                                      "num_paused_requests": 0}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+    async def handle_init_group(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.record("init_weights_update_group", **body)
+        try:
+            group = await asyncio.to_thread(_join_group, body)
+        except Exception as err:
+            return web.json_response({"success": False, "message": f"Failed to init group: {err}"}, status=400)
+        self.groups[body.get("group_name", "weight_update_group")] = group
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def handle_destroy_group(self, request: web.Request) -> web.Response:
+        body = await _json_or_empty(request)
+        name = body.get("group_name", "weight_update_group")
+        self.record("destroy_weights_update_group", group_name=name)
+        group = self.groups.pop(name, None)
+        if group is None:
+            return web.json_response({"success": False, "message": f"no group {name}"}, status=400)
+        torch.distributed.destroy_process_group(group)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def handle_update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.record("update_weights_from_distributed", names=body["names"], load_format=body.get("load_format"),
+                    weight_version=body.get("weight_version"))
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            return web.json_response({"success": False, "message": "Please call `init_weights_update_group` first."},
+                                     status=400)
+        try:
+            named = await asyncio.to_thread(_receive_broadcast, group, body)
+            self._apply(named, body.get("weight_version"))
+        except Exception as err:
+            return web.json_response({"success": False, "message": f"Failed to update parameter online: {err}"},
+                                     status=400)
+        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def handle_get_weights(self, request: web.Request) -> web.Response:
+        body = await _json_or_empty(request)
+        name, truncate = body.get("name"), int(body.get("truncate_size", 100))
+        if name not in self.weights:
+            return _error(f"Get parameter by name failed: {name}")
+        return web.json_response(self.weights[name].float().numpy().tolist()[:truncate])
+
+
+def _join_group(body: dict):
+    """Join the trainer's weight-update group as ranks rank_offset.. (SGLang's init_custom_process_group)."""
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    world_size, rank = int(body["world_size"]), int(body["rank_offset"])
+    url = f"tcp://{body['master_address']}:{body['master_port']}"
+    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timedelta(seconds=60)))
+    store = PrefixStore(body.get("group_name", "weight_update_group"), store)
+    group, _ = _new_process_group_helper(world_size, rank, [], torch.distributed.Backend(body.get("backend", "nccl")),
+                                         store, group_name=body.get("group_name", "weight_update_group"),
+                                         timeout=timedelta(seconds=60))
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def _receive_broadcast(group, body: dict) -> list[tuple[str, torch.Tensor]]:
+    shapes = [torch.Size(s) for s in body["shapes"]]
+    dtypes = [getattr(torch, d) for d in body["dtypes"]]
+    if body.get("load_format") == "flattened_bucket":
+        sizes = [int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes)]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        torch.distributed.broadcast(flat, src=0, group=group)
+        named, offset = [], 0
+        for name, shape, dtype, size in zip(body["names"], shapes, dtypes, sizes):
+            named.append((name, flat[offset:offset + size].view(dtype).reshape(shape)))
+            offset += size
+        return named
+    named = []
+    for name, shape, dtype in zip(body["names"], shapes, dtypes):
+        tensor = torch.empty(shape, dtype=dtype)
+        torch.distributed.broadcast(tensor, src=0, group=group)
+        named.append((name, tensor))
+    return named
+
+
+async def _json_or_empty(request: web.Request) -> dict:
+    raw = await request.read()
+    return json.loads(raw) if raw.strip() else {}
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def build_app(server: StandinServer) -> web.Application:
+    app = web.Application(client_max_size=1 << 30)
+    r = app.router
+    for path in ("/health", "/health_generate"):
+        r.add_get(path, server.handle_health)
+    for path, handler in {"/server_info": server.handle_server_info, "/get_server_info": server.handle_server_info,
+                          "/model_info": server.handle_model_info, "/get_model_info": server.handle_model_info,
+                          "/get_load": server.handle_get_load, "/standin/state": server.handle_state}.items():
+        r.add_get(path, handler)
+    r.add_route("POST", "/generate", server.handle_generate)
+    r.add_route("PUT", "/generate", server.handle_generate)
+    r.add_post("/abort_request", server.handle_abort)
+    for path, handler in {"/flush_cache": server.handle_flush_cache,
+                          "/release_memory_occupation": server.handle_release,
+                          "/resume_memory_occupation": server.handle_resume,
+                          "/get_weights_by_name": server.handle_get_weights}.items():
+        r.add_get(path, handler)
+        r.add_post(path, handler)
+    for path, handler in {"/pause_generation": server.handle_pause, "/continue_generation": server.handle_continue,
+                          "/update_weights_from_tensor": server.handle_update_from_tensor,
+                          "/update_weights_from_disk": server.handle_update_from_disk,
+                          "/init_weights_update_group": server.handle_init_group,
+                          "/destroy_weights_update_group": server.handle_destroy_group,
+                          "/update_weights_from_distributed": server.handle_update_from_distributed}.items():
+        r.add_post(path, handler)
+    return app
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    args, extra = parse_args(argv)
+    print(f"[standin-sglang] serving on {args.host}:{args.port} model={args.model_path} extra={extra}", flush=True)
+    if args.standin_crash_on_start:
+        print("RuntimeError: stand-in told to crash on start (--standin-crash-on-start)", flush=True)
+        sys.exit(1)
+    server = StandinServer(args, extra)
+    web.run_app(build_app(server), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
