@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from slime_rl.core.sample import Sample
@@ -104,10 +105,14 @@ class _Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=False,
         )
         self._buffer = b""
-        ready = self.read(time.monotonic() + WORKER_START_TIMEOUT_S)
+        try:
+            ready = self.read(time.monotonic() + WORKER_START_TIMEOUT_S)
+        except EOFError:
+            ready = None
         if ready is None or not ready.get("ready"):
             self.kill()
-            raise RuntimeError("the math-verify worker did not start (is math-verify installed?)")
+            raise RuntimeError(f"the math-verify worker ({sys.executable} -m slime_rl.core.rewards.math_worker) "
+                               "did not start; is math-verify installed in this environment?")
 
     def ask(self, gold: str, pred: str, timeout_s: float) -> dict[str, Any] | None:
         assert self.proc.stdin is not None
@@ -146,11 +151,16 @@ class MathVerifier:
 
     def __init__(self, num_workers: int, timeout_s: float = VERIFY_TIMEOUT_S):
         self.timeout_s = timeout_s
+        # One waiting thread per worker, so verification never ties up asyncio's shared default executor.
+        self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="math-verify")
         self._slots: queue.Queue[_Worker | None] = queue.Queue()
         for _ in range(num_workers):
             self._slots.put(None)  # workers start on first use
         self._workers: set[_Worker] = set()
         self._lock = threading.Lock()
+
+    async def averify(self, gold: str, pred: str) -> bool:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self.verify, gold, pred)
 
     def verify(self, gold: str, pred: str) -> bool:
         worker = self._slots.get()
@@ -183,6 +193,7 @@ class MathVerifier:
             self._workers.discard(worker)
 
     def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             workers, self._workers = list(self._workers), set()
         for worker in workers:
@@ -205,7 +216,7 @@ def verifier() -> MathVerifier:
 
 
 async def is_equivalent(gold: str, pred: str) -> bool:
-    return await asyncio.to_thread(verifier().verify, gold, pred)
+    return await verifier().averify(gold, pred)
 
 
 # ---------------------------------------------------------------- the rewards
