@@ -167,7 +167,7 @@ def test_stop_strings_end_the_response_with_the_match_kept(tokenizer, make_model
     out = asyncio.run(engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=24, stop=["@@@", stop])))
     assert out.finish_reason == "stop"
     assert out.token_ids == free.token_ids[:k]
-    assert tokenizer.decode(out.token_ids).endswith(stop) or stop in tokenizer.decode(out.token_ids)
+    assert stop in tokenizer.decode(out.token_ids) and stop not in tokenizer.decode(out.token_ids[:-1])
 
 
 async def wait_until_decoding(engine, request_id: str, num_tokens: int) -> None:
@@ -220,6 +220,20 @@ def test_abort_all_returns_running_and_queued_requests(tokenizer, make_model):
     running, queued = asyncio.run(main())
     assert running.finish_reason == queued.finish_reason == "abort"
     assert len(running.token_ids) >= 2 and queued.token_ids == [] and queued.log_probs == []
+
+
+def test_shutdown_returns_running_requests_as_aborted(tokenizer, make_model):
+    engine = HFEngine(make_model("llama", len(tokenizer)), tokenizer)
+    prompt = encode(tokenizer, PROMPTS[:1])[0]
+
+    async def main():
+        running = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=3000, ignore_eos=True), "r"))
+        await wait_until_decoding(engine, "r", 2)
+        await engine.shutdown()
+        return await running
+
+    out = asyncio.run(main())
+    assert out.finish_reason == "abort" and len(out.token_ids) == len(out.log_probs) >= 2
 
 
 def test_update_weights_changes_outputs_and_bumps_the_version(tokenizer, make_model):
@@ -292,9 +306,9 @@ def test_from_config_loads_an_hf_folder_and_shuts_down(tmp_path, tokenizer, make
     cfg = Config()
     cfg.model.path = str(tmp_path / "model")
     cfg.cluster.device = "cpu"
-    cfg.rollout.engine_args = {"max_batch_size": 4, "seed": 5}
+    cfg.rollout.engine_args = {"max_batch_size": 4, "seed": 5, "num_threads": 1}
     engine = HFEngine.from_config(cfg)
-    assert engine.max_batch_size == 4 and engine.model.dtype == torch.float32 and engine.device.type == "cpu"
+    assert engine.max_batch_size == 4 and engine.num_threads == 1 and engine.model.dtype == torch.float32 and engine.device.type == "cpu"
     prompt = encode(tokenizer, PROMPTS[:1])[0]
     out = asyncio.run(engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)))
     expected, _ = reference_log_probs(model, prompt, out.token_ids, 0.0)

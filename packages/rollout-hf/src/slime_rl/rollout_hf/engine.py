@@ -87,11 +87,13 @@ class HFEngine(RolloutEngine):
         seed: int = 0,
         gather_window_s: float = 0.002,  # after the first request, wait this long for the rest of a wave
         eos_token_ids: list[int] | None = None,  # default: the model's and the tokenizer's eos
+        num_threads: int | None = None,  # torch threads for generation; None: the calling thread's setting
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.gather_window_s = gather_window_s
+        self.num_threads = num_threads
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _eos_ids(model, tokenizer))
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -144,8 +146,6 @@ class HFEngine(RolloutEngine):
         if unknown:
             raise ValueError(f"rollout.engine_args.{unknown[0]}: not an hf engine option "
                              f"(it takes {', '.join(sorted(ENGINE_ARGS))})")
-        if "num_threads" in args:
-            torch.set_num_threads(int(args.pop("num_threads")))
         args.setdefault("max_batch_size", cfg.rollout.max_concurrency)
         args.setdefault("seed", cfg.trainer.seed)
         return cls.from_pretrained(
@@ -208,7 +208,8 @@ class HFEngine(RolloutEngine):
             self._version = version
 
     async def release_memory(self) -> None:
-        """On CUDA, move the weights to host memory and empty the cache allocator; on CPU a no-op."""
+        """On CUDA, move the weights to host memory and empty the cache allocator; on CPU a no-op.
+        Call it with no request in flight (the colocated loop does: it releases after rollout)."""
         if self.device.type == "cuda":
             await self._in_worker(lambda: (self.model.to("cpu"), torch.cuda.empty_cache()))
             self._released = True
@@ -226,11 +227,15 @@ class HFEngine(RolloutEngine):
         if self._closed:
             return
         self._closed = True
+        running = [r.future for r in self._in_flight.values()]
         await self.abort()
-        if self._batcher is not None and not self._batcher.done():
-            self._batcher.cancel()
+        batcher = self._batcher
+        if batcher is not None and not batcher.done() and batcher.get_loop() is asyncio.get_running_loop():
+            if running:  # aborted rows return after the current decode step
+                await asyncio.wait(running)
+            batcher.cancel()
             try:
-                await self._batcher
+                await batcher
             except asyncio.CancelledError:
                 pass
         self._worker.shutdown(wait=True)
@@ -304,11 +309,12 @@ class HFEngine(RolloutEngine):
     def _resolve(self, req: _Request) -> None:
         self._in_flight.pop(req.request_id, None)
         if not req.future.done():
-            req.future.set_result(GenerateOutput(req.token_ids, req.log_probs, req.finish_reason, self._version))
+            output = GenerateOutput(list(req.token_ids), list(req.log_probs), req.finish_reason, self._version)
+            req.future.set_result(output)
 
     async def _in_worker(self, fn, grad_mode=torch.inference_mode):
         # torch's thread count is per thread: carry the caller's setting into the worker.
-        num_threads = torch.get_num_threads()
+        num_threads = self.num_threads or torch.get_num_threads()
 
         def call():
             if torch.get_num_threads() != num_threads:
