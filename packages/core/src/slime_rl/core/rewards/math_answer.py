@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from slime_rl.core.sample import Sample
@@ -32,6 +33,7 @@ VERIFY_TIMEOUT_S = 10.0  # per answer, inside the worker
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers; they are not sent to sympy
 MAX_TAIL_CHARS = 2000  # without a marked answer, math-verify searches this much of the response's end
 WORKER_START_TIMEOUT_S = 120.0
+_WORKER_SCRIPT = str(Path(__file__).with_name("math_worker.py"))
 
 
 # ---------------------------------------------------------------- extraction
@@ -101,7 +103,7 @@ def label_text(sample: Sample) -> str:
 class _Worker:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "slime_rl.core.rewards.math_worker"],
+            [sys.executable, _WORKER_SCRIPT],  # run as a file: importing the package would pull in torch
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=False,
         )
         self._buffer = b""
@@ -111,7 +113,7 @@ class _Worker:
             ready = None
         if ready is None or not ready.get("ready"):
             self.kill()
-            raise RuntimeError(f"the math-verify worker ({sys.executable} -m slime_rl.core.rewards.math_worker) "
+            raise RuntimeError(f"the math-verify worker ({sys.executable} {_WORKER_SCRIPT}) "
                                "did not start; is math-verify installed in this environment?")
 
     def ask(self, gold: str, pred: str, timeout_s: float) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """A math-verify worker process: JSON lines in on stdin, JSON lines out on stdout.
 
-Run as ``python -m slime_rl.core.rewards.math_worker``. It lives in its own
+Run as ``python path/to/math_worker.py`` (a file, so it imports math-verify and
+nothing of slime_rl, whose package imports torch). It lives in its own
 process so that the parent can kill it when sympy hangs (``9^{9^{9^9}}`` never
 finishes, and no thread can be stopped). Request ``{"gold": str, "pred": str}``,
 reply ``{"ok": bool}`` or ``{"error": str}``; the first line out is ``{"ready": true}``.
