@@ -103,7 +103,8 @@ def label_text(sample: Sample) -> str:
 class _Worker:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, _WORKER_SCRIPT],  # run as a file: importing the package would pull in torch
+            # A file, not -m: importing the package would pull in torch. -P: its folder stays off sys.path.
+            [sys.executable, "-P", _WORKER_SCRIPT],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=False,
         )
         self._buffer = b""
