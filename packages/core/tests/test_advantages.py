@@ -231,3 +231,13 @@ def test_per_token_lengths_checked():
     bad = make_sample(0, 0, 1.0, 3, loss_mask=[1, 1])
     with pytest.raises(ValueError, match="sample 0: loss_mask has 2 entries for 3"):
         compute_advantages([bad], AlgorithmConfig(), n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match="sample 1: ref_log_probs has 1 entries for 2"):
+        compute_advantages([make_sample(0, 0, 1.0, 1, old=[0.0], ref=[0.0]),
+                            make_sample(1, 0, 1.0, 2, old=[0.0, 0.0], ref=[0.0])],
+                           AlgorithmConfig(), n_samples_per_prompt=2)
+
+
+def test_empty_loss_mask_trains_every_token():
+    samples = [make_sample(0, 0, 1.0, 2, loss_mask=[]), make_sample(1, 0, 0.0, 3, loss_mask=[])]
+    compute_advantages(samples, AlgorithmConfig(advantage_estimator="dr_grpo"), n_samples_per_prompt=2)
+    assert samples[0].advantages == [0.5, 0.5] and samples[1].advantages == [-0.5] * 3

@@ -115,17 +115,19 @@ def compute_advantages(
     """Fill ``sample.advantages`` (and ``sample.returns`` for ppo) for every sample.
 
     Groups are consecutive runs of ``n_samples_per_prompt`` samples sharing
-    ``group_index``. Advantages are 0 on tokens with ``loss_mask`` 0.
+    ``group_index``. Advantages are 0 on tokens with ``loss_mask`` 0 (an empty
+    ``loss_mask`` trains every token).
     ``algo.kl_coef`` charges ``old_log_probs - ref_log_probs`` as a reward
     penalty (no penalty when the samples carry no ``ref_log_probs``)."""
     if not samples:
         return
     _check_groups(samples, n_samples_per_prompt)
     for s in samples:
-        _check_per_token(s, "loss_mask")
+        if s.loss_mask:  # empty: every response token is trained on
+            _check_per_token(s, "loss_mask")
     rewards = torch.tensor([s.reward_value(reward_key) for s in samples], dtype=torch.float64)
     lengths = [s.response_length for s in samples]
-    loss_mask = _pad([s.loss_mask for s in samples], lengths)
+    loss_mask = _pad([s.loss_mask or [1] * s.response_length for s in samples], lengths)
     valid = _pad([[1.0] * n for n in lengths], lengths)
     kl = _token_kl(samples, lengths) * loss_mask
     n = n_samples_per_prompt
