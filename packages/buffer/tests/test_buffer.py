@@ -237,3 +237,19 @@ def test_from_config_and_entry_point(tmp_path):
     buffer = load_plugin("slime_rl.buffers", "default").from_config(cfg, tmp_path)
     assert isinstance(buffer, SampleBuffer) and buffer.max_staleness == 2 and buffer.partial_rollout
     assert buffer.db_path == tmp_path / "buffer.sqlite" and buffer.db_path.exists()
+
+
+def test_a_damaged_record_is_refused_not_read(tmp_path):
+    import sqlite3
+
+    from slime_rl.buffer.store import StoreError
+
+    SampleBuffer(tmp_path).add([finished_group(0), finished_group(1)])
+    conn = sqlite3.connect(tmp_path / "buffer.sqlite")
+    conn.execute("UPDATE groups SET payload = substr(payload, 1, length(payload) - 3) WHERE id = 2")
+    conn.commit()
+    conn.close()
+    buffer = SampleBuffer(tmp_path)
+    assert dicts(buffer.take(1)) == dicts([finished_group(0)])
+    with pytest.raises(StoreError, match="group row 2 fails its checksum; the file is damaged"):
+        buffer.take(1)

@@ -131,7 +131,7 @@ class ParquetRecords:
         for g in np.unique(groups):
             wanted = [i for i, gi in zip(ids, groups, strict=True) if gi == g]
             local = pa.array([i - int(self.group_starts[g]) for i in wanted], type=pa.int64())
-            table = self._file.read_row_group(int(g), columns=self.columns).take(local)
+            table = self._file.read_row_group(int(g), columns=self.columns, use_threads=False).take(local)
             rows.update(zip(wanted, table.to_pylist(), strict=True))
         return [rows[i] for i in ids]
 

@@ -112,7 +112,8 @@ def decode_group(payload: bytes) -> list[Sample]:
             if sys.byteorder == "big":
                 values.byteswap()
             record[name], offset = values.tolist(), end
-        samples.append(Sample.from_dict(record))
+        record["status"] = SampleStatus(record["status"])
+        samples.append(Sample(**record))  # Sample.from_dict's field check costs as much as the decode
     if offset != len(payload):
         raise ValueError(f"{len(payload) - offset} bytes left after the last sample")
     return samples
@@ -192,7 +193,11 @@ class GroupStore:
     def _decode(self, row_id: int, crc: int, payload: bytes) -> list[Sample]:
         if zlib.crc32(payload) != crc:
             raise StoreError(f"{self.path}: group row {row_id} fails its checksum; the file is damaged")
-        return decode_group(payload)
+        try:
+            return decode_group(payload)
+        except (TypeError, ValueError, KeyError, struct.error) as err:
+            raise StoreError(f"{self.path}: group row {row_id} cannot be decoded ({err}); "
+                             "was it written by another slime-rl version?") from None
 
     def delete(self, ids: list[int]) -> None:
         self._conn.executemany("DELETE FROM groups WHERE id = ?", [(i,) for i in ids])
