@@ -42,4 +42,4 @@ def test_grpo_learns_toy_reward(tp, tiny_model_dir, tmp_path, monkeypatch):
     assert sum(rewards[:3]) / 3 < 0.3, rewards[:3]
     assert sum(rewards[-5:]) / 5 >= 0.9, rewards[-10:]
     # on-policy at step 0: the trainer scores the engine's tokens as the engine did
-    assert rows[0]["train/rollout_logprob_abs_diff"] <= 1e-4
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 1e-4

@@ -67,17 +67,6 @@ def _attach(samples: list[Sample], field: str, values: list[list[float]]) -> Non
         setattr(sample, field, value)
 
 
-def logprob_gap(samples: list[Sample]) -> float:
-    """Mean |trainer old log-prob - engine log-prob| over trained tokens: train/inference mismatch."""
-    total = count = 0.0
-    for s in samples:
-        for old, rollout, mask in zip(s.old_log_probs, s.rollout_log_probs, s.loss_mask, strict=False):
-            if mask:
-                total += abs(old - rollout)
-                count += 1
-    return total / count if count else 0.0
-
-
 def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     """Run (or resume) a training job; returns a summary (steps, eval before and after, paths)."""
     import ray
@@ -139,7 +128,6 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             if separate_old_pass:
                 with phase(timings, "log_probs"):
                     _attach(samples, "old_log_probs", actor.call("compute_log_probs", samples_ref, "actor"))
-                metrics["train/rollout_logprob_abs_diff"] = logprob_gap(samples)
             if algo.use_rollout_logprobs:
                 for s in samples:
                     s.old_log_probs = list(s.rollout_log_probs)
