@@ -296,3 +296,22 @@ def test_resume_refuses_a_changed_file(tmp_path):
     write_jsonl(path, arithmetic_rows(6))
     message = one_line_error(lambda: PromptDataSource(path).load_state_dict(state))
     assert message.startswith(f"{path}: changed since the state was saved (5 lines")
+
+
+def test_parquet_bad_row_names_the_row(tmp_path):
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist([{"input": "a", "label": "1"}, {"input": None, "label": "2"}]), path)
+    source = PromptDataSource(path, shuffle=False)
+    assert one_line_error(lambda: source.get_groups(2)).startswith(
+        f"{path}:row 1: input 'input' must be a string or a list of chat messages ({{role, content}}), got null")
+
+
+def test_pickles_for_another_process_at_the_same_position(tmp_path, tokenizer):
+    import pickle
+
+    path = write_jsonl(tmp_path / "p.jsonl", arithmetic_rows(9))
+    source = PromptDataSource(path, tokenizer=tokenizer, n_samples_per_prompt=2, seed=2, num_epoch=None)
+    source.get_groups(7)
+    clone = pickle.loads(pickle.dumps(source))
+    assert as_rows(clone.get_groups(5)) == as_rows(source.get_groups(5))
+    assert clone.state_dict() == source.state_dict() and clone.tokenizer is not None

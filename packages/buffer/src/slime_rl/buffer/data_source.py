@@ -45,7 +45,7 @@ def parse_prompt_record(
     prompt = record[input_key]
     if not _is_prompt(prompt):
         return DataError(where, f"input {input_key!r} must be a string or a list of chat messages "
-                                f"({{role, content}}), got {type(prompt).__name__}; {skip_hint}")
+                                f"({{role, content}}), got {_json_type(prompt)}; {skip_hint}")
     label = None
     if label_key is not None:
         if label_key not in record:
@@ -53,23 +53,26 @@ def parse_prompt_record(
                                     f"data.label_key to the answer field, or to null for prompts without labels")
         label = record[label_key]
         if label is None or isinstance(label, bool) or not isinstance(label, str | int | float | list | dict):
-            got = "null" if label is None else type(label).__name__
-            return DataError(where, f"label {label_key!r} is {got}; a label must be a string, number, list or "
+            return DataError(where, f"label {label_key!r} is {_json_type(label)}; a label must be a string, number, list or "
                                     f"object; {skip_hint}")
     metadata: dict[str, Any] = {}
     if metadata_key is not None and record.get(metadata_key) is not None:
         metadata = record[metadata_key]
         if not isinstance(metadata, dict):
             return DataError(where, f"metadata {metadata_key!r} must be an object, got "
-                                    f"{type(metadata).__name__}; {skip_hint}")
+                                    f"{_json_type(metadata)}; {skip_hint}")
         metadata = dict(metadata)
     if tools_key is not None and record.get(tools_key) is not None:
         tools = record[tools_key]
         if not isinstance(tools, list):
             return DataError(where, f"tools {tools_key!r} must be a list of tool schemas, got "
-                                    f"{type(tools).__name__}; {skip_hint}")
+                                    f"{_json_type(tools)}; {skip_hint}")
         metadata["tools"] = tools
     return prompt, label, metadata
+
+
+def _json_type(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 def _is_prompt(prompt: Any) -> bool:
@@ -106,6 +109,8 @@ class PromptDataSource(DataSource):
         max_prompt_len: int | None = None,
         format: str | None = None,
     ):
+        # The arguments, to rebuild in another process (__getstate__).
+        self._init_args = {k: v for k, v in locals().items() if k != "self"}
         if n_samples_per_prompt < 1:
             raise DataError("data.n_samples_per_prompt", f"must be >= 1, got {n_samples_per_prompt}")
         if num_epoch is not None and num_epoch < 1:
@@ -297,6 +302,15 @@ class PromptDataSource(DataSource):
 
     def close(self) -> None:
         self.records.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles as its arguments and position (for Ray): the other process reopens the file."""
+        return {"args": self._init_args, "state": self.state_dict()}
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        args = dict(pickled["args"])
+        self.__init__(args.pop("path"), **args)
+        self.load_state_dict(pickled["state"])
 
 
 def _suffix_unknown(path: str) -> bool:

@@ -230,7 +230,7 @@ class GroupStore:
             free = self._conn.execute("PRAGMA freelist_count").fetchone()[0]
             total = self._conn.execute("PRAGMA page_count").fetchone()[0]
             if free >= COMPACT_MIN_FREE_PAGES and 2 * free > total:
-                self._conn.execute("PRAGMA incremental_vacuum")
+                self._conn.executescript("PRAGMA incremental_vacuum;")  # execute() would free one page only
 
     def compact(self) -> None:
         """Fold the WAL into the main file, truncate it, and rebuild the file without free pages."""
