@@ -93,3 +93,23 @@ def test_sigkill_at_20_random_moments_loses_no_acknowledged_group(tmp_path):
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     conn.close()
     assert len(acknowledged) >= KILLS
+
+
+def test_a_producer_and_a_consumer_process_share_the_file(tmp_path):
+    """The rollout side adds while the trainer side takes: every group comes out exactly once."""
+    db = str(tmp_path / "shared")
+    SampleBuffer(db).close()
+
+    def produce():
+        buffer = SampleBuffer(db)
+        for i in range(0, 120, 3):
+            buffer.add([make_group(j) for j in range(i, i + 3)])
+
+    child = multiprocessing.get_context("fork").Process(target=produce)
+    child.start()
+    buffer, taken = SampleBuffer(db), []
+    deadline = time.monotonic() + 60
+    while len(taken) < 120 and time.monotonic() < deadline:
+        taken += [g[0].group_index for g in buffer.take(7)]
+    child.join(30)
+    assert child.exitcode == 0 and taken == list(range(120)) and len(buffer) == 0  # FIFO, once each
