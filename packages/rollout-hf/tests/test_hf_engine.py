@@ -71,6 +71,26 @@ def test_log_probs_are_before_top_k_filtering(tokenizer, make_model):
     assert max(out.log_probs) < -1e-3
 
 
+@pytest.mark.parametrize(("top_k", "top_p"), [(3, 1.0), (-1, 0.5), (5, 0.3)])
+def test_top_k_and_top_p_restrict_what_is_sampled(top_k, top_p, tokenizer, make_model):
+    model = make_model("llama", len(tokenizer))
+    engine = HFEngine(model, tokenizer)
+    prompt = encode(tokenizer, PROMPTS[:1])[0]
+    params = [SamplingParams(temperature=1.5, top_k=top_k, top_p=top_p, max_new_tokens=10, seed=s, ignore_eos=True)
+              for s in range(16)]
+    outputs = asyncio.run(generate_all(engine, [prompt] * 16, params))
+    for out in outputs:
+        _, logits = reference_log_probs(model, prompt, out.token_ids, 1.5)
+        probs = torch.softmax(logits / 1.5, dim=-1)
+        for position, token in enumerate(out.token_ids):
+            rank = int((probs[position] > probs[position, token]).sum())
+            assert top_k <= 0 or rank < top_k
+            kept = probs[position].sort(descending=True).values[: top_k if top_k > 0 else None]
+            mass_before = float((kept[:rank] / kept.sum()).sum())
+            assert mass_before <= top_p + 1e-6
+    assert len({tuple(o.token_ids) for o in outputs}) > 1  # still sampling, not greedy
+
+
 def test_greedy_is_deterministic_and_seeded_sampling_reproducible(tokenizer, make_model):
     engine = HFEngine(make_model("llama", len(tokenizer)), tokenizer)
     prompt = encode(tokenizer, PROMPTS[:1])[0]
