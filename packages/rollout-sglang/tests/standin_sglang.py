@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (the first log line is printed before the slow imports)
 """TEST DOUBLE: a stand-in for an SGLang 0.5.17 HTTP server, for CPU tests only.
 
 SGLang needs a GPU, so CPU tests put this process behind the real sglang-router. It
@@ -154,7 +155,7 @@ class StandinServer:
             start = logprob_start_len if logprob_start_len is not None and logprob_start_len >= 0 else len(input_ids)
             meta["input_token_logprobs"] = [[None if i == 0 else -1.0, input_ids[i], None]
                                             for i in range(start, len(input_ids))]
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out)]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out, strict=True)]
             meta["output_token_logprobs_length"] = len(out)
         meta.update(reasoning_tokens=0, completion_tokens=len(out), cached_tokens=0,
                     e2e_latency=time.time() - started)
@@ -184,7 +185,7 @@ class StandinServer:
         sps = sps if isinstance(sps, list) else [sps] * len(batch)
         outs = await asyncio.gather(*[
             self.generate_one(x, sp, rid, bool(body.get("return_logprob")), body.get("logprob_start_len", -1))
-            for x, sp, rid in zip(batch, sps, rids)
+            for x, sp, rid in zip(batch, sps, rids, strict=True)
         ])
         return web.json_response(outs[0] if single else outs)
 
@@ -387,16 +388,16 @@ def _receive_broadcast(group, body: dict) -> list[tuple[str, torch.Tensor]]:
     shapes = [torch.Size(s) for s in body["shapes"]]
     dtypes = [getattr(torch, d) for d in body["dtypes"]]
     if body.get("load_format") == "flattened_bucket":
-        sizes = [int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes)]
+        sizes = [int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes, strict=True)]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         torch.distributed.broadcast(flat, src=0, group=group)
         named, offset = [], 0
-        for name, shape, dtype, size in zip(body["names"], shapes, dtypes, sizes):
+        for name, shape, dtype, size in zip(body["names"], shapes, dtypes, sizes, strict=True):
             named.append((name, flat[offset:offset + size].view(dtype).reshape(shape)))
             offset += size
         return named
     named = []
-    for name, shape, dtype in zip(body["names"], shapes, dtypes):
+    for name, shape, dtype in zip(body["names"], shapes, dtypes, strict=True):
         tensor = torch.empty(shape, dtype=dtype)
         torch.distributed.broadcast(tensor, src=0, group=group)
         named.append((name, tensor))

@@ -69,7 +69,7 @@ def parse_response(body: dict[str, Any], *, default_version: int) -> GenerateOut
         n = min(len(ids), len(entries))  # an abort can land between a token and its log-prob
         ids, entries = ids[:n], entries[:n]
     log_probs = [float(e[0]) for e in entries]
-    if any(int(e[1]) != t for e, t in zip(entries, ids)):
+    if any(int(e[1]) != t for e, t in zip(entries, ids, strict=True)):
         raise GenerateError(f"request {meta.get('id')}: output_token_logprobs ids differ from output_ids")
     version = meta.get("weight_version")
     try:

@@ -32,8 +32,8 @@ from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.client import GenerateClient
 from slime_rl.rollout_sglang.router import Router, launch_router
 from slime_rl.rollout_sglang.server import (
-    SGLangServer,
     ServerStartError,
+    SGLangServer,
     attach_server,
     restart_server,
     start_server,
@@ -300,7 +300,9 @@ class SGLangEngine(RolloutEngine):
                 await asyncio.to_thread(ws.pause_generation, self.targets(), timeout=self.sync_timeout,
                                         step=f"weight sync v{version}: pause generation")
             except BaseException:
-                self._end_sync()
+                self._end_sync()  # nothing changed yet: let the engines that did pause go on
+                await asyncio.to_thread(_try, ws.continue_generation, self.targets(), timeout=30.0,
+                                        step="undo pause")
                 raise
         elif version != self._syncing:
             raise ws.WeightSyncError(f"weight sync v{self._syncing} is unfinished (no bucket with last=True) "
@@ -313,7 +315,8 @@ class SGLangEngine(RolloutEngine):
                     self._weights_cpu[name] = tensor.detach().to("cpu", copy=True)
             if self.verify_weights:
                 for name, tensor in (named_tensors[0], named_tensors[-1]):
-                    self._verify_sample[name] = tensor.detach()[:100].to("cpu", copy=True)
+                    if tensor.dim() > 0:
+                        self._verify_sample[name] = tensor.detach()[:100].to("cpu", copy=True)
             self._bucket_index += 1
             if last:
                 await self._finish_sync(version)
@@ -485,6 +488,9 @@ class SGLangEngine(RolloutEngine):
                 target = ws.Target(fresh.name, fresh.url, fresh.tp_size)
                 if self._version > 0 or self._weights_stale:
                     await asyncio.to_thread(self._restore_weights, [target])
+                if self._released:  # a colocated trainer holds the GPU now: give the memory back again
+                    await asyncio.to_thread(ws.release_memory, [target], sorted(self._released),
+                                            timeout=self.sync_timeout)
                 if self._closed_by:
                     await asyncio.to_thread(ws.pause_generation, [target], timeout=self.sync_timeout,
                                             step="recovery: hold generation")
@@ -524,6 +530,14 @@ class SGLangEngine(RolloutEngine):
         for server in self.servers:
             if server.process is not None:
                 server.process.stop()
+
+
+def _try(fn, *args, **kwargs) -> None:
+    """Best effort, for clean-up after an error that is already being raised."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as err:
+        logger.warning("%s failed during clean-up: %s", getattr(fn, "__name__", fn), err)
 
 
 def _engine_gpu_ids(cfg: Config) -> list[list[int]]:

@@ -224,7 +224,7 @@ def _wait_with_posts(work: Any, futures: list[tuple[Target, Future]], *, timeout
     deadline raises (an engine that refused would otherwise leave the collective hanging)."""
     deadline = time.monotonic() + timeout
     while True:
-        for target, fut in futures:
+        for _, fut in futures:
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()
         if (work is None or work.is_completed()) and all(f.done() for _, f in futures):

@@ -1,0 +1,272 @@
+"""SGLangEngine end to end on CPU: launched from a config through the same code the GPU run
+uses, with stand-in SGLang workers (a test double) behind the real sglang-router."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slime_rl.core.config import Config
+from slime_rl.core.contracts import SamplingParams
+from slime_rl.core.plugins import load_plugin
+from slime_rl.rollout_sglang.engine import SGLangEngine
+from slime_rl.rollout_sglang.weight_sync import WeightSyncError
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+
+def make_config(tiny_model, standin_python, tmp_path, **rollout) -> Config:
+    engine_args = {"standin_token_delay": 0.002, **rollout.pop("engine_args", {})}
+    return Config.model_validate({
+        "model": {"path": str(tiny_model)},
+        "rollout": {"engine": "sglang", "engine_python": standin_python, "engine_args": engine_args, **rollout},
+        "cluster": {"device": "cpu", "colocate": True, "actor_num_gpus_per_node": 2,
+                    "rollout_num_gpus_per_engine": 1},
+        "logging": {"dir": str(tmp_path)},
+    })
+
+
+@pytest.fixture
+def make_engine(tiny_model, standin_python, tmp_path):
+    engines = []
+
+    def make(**rollout) -> SGLangEngine:
+        engine = SGLangEngine.from_config(make_config(tiny_model, standin_python, tmp_path, **rollout))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        asyncio.run(engine.shutdown())
+
+
+def state(url: str) -> dict:
+    return httpx.get(f"{url}/standin/state", timeout=10).json()
+
+
+def events(url: str, *kinds: str) -> list[dict]:
+    return [e for e in state(url)["events"] if e["kind"] in kinds]
+
+
+def new_weights(tiny_model, scale: float) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights, changed (a trainer step's worth, in spirit)."""
+    weights = load_file(str(tiny_model / "model.safetensors"))
+    return [(name, (t.float() * scale + 0.01).to(t.dtype)) for name, t in sorted(weights.items())]
+
+
+def test_entry_point_names_this_engine():
+    assert load_plugin("slime_rl.rollout_engines", "sglang") is SGLangEngine
+
+
+def test_generate_token_in_token_out_through_the_router(make_engine):
+    engine = make_engine()
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+
+    async def run():
+        return await asyncio.gather(*(engine.generate([3, 4, 5, i], params, request_id=f"r{i}") for i in range(8)))
+
+    outs = asyncio.run(run())
+    for out in outs:
+        assert len(out.token_ids) == 10 and len(out.log_probs) == 10
+        assert out.finish_reason == "length" and out.weight_version == 0
+        assert all(lp < 0 for lp in out.log_probs)
+    per_engine = [len([e for e in events(url, "generate") if e["rid"].startswith("r")]) for url in engine.engine_urls]
+    assert per_engine == [4, 4]  # round robin over both engines
+    # rids on the wire are unique per call: "r1" never prefixes "r10" in SGLang's prefix-matched aborts
+    wire = [e["rid"] for url in engine.engine_urls for e in events(url, "generate")]
+    assert all(rid.split("#")[0] in {f"r{i}" for i in range(8)} for rid in wire) and len(set(wire)) == 8
+
+
+def test_stop_token_and_greedy_determinism(make_engine):
+    engine = make_engine()
+    first = asyncio.run(engine.generate([9, 8, 7], GREEDY))
+    again = asyncio.run(engine.generate([9, 8, 7], GREEDY))
+    assert first.token_ids == again.token_ids  # greedy is deterministic, whichever engine served it
+    stop_at = first.token_ids[3]
+    k = first.token_ids.index(stop_at)
+    stopped = asyncio.run(engine.generate([9, 8, 7], SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                                    stop_token_ids=[stop_at], ignore_eos=True)))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == first.token_ids[:k + 1] and stopped.log_probs == first.log_probs[:k + 1]
+
+
+def test_abort_all_then_one(make_engine):
+    engine = make_engine(max_concurrency=3)
+    long = SamplingParams(max_new_tokens=50_000, ignore_eos=True)  # ~100 s at 2 ms a token
+
+    async def run():
+        tasks = {rid: asyncio.create_task(engine.generate([1, 2], long, request_id=rid))
+                 for rid in ("a", "b", "c", "queued")}  # at most 3 in flight: "queued" waits for a slot
+        await asyncio.sleep(0.5)
+        await engine.abort()
+        everything = await asyncio.wait_for(asyncio.gather(*tasks.values()), 20)
+        x = asyncio.create_task(engine.generate([3], long, request_id="x"))
+        y = asyncio.create_task(engine.generate([4], long, request_id="y"))
+        await asyncio.sleep(0.5)
+        await engine.abort("x")
+        one = await asyncio.wait_for(x, 20)
+        still_running = not y.done()
+        await engine.abort("y")
+        await asyncio.wait_for(y, 20)
+        return everything, one, still_running
+
+    (a, b, c, queued), x, y_was_running = asyncio.run(run())
+    for out in (a, b, c, x):
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 50_000
+        assert len(out.log_probs) == len(out.token_ids)
+    assert queued.finish_reason == "abort" and queued.token_ids == []
+    assert y_was_running  # aborting "x" left "y" alone
+    seen = [e["rid"] for url in engine.engine_urls for e in events(url, "generate")]
+    assert not any(rid.startswith("queued") for rid in seen)  # aborted before it reached a server
+    # the engine serves normally afterwards
+    assert asyncio.run(engine.generate([1, 2], GREEDY)).finish_reason == "length"
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk", "nccl"])
+def test_weight_sync_changes_generations_and_reports_the_version(make_engine, tiny_model, transport):
+    engine = make_engine(update_weight_transport=transport)
+    engine.verify_weights = True
+    before = asyncio.run(engine.generate([5, 6, 7], GREEDY))
+    weights = new_weights(tiny_model, 2.0)
+    buckets = [weights[:1], weights[1:]]  # two buckets
+
+    async def sync():
+        for i, bucket in enumerate(buckets):
+            await engine.update_weights(bucket, version=1, last=i == len(buckets) - 1)
+
+    asyncio.run(sync())
+    after = asyncio.run(engine.generate([5, 6, 7], GREEDY))
+    assert engine.weight_version == 1 and after.weight_version == 1
+    assert after.token_ids != before.token_ids  # the engines really generate from the new weights
+    for url in engine.engine_urls:
+        engine_lm_head = torch.tensor(httpx.post(f"{url}/get_weights_by_name", json={"name": "lm_head.weight"},
+                                                 timeout=10).json())
+        assert torch.equal(engine_lm_head, dict(weights)["lm_head.weight"].float()[:100])
+        kinds = [e["kind"] for e in state(url)["events"] if e["kind"] != "generate_body" and e["kind"] != "generate"]
+        update = {"tensor": "update_weights_from_tensor", "disk": "update_weights_from_disk",
+                  "nccl": "update_weights_from_distributed"}[transport]
+        first_update = kinds.index(update)
+        # generation paused before the first transfer, cache flushed and generation continued after the last
+        assert "pause_generation" in kinds[:first_update]
+        assert kinds[-2:] == ["flush_cache", "continue_generation"] or kinds[-3:-1] == ["flush_cache",
+                                                                                        "continue_generation"]
+        versions = [e.get("weight_version") for e in events(url, update)]
+        assert versions[-1] == "1" and all(v is None for v in versions[:-1])  # the version comes with the last part
+    if transport == "disk":
+        folder = engine.work_dir / "weights" / "v1"
+        assert (folder / "config.json").is_file() and (folder / "model.safetensors.index.json").is_file()
+
+
+def test_a_request_in_flight_during_a_sync_continues_on_the_new_weights(make_engine, tiny_model):
+    engine = make_engine()
+    params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)  # ~1.6 s
+
+    async def run():
+        task = asyncio.create_task(engine.generate([2, 3], params, request_id="long"))
+        await asyncio.sleep(0.4)
+        await engine.update_weights(new_weights(tiny_model, 3.0), version=1, last=True)
+        return await asyncio.wait_for(task, 20)
+
+    out = asyncio.run(run())
+    # cut short by the pause, then continued: one answer, all 800 tokens, finished on version 1
+    assert out.finish_reason == "length" and len(out.token_ids) == 800 and len(out.log_probs) == 800
+    assert out.weight_version == 1
+    segments = sorted((e for url in engine.engine_urls for e in events(url, "generate") if e["rid"].startswith("long#")),
+                      key=lambda e: e["time"])
+    assert len(segments) == 2
+    made_before = segments[1]["input_len"] - 2  # the second segment's prompt carries the first one's tokens
+    assert 0 < made_before < 800 and segments[1]["sampling_params"]["max_new_tokens"] == 800 - made_before
+
+
+def test_sync_errors_name_the_engine_and_the_step(make_engine, tiny_model):
+    engine = make_engine()
+    bad = [("model.no_such_layer.weight", torch.zeros(3))]
+    with pytest.raises(WeightSyncError, match=r"sglang engine 0 \(http://127.0.0.1:\d+\): weight sync v1 bucket 0 "
+                                              r"\(tensor\): /update_weights_from_tensor .*unknown parameter"):
+        asyncio.run(engine.update_weights(bad, version=1, last=True))
+    assert engine.weight_version == 0
+    # a failed sync holds generation until a complete one arrives
+    asyncio.run(engine.update_weights(new_weights(tiny_model, 1.5), version=1, last=True))
+    assert asyncio.run(engine.generate([1], GREEDY)).weight_version == 1
+
+
+def test_release_and_resume_memory(make_engine):
+    engine = make_engine()
+
+    async def run():
+        await engine.release_memory()
+        for url in engine.engine_urls:
+            assert state(url)["memory"] == {"weights": False, "kv_cache": False, "cuda_graph": False}
+        task = asyncio.create_task(engine.generate([4, 4], GREEDY, request_id="held"))
+        await asyncio.sleep(0.5)
+        assert not task.done()  # held while the memory is released
+        await engine.resume_memory()
+        return await asyncio.wait_for(task, 20)
+
+    out = asyncio.run(run())
+    assert out.finish_reason == "length" and len(out.token_ids) == 12
+    for url in engine.engine_urls:
+        assert state(url)["memory"] == {"weights": True, "kv_cache": True, "cuda_graph": True}
+        kinds = [e["kind"] for e in state(url)["events"]]
+        assert kinds.index("flush_cache") < kinds.index("release_memory_occupation")
+        # released weights are garbage without a CPU backup: the current version was loaded again
+        assert kinds.index("resume_memory_occupation") < kinds.index("update_weights_from_disk")
+
+
+@pytest.mark.slow
+def test_a_killed_engine_is_replaced_and_nothing_is_lost_or_doubled(make_engine, tiny_model):
+    engine = make_engine()
+    engine.health_interval = 0.3
+    asyncio.run(engine.update_weights(new_weights(tiny_model, 2.5), version=1, last=True))
+    victim = engine.servers[1]
+    params = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)  # ~0.6 s each
+
+    async def run():
+        tasks = [asyncio.create_task(engine.generate([7, i], params, request_id=f"k{i}")) for i in range(16)]
+        await asyncio.sleep(0.3)
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        deadline = time.monotonic() + 60
+        while engine.restarts < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        return outs, await engine.health()
+
+    outs, healthy = asyncio.run(run())
+    assert len(outs) == 16
+    for out in outs:
+        assert out.finish_reason == "length" and len(out.token_ids) == 300 and out.weight_version == 1
+    assert engine.restarts == 1 and healthy
+    fresh = engine.servers[1]
+    assert fresh.url != victim.url and fresh.process.alive()
+    assert {w["url"] for w in engine.router.workers()} == {engine.servers[0].url, fresh.url}
+    # the replacement runs the current weights, not the ones it started with
+    assert state(fresh.url)["weight_version"] == "1"
+    assert state(fresh.url)["fingerprint"] == state(engine.servers[0].url)["fingerprint"]
+    # and serves requests again
+    async def again():
+        return await asyncio.gather(*(engine.generate([1, i], GREEDY, request_id=f"after{i}") for i in range(4)))
+
+    asyncio.run(again())
+    assert any(e["rid"].startswith("after") for e in events(fresh.url, "generate"))
+
+
+def test_attach_to_running_servers(make_engine, tiny_model, standin_python, tmp_path):
+    launched = make_engine()
+    cfg = make_config(tiny_model, standin_python, tmp_path / "attached", engine_urls=launched.engine_urls)
+    attached = SGLangEngine.from_config(cfg)
+    try:
+        assert attached.engine_urls == launched.engine_urls and attached.router.url != launched.router.url
+        assert all(s.process is None for s in attached.servers)
+        out = asyncio.run(attached.generate([1, 2, 3], GREEDY))
+        assert len(out.token_ids) == 12
+    finally:
+        asyncio.run(attached.shutdown())
+    for server in launched.servers:  # shutting down an attached engine leaves the servers running
+        assert server.process.alive()
