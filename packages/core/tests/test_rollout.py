@@ -79,8 +79,12 @@ class ListBuffer(Buffer):
     def add(self, groups):
         self.groups.extend(groups)
 
-    def take(self, num_groups, *, current_version=None):
-        out, self.groups = self.groups[:num_groups], self.groups[num_groups:]
+    def take(self, num_groups, *, current_version=None, partial=False):
+        def unfinished(g):
+            return any(s.status in (SampleStatus.PENDING, SampleStatus.ABORTED) for s in g)
+
+        out = [g for g in self.groups if unfinished(g) == partial][:num_groups]
+        self.groups = [g for g in self.groups if not any(g is o for o in out)]
         return out
 
     def __len__(self):
@@ -167,6 +171,22 @@ def test_partial_rollout_keeps_tokens_and_resumes_with_remaining_budget():
     out = run(generate_single_turn(sample, params, resumed))
     assert out.response_length == made + 3
     assert out.tokens[:1] == [9] and out.loss_mask == [1] * (made + 3)
+
+
+def test_next_rollout_resumes_buffered_groups_before_new_prompts():
+    engine = ScriptedEngine(lambda pid, n: [1] if n % 2 else [3], slow={9})
+    cfg = make_cfg(rollout__over_sampling_batch_size=3, data__rollout_batch_size=2)
+    buffer, source = ListBuffer(), ListSource([1, 2, 9, 4, 5], 2)
+    runner = RolloutRunner(cfg, engine, decode)
+    run(runner.rollout(source, buffer))
+    assert [g[0].group_index for g in buffer.groups] == [9]
+    engine.slow, engine.aborted = set(), asyncio.Event()
+    second = run(runner.rollout(source, buffer))
+    # prompt 9 (aborted last time) comes back first; no prompt is skipped or repeated
+    assert sorted(g[0].group_index for g in second.groups) == [4, 9]
+    # the surplus group finished after the batch was full: kept, scored, for the next step
+    (surplus,) = buffer.groups
+    assert surplus[0].group_index == 5 and all(s.reward is not None for s in surplus)
 
 
 async def two_turn(sample: Sample, params: SamplingParams, engine: RolloutEngine) -> Sample:

@@ -41,18 +41,6 @@ DB_SUFFIXES = (".sqlite", ".sqlite3", ".db")
 STATS = ("added_groups", "taken_groups", "dropped_stale_samples", "restarted_stale_samples")
 
 
-def reset_to_prompt(sample: Sample, version: int | None = None) -> Sample:
-    """Drop a sample's response: back to a PENDING prompt that generates from scratch."""
-    sample.tokens = sample.tokens[: sample.prompt_length]
-    sample.response, sample.response_length = "", 0
-    sample.loss_mask, sample.rollout_log_probs = [], []
-    sample.reward, sample.status = None, SampleStatus.PENDING
-    sample.old_log_probs, sample.ref_log_probs, sample.advantages, sample.returns, sample.values = [], [], [], [], []
-    if version is not None:
-        sample.weight_version = version
-    return sample
-
-
 class SampleBuffer(Buffer):
     """See the module docstring. ``path``: a directory (holding ``buffer.sqlite``),
     a ``.sqlite``/``.db`` file, or None for a buffer in memory only."""
@@ -89,9 +77,8 @@ class SampleBuffer(Buffer):
         return cls(
             directory,
             max_staleness=r.max_staleness,
-            # Fields core's config may grow; the defaults hold until it does.
-            staleness_policy=getattr(r, "staleness_policy", "drop"),
-            filter=getattr(r, "buffer_filter", None),
+            staleness_policy=r.staleness_policy,
+            filter=r.buffer_filter,
             partial_rollout=r.partial_rollout,
         )
 
@@ -110,7 +97,7 @@ class SampleBuffer(Buffer):
             for group in groups:
                 for s in group:
                     if s.status in UNFINISHED and s.response_length:
-                        reset_to_prompt(s)
+                        s.reset_to_prompt()
         with self.store.transaction():
             self.store.insert(groups)
             self._bump(added_groups=len(groups))
@@ -239,7 +226,7 @@ class SampleBuffer(Buffer):
         for group in groups:
             for s in group:
                 if s.response_length and current_version - s.weight_version > self.max_staleness:
-                    reset_to_prompt(s, current_version)
+                    s.reset_to_prompt(current_version)
                     restarted += 1
         return restarted
 
@@ -266,4 +253,4 @@ def _db_path(path: str | Path | None) -> Path | None:
     return path if path.suffix in DB_SUFFIXES else path / DB_FILE
 
 
-__all__ = ["SampleBuffer", "reset_to_prompt", "is_partial"]
+__all__ = ["SampleBuffer", "is_partial"]

@@ -1,31 +1,15 @@
 """Built-in filters: plain functions, loadable by name or ``module:attr``.
 
-Two kinds:
-- dynamic-sampling filters, ``(group: list[Sample]) -> bool``: keep the group or
-  not, after rewards (the rollout orchestrator over-samples until enough pass);
-- buffer filters, ``(groups: list[list[Sample]], num_groups: int) -> list[int]``:
-  which of the held groups (oldest first) to hand out, as positions.
+Buffer filters, ``(groups: list[list[Sample]], num_groups: int) -> list[int]``, choose
+which of the held groups (oldest first) to hand out, as positions. The dynamic-sampling
+filters (``nonzero_std``, DAPO) live in ``slime_rl.core.filters``, since the rollout
+orchestrator applies them, and are re-exported here.
 """
 
 from __future__ import annotations
 
+from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS, nonzero_std  # re-exported: the DAPO filter lives in core
 from slime_rl.core.sample import Sample
-
-
-def nonzero_std(group: list[Sample]) -> bool:
-    """DAPO dynamic sampling: keep a group only when its rewards are not all equal.
-
-    A group whose samples all got the same reward has zero advantage under
-    GRPO and teaches nothing. Dict rewards count as equal only when every
-    entry is. A group of one sample has zero variance and is dropped.
-    """
-    rewards = []
-    for sample in group:
-        if sample.reward is None:
-            raise ValueError(f"sample {sample.index} (group {sample.group_index}) has no reward; "
-                             "the dynamic-sampling filter runs after rewards")
-        rewards.append(sorted(sample.reward.items()) if isinstance(sample.reward, dict) else float(sample.reward))
-    return any(r != rewards[0] for r in rewards[1:])
 
 
 def oldest_first(groups: list[list[Sample]], num_groups: int) -> list[int]:
@@ -39,5 +23,6 @@ def freshest_first(groups: list[list[Sample]], num_groups: int) -> list[int]:
     return by_version[:num_groups]
 
 
-DYNAMIC_SAMPLING_FILTERS = {"nonzero_std": nonzero_std}
 BUFFER_FILTERS = {"oldest_first": oldest_first, "freshest_first": freshest_first}
+
+__all__ = ["BUFFER_FILTERS", "DYNAMIC_SAMPLING_FILTERS", "freshest_first", "nonzero_std", "oldest_first"]

@@ -71,7 +71,7 @@ class TrainerWorker:
 
 
 class RolloutManager:
-    """Owns generation: the engine, tokenizer, data source, pending and ready buffers, eval sets."""
+    """Owns generation: the engine, tokenizer, data source, sample buffer and eval sets."""
 
     def __init__(self, cfg_dict: dict[str, Any], state_dir: str):
         from transformers import AutoTokenizer
@@ -83,32 +83,26 @@ class RolloutManager:
         self.engine = engine_cls.from_config(cfg)
         source_cls = load_plugin("slime_rl.data_sources", cfg.data.source)
         self.data_source = source_cls.from_config(cfg, tokenizer=self.tokenizer)
-        buffer_cls = load_plugin("slime_rl.buffers", "default")
         Path(state_dir).mkdir(parents=True, exist_ok=True)
-        self.pending = buffer_cls.from_config(cfg, str(Path(state_dir) / "pending"))  # prompts to (re)generate
-        self.ready = buffer_cls.from_config(cfg, str(Path(state_dir) / "ready"))  # scored groups to train on
+        # Scored groups waiting for training, and groups waiting for (more) generation.
+        self.buffer = load_plugin("slime_rl.buffers", "default").from_config(cfg, state_dir)
+        eval_source = load_plugin("slime_rl.data_sources", "jsonl")  # eval files are JSONL/Parquet
         self.eval_sets = {
-            name: source_cls(path, tokenizer=self.tokenizer, **self._eval_source_kwargs()).get_groups(10**9)
-            for name, path in cfg.eval.prompt_data.items()
+            name: eval_source.for_eval(cfg, name, tokenizer=self.tokenizer).get_groups(10**9)
+            for name in cfg.eval.prompt_data
         }
         self.runner = RolloutRunner(cfg, self.engine, self._decode)
-
-    def _eval_source_kwargs(self) -> dict[str, Any]:
-        d = self.cfg.data
-        return dict(input_key=d.input_key, label_key=d.label_key, metadata_key=d.metadata_key,
-                    tools_key=d.tools_key, apply_chat_template=d.apply_chat_template,
-                    n_samples_per_prompt=self.cfg.eval.n_samples_per_prompt, shuffle=False, num_epoch=1)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     async def generate(self) -> tuple[list[Sample], dict[str, float], bool]:
         """Roll out one step's groups, store them durably, and hand out one training batch."""
-        result = await self.runner.rollout(self.data_source, self.pending)
+        result = await self.runner.rollout(self.data_source, self.buffer)
         if result.groups:
-            self.ready.add(result.groups)
-        groups: list[Group] = self.ready.take(self.cfg.data.rollout_batch_size,
-                                              current_version=self.engine.weight_version)
+            self.buffer.add(result.groups)
+        groups: list[Group] = self.buffer.take(self.cfg.data.rollout_batch_size,
+                                               current_version=self.engine.weight_version)
         return [s for g in groups for s in g], result.metrics, result.exhausted
 
     async def evaluate(self) -> dict[str, float]:
@@ -128,13 +122,11 @@ class RolloutManager:
         return self.engine.weight_version
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data_source": self.data_source.state_dict(), "pending": self.pending.state_dict(),
-                "ready": self.ready.state_dict()}
+        return {"data_source": self.data_source.state_dict(), "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data_source.load_state_dict(state["data_source"])
-        self.pending.load_state_dict(state["pending"])
-        self.ready.load_state_dict(state["ready"])
+        self.buffer.load_state_dict(state["buffer"])
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()

@@ -159,8 +159,11 @@ class Buffer(ABC):
         """Store groups durably; when it returns, they survive a crash."""
 
     @abstractmethod
-    def take(self, num_groups: int, *, current_version: int | None = None) -> list[list[Sample]]:
-        """Remove and return up to ``num_groups`` groups (fewer when it holds fewer)."""
+    def take(self, num_groups: int, *, current_version: int | None = None,
+             partial: bool = False) -> list[list[Sample]]:
+        """Remove and return up to ``num_groups`` groups (fewer when it holds fewer): finished
+        groups to train on, or with ``partial=True`` groups that still need generation (reset
+        prompts and aborted partial rollouts). ``current_version`` lets it apply a staleness bound."""
 
     @abstractmethod
     def __len__(self) -> int:

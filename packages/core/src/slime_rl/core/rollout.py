@@ -11,6 +11,7 @@ never lost: they go back to the pending buffer, keeping their tokens when
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import statistics
 import time
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slime_rl.core.config import Config
+from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS
 from slime_rl.core.contracts import Buffer, DataSource, GenerateFn, RolloutEngine, SamplingParams
 from slime_rl.core.plugins import load_function
 from slime_rl.core.rewards import score_samples
@@ -28,14 +30,6 @@ Group = list[Sample]
 
 _FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 _request_ids = itertools.count()
-
-
-def nonzero_std(group: Group) -> bool:
-    """DAPO dynamic sampling: keep a group only when its rewards are not all equal."""
-    return any(s.reward != group[0].reward for s in group)
-
-
-DYNAMIC_FILTERS: dict[str, Callable[[Group], bool]] = {"nonzero_std": nonzero_std}
 
 
 def sampling_params(cfg: Config, *, evaluation: bool = False) -> SamplingParams:
@@ -91,7 +85,7 @@ class RolloutRunner:
             if cfg.rollout.generate_fn else generate_single_turn
         )
         spec = cfg.rollout.dynamic_sampling_filter
-        self.keep_group = load_function(spec, DYNAMIC_FILTERS, what="rollout.dynamic_sampling_filter") if spec else None
+        self.keep_group = load_function(spec, DYNAMIC_SAMPLING_FILTERS, what="rollout.dynamic_sampling_filter") if spec else None
         self.semaphore = asyncio.Semaphore(cfg.rollout.max_concurrency)
         self.enough = False  # set once a rollout has its groups: queued requests then never start
 
@@ -121,44 +115,48 @@ class RolloutRunner:
             await score_samples([s for s in samples if s.status != SampleStatus.FAILED], self.cfg.rollout)
         return samples
 
-    async def rollout(self, data_source: DataSource, pending: Buffer) -> RolloutResult:
-        """One training rollout: ``rollout_batch_size`` kept groups (fewer only when the data ran out)."""
+    async def rollout(self, data_source: DataSource, buffer: Buffer) -> RolloutResult:
+        """One training rollout: ``rollout_batch_size`` kept groups (fewer only when the data ran out).
+
+        Groups still needing generation come from ``buffer`` first (``take(partial=True)``),
+        then from ``data_source``. Aborted and surplus groups go back to ``buffer``."""
         cfg = self.cfg
-        want = cfg.data.rollout_batch_size
+        want, batch = cfg.data.rollout_batch_size, cfg.over_sampling_batch_size
         params = sampling_params(cfg)
         kept: list[Group] = []
-        seen = dropped_filter = dropped_failed = 0
-        returned = 0
+        seen = dropped_filter = dropped_failed = returned = 0
         exhausted = False
         start = time.perf_counter()
         self.enough = False
         while len(kept) < want and not exhausted:
-            prompts = pending.take(cfg.over_sampling_batch_size)
-            if len(prompts) < cfg.over_sampling_batch_size:
-                prompts += data_source.get_groups(cfg.over_sampling_batch_size - len(prompts))
+            prompts = buffer.take(batch, partial=True)
+            if len(prompts) < batch:
+                prompts += data_source.get_groups(batch - len(prompts))
+            exhausted = len(prompts) < batch
             if not prompts:
-                exhausted = True
                 break
-            exhausted = len(prompts) < cfg.over_sampling_batch_size
             tasks = [asyncio.ensure_future(self._generate_group(g, params)) for g in prompts]
             leftovers: list[Group] = []
             for next_done in asyncio.as_completed(tasks):
                 group = await next_done
-                if len(kept) >= want:  # finished after we had enough: not trained on, but not lost
-                    leftovers.append(group)
+                if any(s.status in (SampleStatus.PENDING, SampleStatus.ABORTED) for s in group):
+                    leftovers.append(group)  # cut short by the abort below: resumed on a later step
                     continue
                 seen += 1
                 if any(s.reward is None for s in group):
                     dropped_failed += 1  # a failed reward with on_reward_failure="drop"
-                    continue
-                if self.keep_group is not None and not self.keep_group(group):
+                elif self.keep_group is not None and not self.keep_group(group):
                     dropped_filter += 1
-                    continue
-                kept.append(group)
-                if len(kept) >= want:
-                    self.enough = True
-                    await self.engine.abort(None)
-            returned += self._return_leftovers(leftovers, pending)
+                elif len(kept) < want:
+                    kept.append(group)
+                    if len(kept) == want:
+                        self.enough = True
+                        await self.engine.abort(None)
+                else:
+                    leftovers.append(group)  # finished after we had enough: trained on a later step
+            if leftovers:
+                buffer.add([self._prepare_leftover(g) for g in leftovers])
+                returned += len(leftovers)
         elapsed = time.perf_counter() - start
         metrics = self._metrics(kept, elapsed)
         metrics.update({
@@ -167,24 +165,13 @@ class RolloutRunner:
         })
         return RolloutResult(kept, metrics, returned, exhausted)
 
-    def _return_leftovers(self, groups: list[Group], pending: Buffer) -> int:
-        """Aborted or surplus groups go back to the pending buffer: as they are (partial
-        rollout) or reset to their prompt, so that no prompt is skipped."""
-        back = []
-        for group in groups:
-            if all(s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) for s in group) and \
-                    all(s.reward is not None for s in group):
-                back.append(group)  # complete and scored: trainable next step as is
-                continue
-            if not self.cfg.rollout.partial_rollout:
-                group = [reset_to_prompt(s) for s in group]
-            else:
-                for s in group:
-                    s.metadata.setdefault("start_weight_version", s.weight_version)
-            back.append(group)
-        if back:
-            pending.add(back)
-        return len(back)
+    def _prepare_leftover(self, group: Group) -> Group:
+        """An unfinished group keeps its tokens under partial rollout, else restarts from its prompt."""
+        if all(s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) for s in group):
+            return group
+        if not self.cfg.rollout.partial_rollout:
+            return [s.reset_to_prompt() if s.status == SampleStatus.ABORTED else s for s in group]
+        return group
 
     def _metrics(self, groups: list[Group], elapsed: float) -> dict[str, float]:
         samples = [s for g in groups for s in g]
@@ -211,7 +198,7 @@ class RolloutRunner:
         self.enough = False
         metrics: dict[str, float] = {}
         for name, groups in eval_sets.items():
-            fresh = [[reset_to_prompt(s) for s in g] for g in groups]
+            fresh = [[copy.deepcopy(s).reset_to_prompt() for s in g] for g in groups]
             done = await asyncio.gather(*(self._generate_group(g, params) for g in fresh))
             key = self.cfg.rollout.reward_key
             rewards = [[s.reward_value(key) if s.reward is not None else 0.0 for s in g] for g in done]
@@ -221,15 +208,3 @@ class RolloutRunner:
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(
                 s.response_length for g in done for s in g) if done else 0.0
         return metrics
-
-
-def reset_to_prompt(sample: Sample) -> Sample:
-    """A copy of ``sample`` with its response removed, PENDING again."""
-    data = sample.to_dict()
-    data["tokens"] = sample.tokens[: sample.prompt_length]
-    for key in ("loss_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "advantages", "returns",
-                "values"):
-        data[key] = []
-    data.update(response="", response_length=0, reward=None, status=SampleStatus.PENDING.value)
-    data["metadata"] = {k: v for k, v in sample.metadata.items() if k != "error"}
-    return Sample.from_dict(data)

@@ -80,6 +80,18 @@ class Sample:
         self.loss_mask.extend([1 if trained else 0] * len(token_ids))
         self.rollout_log_probs.extend(log_probs if log_probs is not None else [0.0] * len(token_ids))
 
+    def reset_to_prompt(self, version: int | None = None) -> Sample:
+        """Drop the response, in place: a PENDING prompt again that generates from scratch."""
+        self.tokens = self.tokens[: self.prompt_length]
+        self.response, self.response_length = "", 0
+        self.loss_mask, self.rollout_log_probs = [], []
+        self.reward, self.status = None, SampleStatus.PENDING
+        self.old_log_probs, self.ref_log_probs, self.advantages, self.returns, self.values = [], [], [], [], []
+        self.metadata.pop("error", None)
+        if version is not None:
+            self.weight_version = version
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (status as its string value)."""
         out = dataclasses.asdict(self)
