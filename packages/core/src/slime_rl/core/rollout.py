@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slime_rl.core.config import Config
-from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS
 from slime_rl.core.contracts import Buffer, DataSource, GenerateFn, RolloutEngine, SamplingParams
+from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS
 from slime_rl.core.plugins import load_function
 from slime_rl.core.rewards import score_samples
 from slime_rl.core.sample import Sample, SampleStatus
