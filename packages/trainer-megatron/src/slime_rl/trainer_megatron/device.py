@@ -155,8 +155,33 @@ def redirect_megatron_to_cpu() -> None:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    _keep_tied_embedding_sync_on_cpu()
     _install_cpu_rng_tracker()
     _redirected = True
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _keep_tied_embedding_sync_on_cpu() -> None:
+    """With PP and tied embeddings, Megatron moves the shared weight with ``.cuda()`` before
+    syncing the first and last stages' copies; on the CPU that move is a no-op."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_on_cpu(self, *args, **kwargs):
+        with _tensor_cuda_is_identity():
+            return setup(self, *args, **kwargs)
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
 
 
 def _install_cpu_rng_tracker() -> None:

@@ -293,7 +293,24 @@ def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, va
         value_head=value_head,
     )
     _apply_hf_rope_scaling(model, shape, hf_config)
+    _mark_tensor_parallel_weights(model)
     return model
+
+
+def _mark_tensor_parallel_weights(model: torch.nn.Module) -> None:
+    """Tag TP-split weights as such. megatron-core 0.16 only does it inside random init, which we
+    skip (perform_initialization=False); without the tags the grad norm counts only TP rank 0's
+    slices. 0.19 tags them either way, and then this changes nothing."""
+    split_dim = {
+        tensor_parallel.ColumnParallelLinear: 0,
+        tensor_parallel.RowParallelLinear: 1,
+        tensor_parallel.VocabParallelEmbedding: 0,
+    }
+    for module in model.modules():
+        dim = next((d for cls, d in split_dim.items() if isinstance(module, cls)), None)
+        weight = getattr(module, "weight", None)
+        if dim is not None and isinstance(weight, torch.nn.Parameter) and not getattr(weight, "tensor_model_parallel", False):
+            tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def _apply_hf_rope_scaling(model: PolicyGPT, shape: HFModelShape, hf_config) -> None:

@@ -49,6 +49,7 @@ from slime_rl.trainer_megatron.model import (
     transformer_config,
 )
 
+_TRAINER_INFO = "slime_rl_trainer.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -439,20 +440,22 @@ class MegatronTrainer(PolicyTrainer):
 
     # ---------------------------------------------------------------- checkpoints
 
-    def _sharded_state(self) -> dict[str, Any]:
-        model_sd = self.ddp.sharded_state_dict()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        rng = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-        if self.device_type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state()
-        return {
+    def _sharded_state(self, *, loading: bool = False, with_rng: bool = True) -> dict[str, Any]:
+        model_sd = self.model.sharded_state_dict()
+        state = {
             "model": model_sd,
-            "optimizer": self.optimizer.sharded_state_dict(model_sd),
-            "rng": ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0),
+            # is_loading: a fresh optimizer has no Adam moments yet; Megatron creates them to load into
+            "optimizer": self.optimizer.sharded_state_dict(model_sd, is_loading=loading),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step_count,
-            "world_size": world,
         }
+        if with_rng:  # one RNG state per rank, keyed by global rank
+            rng = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+            if self.device_type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state()
+            rank, world = dist.get_rank(), dist.get_world_size()
+            state["rng"] = ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0)
+        return state
 
     def save(self, path: str) -> None:
         """Model, optimizer, LR scheduler and RNG with Megatron's distributed checkpointing (collective)."""
@@ -460,22 +463,27 @@ class MegatronTrainer(PolicyTrainer):
         dist.barrier()
         dist_checkpointing.save(self._sharded_state(), path)
         if dist.get_rank() == 0:
-            (Path(path) / "slime_rl_trainer.json").write_text(
-                json.dumps({"role": self.role, "step": self.step_count, "model": self.shape.architecture})
-            )
+            info = {"role": self.role, "step": self.step_count, "architecture": self.shape.architecture,
+                    "world_size": dist.get_world_size()}
+            (Path(path) / _TRAINER_INFO).write_text(json.dumps(info))
         dist.barrier()
 
     def load(self, path: str) -> None:
-        if not (Path(path) / "metadata.json").is_file():
-            raise FileNotFoundError(f"checkpoint: {path} is not a Megatron distributed checkpoint (no metadata.json)")
-        template = self._sharded_state()
-        state = dist_checkpointing.load(template, path)
-        self.ddp.load_state_dict(state["model"])
+        """Restore what ``save`` wrote; other TP/PP/DP layouts reshard (RNG streams then start fresh)."""
+        info_file = Path(path) / _TRAINER_INFO
+        if not info_file.is_file():
+            raise FileNotFoundError(f"checkpoint: {path} has no {_TRAINER_INFO}; it is not a MegatronTrainer checkpoint")
+        info = json.loads(info_file.read_text())
+        if info["role"] != self.role:
+            raise ValueError(f"checkpoint: {path} holds a {info['role']}, this trainer is a {self.role}")
+        same_world = info["world_size"] == dist.get_world_size()
+        state = dist_checkpointing.load(self._sharded_state(loading=True, with_rng=same_world), path)
+        self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["step"])
-        rng = state["rng"]
-        if int(state["world_size"]) == dist.get_world_size():  # RNG streams belong to ranks
+        if same_world:
+            rng = state["rng"]
             torch.set_rng_state(rng["cpu"])
             get_cuda_rng_tracker().set_states(rng["tracker"])
             if self.device_type == "cuda" and "cuda" in rng:

@@ -1,0 +1,133 @@
+"""Shared pieces of the trainer-megatron tests: tiny random HF models, samples, configs,
+the single-rank process group, and a launcher for multi-rank runs (one subprocess per rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "megatron_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_rank_group() -> None:
+    """This (pytest) process as a world of one, so TP=1 runs need no subprocess."""
+    if torch.distributed.is_initialized():
+        return
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+
+
+def make_hf_model(path: Path, family: str = "llama", *, tie: bool = False, seed: int = 0, vocab: int = 256,
+                  layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
+                  rope_scaling: dict | None = None) -> Path:
+    """A random HF model folder (config.json + model.safetensors); norms and biases perturbed
+    so that every parameter matters."""
+    import transformers
+
+    common = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                  tie_word_embeddings=tie, max_position_embeddings=512)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(head_dim=hidden // heads * 2, **common)  # head_dim != hidden/heads
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    if rope_scaling is not None:
+        config.rope_parameters = {**config.rope_parameters, **rope_scaling}
+    torch.manual_seed(seed)
+    model = cls(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def hf_response_log_probs(hf_model, tokens: list[int], response_length: int, temperature: float = 1.0) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([tokens])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+    return logp[-response_length:]
+
+
+def make_samples(n: int, vocab: int, *, seed: int = 1, prompt: tuple[int, int] = (3, 9),
+                 response: tuple[int, int] = (2, 12)) -> list:
+    """Random prompts and responses with GRPO-like advantages and a few masked tokens."""
+    from slime_rl.core.sample import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
+        r = int(torch.randint(response[0], response[1] + 1, (1,), generator=g))
+        tokens = torch.randint(0, vocab, (p + r,), generator=g).tolist()
+        mask = [1] * r
+        if r > 3:
+            mask[1] = 0  # a tool-output token: not trained on
+        adv = float(torch.randn((), generator=g))
+        out.append(Sample(index=i, group_index=i // 4, tokens=tokens, response_length=r, loss_mask=mask,
+                          advantages=[adv] * r))
+    return out
+
+
+def make_config(model_path: Path, overrides: list[str] | None = None):
+    from slime_rl.core.config import load_config
+
+    base = [f"model.path={model_path}", "cluster.device=cpu", "trainer.lr=0.001", "trainer.micro_batch_size=2"]
+    return load_config(None, base + list(overrides or []), check=False)
+
+
+def launch(world_size: int, spec: dict, tmp_path: Path, timeout: float = 300.0) -> dict:
+    """Run megatron_worker.py on ``world_size`` ranks (one process each); rank 0's result."""
+    spec_file = tmp_path / f"spec-{os.getpid()}-{free_port()}.json"
+    out_file = spec_file.with_suffix(".pt")
+    spec = {**spec, "out": str(out_file)}
+    spec_file.write_text(json.dumps(spec))
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
+               "PYTHONWARNINGS": "ignore"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_file)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs, failed = [], False
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, _ = proc.communicate()
+            failed = True
+        logs.append(f"--- rank {rank} (exit {proc.returncode}) ---\n{out[-6000:]}")
+        failed |= proc.returncode != 0
+    if failed:
+        raise AssertionError("multi-rank run failed:\n" + "\n".join(logs))
+    return torch.load(out_file, weights_only=False)
