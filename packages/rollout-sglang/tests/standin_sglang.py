@@ -276,6 +276,8 @@ class StandinServer:
         body = await _json_or_empty(request)
         tags = body.get("tags") or list(self.memory)
         self.record("resume_memory_occupation", tags=tags)
+        if any(self.memory[tag] for tag in tags):  # SGLang: offload_tags.remove(tag) raises KeyError
+            return _error(f"KeyError: {[t for t in tags if self.memory[t]][0]!r}")
         for tag in tags:
             self.memory[tag] = True
         return web.json_response(None)

@@ -229,6 +229,16 @@ def test_release_and_resume_memory(make_engine):
         # released weights are garbage without a CPU backup: the current version was loaded again
         assert kinds.index("resume_memory_occupation") < kinds.index("update_weights_from_disk")
 
+    # Only the KV cache: resume() takes back just that, and the weights need no reload.
+    url = engine.engine_urls[0]
+    reloads = len(events(url, "update_weights_from_disk"))
+    asyncio.run(engine.release_memory(["kv_cache"]))
+    assert state(url)["memory"] == {"weights": True, "kv_cache": False, "cuda_graph": True}
+    asyncio.run(engine.resume_memory())
+    assert events(url, "resume_memory_occupation")[-1]["tags"] == ["kv_cache"]
+    assert asyncio.run(engine.generate([4, 4], GREEDY)).token_ids == out.token_ids
+    assert len(events(url, "update_weights_from_disk")) == reloads
+
 
 @pytest.mark.slow
 def test_a_killed_engine_is_replaced_and_nothing_is_lost_or_doubled(make_engine, tiny_model):

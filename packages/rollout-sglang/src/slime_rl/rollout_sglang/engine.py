@@ -403,9 +403,12 @@ class SGLangEngine(RolloutEngine):
         self._released |= set(tags or ALL_MEMORY_TAGS)
 
     async def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Take the memory back. Weights released without a CPU backup hold garbage until the next
-        sync; if generation is asked for first, the current version is restored from its copy."""
-        tags = list(tags or ALL_MEMORY_TAGS)
+        """Take the memory back (default: all that was released; SGLang refuses a tag it did not
+        release). Weights released without a CPU backup hold garbage until the next sync; if
+        generation is asked for first, the current version is restored from its copy."""
+        tags = sorted(self._released) if tags is None else [t for t in tags if t in self._released]
+        if not tags:
+            return
         await asyncio.to_thread(ws.resume_memory, self.targets(), tags, timeout=self.sync_timeout)
         if "weights" in tags and "weights" in self._released and not self.weights_cpu_backup:
             self._weights_stale = True

@@ -15,6 +15,7 @@ runs them in a thread. Buckets travel as one flat byte tensor plus metadata (SGL
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import pickle
@@ -149,28 +150,41 @@ def flatten_bucket(named_tensors: NamedTensors) -> tuple[torch.Tensor, list[Simp
 
 def serialize_bucket(named_tensors: NamedTensors) -> str:
     """One bucket as base64 text for ``/update_weights_from_tensor`` (load_format
-    ``flattened_bucket``). CUDA tensors go as CUDA-IPC handles through torch's
-    ForkingPickler (SGLang's MultiprocessingSerializer format): the engine on the same
-    GPU maps them without a copy, and the caller must keep them alive until the POST
-    returns. CPU tensors go by value (an engine in another process cannot map them)."""
+    ``flattened_bucket``). CUDA tensors go as CUDA-IPC handles (SGLang's MultiprocessingSerializer
+    format, the GPU named by UUID so an engine that numbers its GPUs differently maps the right
+    one): the engine maps them without a copy, and the caller must keep them alive until the
+    POST returns. CPU tensors go by value (another process cannot map them)."""
     flat, metadata = flatten_bucket(named_tensors)
     payload = {"flattened_tensor": flat, "metadata": metadata}
-    if flat.is_cuda:
-        try:  # the engine's own serializer, when SGLang is importable here
-            from sglang.srt.utils.common import MultiprocessingSerializer
+    if not flat.is_cuda:
+        return base64.b64encode(pickle.dumps(payload)).decode("ascii")
+    try:  # the engine's own serializer and device-UUID patch, when SGLang is importable here
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:
+        return base64.b64encode(_dumps_cuda_ipc(payload)).decode("ascii")
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer.serialize(payload, output_str=True)
 
-            return MultiprocessingSerializer.serialize(payload, output_str=True)
-        except ImportError:
-            from multiprocessing.reduction import ForkingPickler
 
-            buf = io.BytesIO()
-            ForkingPickler(buf).dump(payload)
-            data = buf.getvalue()
-    else:
-        data = pickle.dumps(payload)
-    import base64
+def _dumps_cuda_ipc(obj: Any) -> bytes:
+    """torch's ForkingPickler, with each CUDA tensor's device index replaced by its GPU's UUID,
+    which SGLang's patched ``rebuild_cuda_tensor`` maps back to its own index."""
+    from multiprocessing.reduction import ForkingPickler
 
-    return base64.b64encode(data).decode("ascii")
+    from torch.multiprocessing import reductions
+
+    def reduce_with_uuid(tensor: torch.Tensor):
+        rebuild, args = reductions.reduce_tensor(tensor)
+        if tensor.is_cuda and isinstance(args[6], int):  # args[6]: the device (torch's reduce_tensor layout)
+            args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+        return rebuild, args
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table[torch.Tensor] = reduce_with_uuid
+    pickler.dump(obj)
+    return buf.getvalue()
 
 
 def update_from_tensor(target: Target, named_tensors: NamedTensors, *, version: int | None, timeout: float,
@@ -181,6 +195,8 @@ def update_from_tensor(target: Target, named_tensors: NamedTensors, *, version: 
     if version is not None:
         body["weight_version"] = str(version)
     post(target, "/update_weights_from_tensor", body, timeout=timeout, step=step)
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # the engine has loaded the bucket: release the shared blocks
 
 
 def push_tensor_bucket(targets: list[Target], named_tensors: NamedTensors, *, version: int | None,

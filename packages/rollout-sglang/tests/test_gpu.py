@@ -1,0 +1,226 @@
+"""GPU acceptance for SGLangEngine with a real SGLang 0.5.17 server (the H200 machine; see
+../shared/gpu/README.md for the bundle). A tiny random Llama is made on the spot.
+
+    python -m pytest packages/rollout-sglang/tests/test_gpu.py -m gpu -s
+
+Items (issue 7): (a) token-in/token-out with log-probs through the router; (c) colocated
+sync by CUDA IPC tensors, after which the engine's weights equal the trainer's and the
+generations change; (d) NCCL sync across 2 GPUs; (e) release and resume memory with the
+freed GiB reported; and disk sync. Each prints its figures (run with -s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from slime_rl.core.config import Config
+from slime_rl.core.contracts import SamplingParams
+from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.engine import SGLangEngine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+VOCAB = 1024
+# Quick functional runs (gpu/README.md): triton attention, pytorch sampling, no CUDA graphs, little memory.
+ENGINE_ARGS = {"attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
+               "cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled",
+               "mem_fraction_static": 0.15, "max_total_tokens": 65536}
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+
+
+def make_tiny_llama(out: Path) -> Path:
+    """A random 2-layer Llama (hidden 256, vocab 1024) and a byte-level BPE tokenizer trained
+    offline on the Python standard library's sources."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+    tok.train(sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:100],
+              trainers.BpeTrainer(vocab_size=VOCAB - 24, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1],
+                                     pad_token=specials[2])
+    hf_tok.save_pretrained(out)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                      bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
+                      pad_token_id=hf_tok.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def gpu_config(model: Path, work: Path, *, colocate: bool = True, **rollout) -> Config:
+    return Config.model_validate({
+        "model": {"path": str(model)},
+        "rollout": {"engine": "sglang", "engine_args": dict(ENGINE_ARGS), "max_concurrency": 64, **rollout},
+        "cluster": {"device": "cuda", "colocate": colocate, "actor_num_gpus_per_node": 1,
+                    "rollout_num_gpus": 1, "rollout_num_gpus_per_engine": 1},
+        "logging": {"dir": str(work)},
+    })
+
+
+def hf_weights(model: Path, device: str) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted(model.glob("*.safetensors")):
+        weights.update(load_file(str(file), device=device))
+    return sorted(weights.items())
+
+
+def engine_param(engine: SGLangEngine, name: str) -> torch.Tensor:
+    target = engine.targets()[0]
+    return torch.tensor(ws.post(target, "/get_weights_by_name", {"name": name, "truncate_size": 100},
+                                timeout=60, step="read back"))
+
+
+def mean_log_prob(outs) -> float:
+    values = [lp for out in outs for lp in out.log_probs]
+    return sum(values) / len(values)
+
+
+def generate_all(engine: SGLangEngine, prompts: list[list[int]], params: SamplingParams):
+    async def run():
+        return await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+
+    return asyncio.run(run())
+
+
+PROMPTS = [[1, 17 + i, 230, 41 + 3 * i, 512, 9] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, tmp_path_factory):
+    """One colocated engine on GPU 0 for (a), (c), (e) and disk sync, in that order."""
+    engine = SGLangEngine.from_config(gpu_config(tiny_llama, tmp_path_factory.mktemp("run")))
+    engine.verify_weights = True
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+def test_a_token_in_token_out_with_log_probs_through_the_router(engine, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(temperature=0.8, max_new_tokens=32, ignore_eos=True)
+    outs = generate_all(engine, PROMPTS, params)
+    for out in outs:
+        assert len(out.token_ids) == 32 and len(out.log_probs) == 32 and out.finish_reason == "length"
+        assert all(math.isfinite(lp) and lp <= 0 for lp in out.log_probs)
+        assert all(0 <= t < VOCAB for t in out.token_ids)
+    greedy = generate_all(engine, PROMPTS[:2], GREEDY)
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in generate_all(engine, PROMPTS[:2], GREEDY)]
+    # The same log-probs from the HF model on the same tokens (temperature-scaled, bf16).
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).cuda()
+    diffs = []
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids], device="cuda")).logits[0, len(prompt) - 1:-1]
+        ref = torch.log_softmax(logits.float() / 0.8, -1).gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])
+        diffs.append((ref[:, 0].cpu() - torch.tensor(out.log_probs)).abs())
+    diffs = torch.cat(diffs)
+    print(f"\n(a) {len(outs)} requests x 32 tokens through the router; |SGLang - HF| log-prob: "
+          f"mean {diffs.mean():.5f}, max {diffs.max():.5f}")
+    assert diffs.mean() < 0.05
+    stop_at = greedy[0].token_ids[5]
+    stopped = asyncio.run(engine.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=16,
+                                                                     stop_token_ids=[stop_at], ignore_eos=True)))
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at
+
+
+def test_e_release_and_resume_memory(engine):
+    before_tokens = [o.token_ids for o in generate_all(engine, PROMPTS[:2], GREEDY)]
+    free_0, total = torch.cuda.mem_get_info(0)
+    asyncio.run(engine.release_memory())
+    free_1, _ = torch.cuda.mem_get_info(0)
+    asyncio.run(engine.resume_memory())
+    free_2, _ = torch.cuda.mem_get_info(0)
+    freed = (free_1 - free_0) / 2**30
+    print(f"\n(e) GPU 0 free: {free_0 / 2**30:.2f} GiB -> released {free_1 / 2**30:.2f} GiB "
+          f"(freed {freed:.2f} GiB of {total / 2**30:.0f}) -> resumed {free_2 / 2**30:.2f} GiB")
+    assert freed > 1.0  # mem_fraction_static 0.15 of the GPU is held for weights and KV cache
+    assert free_2 < free_1 - 1.0 * 2**30
+    # Released weights are restored before generating: the same greedy tokens as before.
+    assert [o.token_ids for o in generate_all(engine, PROMPTS[:2], GREEDY)] == before_tokens
+
+
+def test_c_colocated_sync_by_cuda_ipc(engine, tiny_llama):
+    engine.transport = "tensor"
+    trainer = hf_weights(tiny_llama, "cuda:0")  # the trainer's tensors, on the engine's GPU
+    before = generate_all(engine, PROMPTS[:4], GREEDY)
+    changed = [(n, torch.zeros_like(t) if n == "lm_head.weight" else t * 1.5) for n, t in trainer]
+    buckets = [changed[: len(changed) // 2], changed[len(changed) // 2:]]
+    version = engine.weight_version + 1
+    for i, bucket in enumerate(buckets):  # verify_weights compares engine and trainer after the sync
+        asyncio.run(engine.update_weights(bucket, version=version, last=i == len(buckets) - 1))
+    after = generate_all(engine, PROMPTS[:4], GREEDY)
+    lm_head = engine_param(engine, "lm_head.weight")
+    print(f"\n(c) IPC sync v{version}: engine lm_head max |w| = {lm_head.abs().max():.3g}; mean log-prob "
+          f"{mean_log_prob(before):.4f} -> {mean_log_prob(after):.4f} (uniform: {-math.log(VOCAB):.4f})")
+    assert engine.weight_version == version and all(o.weight_version == version for o in after)
+    assert torch.equal(lm_head, torch.zeros_like(lm_head))
+    q = engine_param(engine, "model.layers.0.self_attn.q_proj.weight")
+    assert torch.equal(q, dict(changed)["model.layers.0.self_attn.q_proj.weight"].float().cpu()[:100])
+    assert abs(mean_log_prob(after) + math.log(VOCAB)) < 1e-3  # zero lm_head: every token equally likely
+    # back to the original weights, by IPC again
+    asyncio.run(engine.update_weights(trainer, version=version + 1, last=True))
+    assert [o.token_ids for o in generate_all(engine, PROMPTS[:4], GREEDY)] == [o.token_ids for o in before]
+
+
+def test_disk_sync(engine, tiny_llama):
+    engine.transport = "disk"
+    original = hf_weights(tiny_llama, "cpu")
+    before = generate_all(engine, PROMPTS[:4], GREEDY)
+    version = engine.weight_version + 1
+    changed = [(n, torch.zeros_like(t) if n == "lm_head.weight" else t) for n, t in original]
+    asyncio.run(engine.update_weights(changed, version=version, last=True))
+    after = generate_all(engine, PROMPTS[:4], GREEDY)
+    print(f"\n(disk) sync v{version} from {engine.work_dir / 'weights' / f'v{version}'}: mean log-prob "
+          f"{mean_log_prob(before):.4f} -> {mean_log_prob(after):.4f}")
+    assert all(o.weight_version == version for o in after)
+    assert abs(mean_log_prob(after) + math.log(VOCAB)) < 1e-3
+    asyncio.run(engine.update_weights(original, version=version + 1, last=True))
+    assert [o.token_ids for o in generate_all(engine, PROMPTS[:4], GREEDY)] == [o.token_ids for o in before]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_d_nccl_sync_across_two_gpus(tiny_llama, tmp_path):
+    """Trainer tensors on GPU 0, the engine on GPU 1 (disaggregated placement)."""
+    engine = SGLangEngine.from_config(gpu_config(tiny_llama, tmp_path, colocate=False,
+                                                 update_weight_transport="nccl"))
+    try:
+        assert engine.servers[0].gpu_ids == [1]
+        engine.verify_weights = True
+        trainer = hf_weights(tiny_llama, "cuda:0")
+        before = generate_all(engine, PROMPTS[:4], GREEDY)
+        changed = [(n, torch.zeros_like(t) if n == "lm_head.weight" else t * 0.5) for n, t in trainer]
+        buckets = [changed[i::3] for i in range(3)]
+        for i, bucket in enumerate(buckets):
+            asyncio.run(engine.update_weights(bucket, version=1, last=i == 2))
+        after = generate_all(engine, PROMPTS[:4], GREEDY)
+        print(f"\n(d) NCCL sync GPU 0 -> GPU 1 in 3 buckets: mean log-prob {mean_log_prob(before):.4f} -> "
+              f"{mean_log_prob(after):.4f}")
+        assert all(o.weight_version == 1 for o in after)
+        assert abs(mean_log_prob(after) + math.log(VOCAB)) < 1e-3
+        q = engine_param(engine, "model.layers.1.self_attn.q_proj.weight")
+        assert torch.equal(q, dict(changed)["model.layers.1.self_attn.q_proj.weight"].float().cpu()[:100])
+        asyncio.run(engine.update_weights(trainer, version=2, last=True))  # the group is reused
+        assert [o.token_ids for o in generate_all(engine, PROMPTS[:4], GREEDY)] == [o.token_ids for o in before]
+    finally:
+        asyncio.run(engine.shutdown())
