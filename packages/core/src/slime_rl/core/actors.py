@@ -15,10 +15,10 @@ from typing import Any, Literal
 import torch
 
 from slime_rl.core.config import Config
-from slime_rl.core.contracts import NamedTensors
 from slime_rl.core.plugins import load_plugin
 from slime_rl.core.rollout import Group, RolloutRunner
 from slime_rl.core.sample import Sample
+from slime_rl.core.tensor_transport import HostArrays, from_host_arrays, to_host_arrays
 
 
 def _set_threads(cfg: Config) -> None:
@@ -52,9 +52,10 @@ class TrainerWorker:
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         return self.trainer.train_step(samples)
 
-    def weight_buckets(self, bucket_bytes: int) -> list[NamedTensors] | None:
+    def weight_buckets(self, bucket_bytes: int) -> list[HostArrays] | None:
         """All buckets on rank 0 (None elsewhere); every rank takes part in the gather."""
-        buckets = [list(bucket) for bucket in self.trainer.named_weights(bucket_bytes)]
+        buckets = [to_host_arrays(bucket) if self.rank == 0 else None
+                   for bucket in self.trainer.named_weights(bucket_bytes)]
         return buckets if self.rank == 0 else None
 
     def save(self, path: str) -> None:
@@ -108,9 +109,9 @@ class RolloutManager:
     async def evaluate(self) -> dict[str, float]:
         return await self.runner.evaluate(self.eval_sets)
 
-    async def update_weights(self, buckets: list[NamedTensors], version: int) -> None:
+    async def update_weights(self, buckets: list[HostArrays], version: int) -> None:
         for i, bucket in enumerate(buckets):
-            await self.engine.update_weights(bucket, version=version, last=i == len(buckets) - 1)
+            await self.engine.update_weights(from_host_arrays(bucket), version=version, last=i == len(buckets) - 1)
 
     async def release_memory(self) -> None:
         await self.engine.release_memory()

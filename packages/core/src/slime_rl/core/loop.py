@@ -55,6 +55,14 @@ class TrainerGroup:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
 
+def sync_weights(actor: TrainerGroup, manager: Any, bucket_bytes: int, *, version: int) -> None:
+    """Trainer rank 0's buckets go to the engines by object reference: the driver never holds them."""
+    import ray
+
+    refs = actor.call_async("weight_buckets", bucket_bytes)
+    ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
+
+
 @contextlib.contextmanager
 def phase(timings: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
@@ -102,8 +110,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 critic.call("load", str(folder / "critic"))
             ray.get(manager.load_state_dict.remote(meta["rollout_state"]))
             start_step = meta["step"]
-            buckets = actor.call("weight_buckets", bucket_bytes)
-            ray.get(manager.update_weights.remote(buckets, start_step))
+            sync_weights(actor, manager, bucket_bytes, version=start_step)
         summary["start_step"] = start_step
         notify("start", {"start_step": start_step, "num_steps": cfg.data.num_rollout,
                          "startup_s": time.perf_counter() - started})
@@ -145,8 +152,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                     metrics.update({f"critic/{k}": v for k, v in critic.call("train_step", samples_ref).items()})
                 metrics.update({f"train/{k}": v for k, v in actor.call("train_step", samples_ref).items()})
             with phase(timings, "weight_sync"):
-                buckets = actor.call("weight_buckets", bucket_bytes)
-                ray.get(manager.update_weights.remote(buckets, step + 1))
+                sync_weights(actor, manager, bucket_bytes, version=step + 1)
             step += 1
             timings["time/step"] = time.perf_counter() - step_start
             tokens = sum(len(s.tokens) for s in samples)
