@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.plugins import load_plugin
+from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.weight_sync import WeightSyncError
 
@@ -195,6 +196,29 @@ def test_a_request_in_flight_during_a_sync_continues_on_the_new_weights(make_eng
     assert 0 < made_before < 800 and segments[1]["sampling_params"]["max_new_tokens"] == 800 - made_before
 
 
+def test_trainer_side_sync_with_the_weight_sync_functions(make_engine, tiny_model):
+    """A trainer process pushes the buckets itself (its CUDA tensors never leave it): the engine
+    only holds generation before and lets it go after."""
+    engine = make_engine(num_engines=1)
+    before = asyncio.run(engine.generate([5, 6], GREEDY))
+    weights = new_weights(tiny_model, 0.5)
+
+    async def sync():
+        targets = await engine.begin_weight_sync(1)
+        # ... these calls run in the trainer process, given `targets` ...
+        ws.push_tensor_bucket(targets, weights[:2], version=None, timeout=60, step="v1 bucket 0")
+        ws.push_tensor_bucket(targets, weights[2:], version=1, timeout=60, step="v1 bucket 1")
+        await engine.end_weight_sync(1)
+
+    asyncio.run(sync())
+    after = asyncio.run(engine.generate([5, 6], GREEDY))
+    assert engine.weight_version == 1 and after.weight_version == 1 and after.token_ids != before.token_ids
+    kinds = [e["kind"] for e in state(engine.engine_urls[0])["events"]
+             if e["kind"] not in ("generate", "generate_body")]
+    assert kinds[-5:] == ["pause_generation", "update_weights_from_tensor", "update_weights_from_tensor",
+                          "flush_cache", "continue_generation"]
+
+
 def test_sync_errors_name_the_engine_and_the_step(make_engine, tiny_model):
     engine = make_engine(num_engines=1)
     bad = [("model.no_such_layer.weight", torch.zeros(3))]
@@ -215,8 +239,12 @@ def test_release_and_resume_memory(make_engine):
         for url in engine.engine_urls:
             assert state(url)["memory"] == {"weights": False, "kv_cache": False, "cuda_graph": False}
         task = asyncio.create_task(engine.generate([4, 4], GREEDY, request_id="held"))
+        dropped = asyncio.create_task(engine.generate([4, 5], GREEDY, request_id="dropped"))
         await asyncio.sleep(0.5)
-        assert not task.done()  # held while the memory is released
+        assert not task.done() and not dropped.done()  # held while the memory is released
+        await engine.abort("dropped")  # an aborted request does not wait for the memory
+        gone = await asyncio.wait_for(dropped, 5)
+        assert gone.finish_reason == "abort" and gone.token_ids == []
         await engine.resume_memory()
         return await asyncio.wait_for(task, 20)
 

@@ -95,7 +95,9 @@ class SGLangEngine(RolloutEngine):
         self._nccl_group = None
         self._nccl_urls: list[str] = []
         self._recovering: set[int] = set()
-        self._failures: dict[int, int] = {}
+        self._failures: dict[int, int] = {}  # consecutive failed health checks per engine
+        self._recovery_failures: dict[int, int] = {}
+        self.max_recovery_attempts = 3
         self._monitor_task: asyncio.Task | None = None
         self._shut = False
         self.restarts = 0  # engines restarted after a failure (a metric)
@@ -205,9 +207,10 @@ class SGLangEngine(RolloutEngine):
         if self.health_interval > 0 and (task is None or task.done() or task.get_loop() is not loop):
             self._monitor_task = loop.create_task(self._monitor())
 
-    async def _gate(self) -> None:
-        """Wait while a sync or a memory release holds generation; restore stale weights first."""
-        while self._closed_by or self._weights_stale:
+    async def _gate(self, req: _Request) -> None:
+        """Wait while a sync or a memory release holds generation (unless the request is aborted);
+        restore stale weights first."""
+        while (self._closed_by or self._weights_stale) and not req.aborted:
             if self._shut:
                 raise RuntimeError("SGLangEngine is shut down")
             if not self._closed_by and self._weights_stale:
@@ -230,7 +233,7 @@ class SGLangEngine(RolloutEngine):
         log_probs: list[float] = []
         try:
             while True:
-                await self._gate()
+                await self._gate(req)
                 epoch = self._pause_epoch
                 if req.aborted:
                     return GenerateOutput(tokens, log_probs, "abort", self._version)
@@ -238,6 +241,7 @@ class SGLangEngine(RolloutEngine):
                 req.wire_prefix = f"{rid}#{uuid.uuid4().hex[:12]}"  # unique: SGLang aborts by rid prefix
                 out = await self.client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
                                                  default_version=self._version, should_stop=lambda: req.aborted)
+                req.wire_prefix = None  # back from the server: nothing there to abort
                 tokens += out.token_ids
                 log_probs += out.log_probs
                 paused_meanwhile = epoch != self._pause_epoch or bool(self._closed_by)
@@ -284,26 +288,11 @@ class SGLangEngine(RolloutEngine):
         return "nccl" if on_cuda and not self.colocated else "tensor"
 
     async def update_weights(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
-        """One bucket of a sync. The first bucket of a version pauses generation; the last flushes the
-        prefix cache, (optionally) checks the weights and lets generation continue on ``version``."""
-        self._start_monitor()
-        if self._shut:
-            raise RuntimeError("SGLangEngine is shut down")
+        """One bucket of a sync, from tensors in this process. The first bucket of a version pauses
+        generation; the last flushes the prefix cache, (optionally) checks the weights and lets
+        generation continue on ``version``."""
         if self._syncing is None:
-            await self._lock().acquire()  # held until the last bucket: a restarted engine waits for it
-            self._syncing, self._bucket_index = version, 0
-            self._sync_transport = self._resolve_transport(named_tensors)
-            self._verify_sample = {}
-            self._closed_by.add("sync")
-            self._pause_epoch += 1
-            try:
-                await asyncio.to_thread(ws.pause_generation, self.targets(), timeout=self.sync_timeout,
-                                        step=f"weight sync v{version}: pause generation")
-            except BaseException:
-                self._end_sync()  # nothing changed yet: let the engines that did pause go on
-                await asyncio.to_thread(_try, ws.continue_generation, self.targets(), timeout=30.0,
-                                        step="undo pause")
-                raise
+            await self.begin_weight_sync(version, transport=self._resolve_transport(named_tensors))
         elif version != self._syncing:
             raise ws.WeightSyncError(f"weight sync v{self._syncing} is unfinished (no bucket with last=True) "
                                      f"and a bucket for v{version} arrived")
@@ -318,12 +307,62 @@ class SGLangEngine(RolloutEngine):
                     if tensor.dim() > 0:
                         self._verify_sample[name] = tensor.detach()[:100].to("cpu", copy=True)
             self._bucket_index += 1
-            if last:
-                await self._finish_sync(version)
         except BaseException:
             # Partly loaded weights must not serve requests: generation stays held until a full sync.
             self._end_sync(reopen=False)
             raise
+        if last:
+            await self.end_weight_sync(version)
+
+    async def begin_weight_sync(self, version: int, *, transport: str = "tensor") -> list[ws.Target]:
+        """Hold generation and pause the engines for a sync. `update_weights` calls it; a trainer
+        process that pushes the buckets itself (its CUDA tensors are not here) calls it through the
+        rollout process, sends with the `weight_sync` functions to the returned targets, then calls
+        `end_weight_sync`."""
+        self._start_monitor()
+        if self._shut:
+            raise RuntimeError("SGLangEngine is shut down")
+        if self._syncing is not None:
+            raise ws.WeightSyncError(f"weight sync v{self._syncing} is unfinished and v{version} began")
+        await self._lock().acquire()  # held until the sync ends: a restarted engine waits for its result
+        self._syncing, self._bucket_index, self._sync_transport = version, 0, transport
+        self._verify_sample = {}
+        self._closed_by.add("sync")
+        self._pause_epoch += 1
+        try:
+            await asyncio.to_thread(ws.pause_generation, self.targets(), timeout=self.sync_timeout,
+                                    step=f"weight sync v{version}: pause generation")
+        except BaseException:
+            self._end_sync()  # nothing changed yet: let the engines that did pause go on
+            await asyncio.to_thread(_try, ws.continue_generation, self.targets(), timeout=30.0, step="undo pause")
+            raise
+        return self.targets()
+
+    async def end_weight_sync(self, version: int, *, hf_folder: str | Path | None = None) -> None:
+        """Flush the prefix cache (its KV came from the old weights), check the weights when asked,
+        and let generation continue on ``version``. After an external sync, ``hf_folder`` (an HF
+        folder holding this version) is what a restarted engine is restored from."""
+        if self._syncing != version:
+            raise ws.WeightSyncError(f"end of weight sync v{version}, but the sync in progress is {self._syncing}")
+        step = f"weight sync v{version}"
+        targets = self.targets()
+        try:
+            if self._verify_sample:
+                for target in targets:
+                    await asyncio.to_thread(ws.check_weights, target, self._verify_sample,
+                                            timeout=self.sync_timeout, step=step)
+            await asyncio.to_thread(ws.flush_cache, targets, timeout=self.sync_timeout, step=f"{step}: flush cache")
+            if "memory" not in self._closed_by:
+                await asyncio.to_thread(ws.continue_generation, targets, timeout=self.sync_timeout,
+                                        step=f"{step}: continue generation")
+        except BaseException:
+            self._end_sync(reopen=False)
+            raise
+        if hf_folder is not None:
+            self._disk_folder, self._sync_transport = Path(hf_folder), "disk"
+        self._version = version
+        self._weights_stale = False
+        self._end_sync()
 
     async def _send_bucket(self, named_tensors: NamedTensors, *, version: int, last: bool, step: str) -> None:
         tag = version if last else None  # engines report the new version once they have all of it
@@ -347,8 +386,8 @@ class SGLangEngine(RolloutEngine):
                     await asyncio.to_thread(ws.update_from_disk, target, folder, version=version,
                                             timeout=self.sync_timeout, step=step)
                 previous, self._disk_folder = self._disk_folder, folder
-                if previous is not None and previous != folder:
-                    shutil.rmtree(previous, ignore_errors=True)
+                if previous is not None and previous != folder and previous.parent == folder.parent:
+                    shutil.rmtree(previous, ignore_errors=True)  # ours only, never a folder a caller gave
         else:
             raise ValueError(f"rollout.update_weight_transport: unknown transport {self._sync_transport!r}")
 
@@ -366,21 +405,6 @@ class SGLangEngine(RolloutEngine):
         if self._nccl_group is not None:
             group, self._nccl_group = self._nccl_group, None
             ws.destroy_nccl_group(group, self.targets(), timeout=30.0)
-
-    async def _finish_sync(self, version: int) -> None:
-        step = f"weight sync v{version}"
-        targets = self.targets()
-        if self._verify_sample:
-            for target in targets:
-                await asyncio.to_thread(ws.check_weights, target, self._verify_sample, timeout=self.sync_timeout,
-                                        step=step)
-        await asyncio.to_thread(ws.flush_cache, targets, timeout=self.sync_timeout, step=f"{step}: flush cache")
-        if "memory" not in self._closed_by:
-            await asyncio.to_thread(ws.continue_generation, targets, timeout=self.sync_timeout,
-                                    step=f"{step}: continue generation")
-        self._version = version
-        self._weights_stale = False
-        self._end_sync()
 
     def _end_sync(self, reopen: bool = True) -> None:
         self._syncing = None
@@ -458,7 +482,8 @@ class SGLangEngine(RolloutEngine):
         while not self._shut:
             await asyncio.sleep(self.health_interval)
             for server in list(self.servers):
-                if server.index in self._recovering or self._shut:
+                given_up = self._recovery_failures.get(server.index, 0) >= self.max_recovery_attempts
+                if server.index in self._recovering or given_up or self._shut:
                     continue
                 if await self._is_dead(server):
                     self._recovering.add(server.index)
@@ -478,15 +503,19 @@ class SGLangEngine(RolloutEngine):
     async def _recover(self, server: SGLangServer) -> None:
         """Out of the router, restarted (or waited for), current weights in, back in the router."""
         idx = server.index
+        if self._recovery_failures.get(idx, 0) >= self.max_recovery_attempts:
+            self._recovering.discard(idx)
+            return  # given up on (logged below); health() reports False
+        fresh = server
         try:
             logger.warning("%s failed; taking it out of the router and restarting it", server.name)
             await asyncio.to_thread(self.router.remove_worker, server.url)
             await asyncio.to_thread(self._drop_nccl_group)  # its members changed; made anew at the next sync
             if server.process is not None:
                 fresh = await asyncio.to_thread(restart_server, server)
-            else:
-                fresh = server
             await asyncio.to_thread(wait_healthy, fresh, self.startup_timeout)
+            if self._shut:
+                raise RuntimeError("the engine shut down during recovery")
             async with self._lock():  # a sync in progress ends first; then this engine gets its version
                 target = ws.Target(fresh.name, fresh.url, fresh.tp_size)
                 if self._version > 0 or self._weights_stale:
@@ -501,15 +530,21 @@ class SGLangEngine(RolloutEngine):
                 self._failures[idx] = 0
                 await asyncio.to_thread(self.router.add_worker, fresh.url)
             self.restarts += 1
+            self._recovery_failures[idx] = 0
             logger.warning("%s is back with weight version %d", fresh.name, self._version)
         except (ServerStartError, ws.WeightSyncError, OSError, RuntimeError) as err:
-            logger.error("recovery of %s failed: %s", server.name, err)
+            self._recovery_failures[idx] = self._recovery_failures.get(idx, 0) + 1
+            if fresh is not server and fresh.process is not None:
+                fresh.process.stop()  # never left running outside the engine's list
+            left = self.max_recovery_attempts - self._recovery_failures[idx]
+            logger.error("recovery of %s failed (%s); %s", server.name, err,
+                         f"{left} more attempts" if left > 0 else "giving up on this engine")
         finally:
             self._recovering.discard(idx)
 
     async def health(self) -> bool:
         """True when every server answers ``/health`` and none is being restarted."""
-        if self._recovering:
+        if self._recovering or any(n >= self.max_recovery_attempts for n in self._recovery_failures.values()):
             return False
         async with httpx.AsyncClient(timeout=5.0) as http:
             results = await asyncio.gather(*(http.get(f"{s.url}/health") for s in self.servers),
