@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-DEFAULT_CHUNK_BYTES = 256 << 20  # fp32 logits per chunk
+CHUNK_BYTES = 128 << 20  # fp32 logits per chunk (a few such buffers are live at once)
 
 
-def chunk_tokens(vocab_local: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    return max(1, chunk_bytes // (4 * vocab_local))
+def chunk_tokens(vocab_local: int, chunk_bytes: int | None = None) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take about ``chunk_bytes``."""
+    return max(1, (chunk_bytes or CHUNK_BYTES) // (4 * vocab_local))
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:

@@ -1,0 +1,343 @@
+"""Megatron trainer vs plain transformers: step time, tokens/s, MFU, and the log-prob pass's peak memory.
+
+CPU (checked here, tiny or SmolLM2-shaped random models):
+    python benchmarks/trainer_throughput.py --device cpu --shape smollm2-135m --threads 1 2
+GPU (the H200 machine):
+    python benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16 \\
+        --prompt-len 512 --response-len 512 --memory-tokens 16384
+
+Table 1: one GRPO update as the loop runs it: ``compute_log_probs`` (old policy) then
+``train_step`` (forward, backward, Adam), next to transformers doing the same work on
+the same batch (log-softmax of full logits under no_grad, then forward/backward with
+the same token-level loss, fused AdamW; SDPA attention, bf16 autocast on CUDA).
+Tokens/s counts every token of the batch per train step; MFU uses the standard
+6 * params + 12 * layers * hidden * seq FLOPs per token against --peak-tflops.
+
+Table 2: peak memory the log-prob pass adds beyond the weights, at --memory-tokens
+tokens: the trainer's chunked, fused head next to a naive full-logits pass
+(fp32 logits of the whole batch, log_softmax, gather). CUDA: allocator peak;
+CPU: peak RSS of a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # name: (family, vocab, hidden, intermediate, layers, heads, kv_heads, tied, rope_theta)
+    "tiny": ("llama", 32768, 128, 352, 4, 4, 2, True, 10000.0),
+    "smollm2-135m": ("llama", 49152, 576, 1536, 30, 9, 3, True, 100000.0),
+    "qwen2.5-0.5b": ("qwen2", 151936, 896, 4864, 24, 14, 2, True, 1000000.0),
+    "qwen2.5-1.5b": ("qwen2", 151936, 1536, 8960, 28, 12, 2, True, 1000000.0),
+}
+
+
+def make_model(shape: str, folder: Path) -> Path:
+    import transformers
+
+    family, vocab, hidden, inter, layers, heads, kv, tied, theta = SHAPES[shape]
+    if (folder / "config.json").is_file():
+        return folder
+    cfg_cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    config = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                     num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
+                     max_position_embeddings=32768, rms_norm_eps=1e-6)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    return folder
+
+
+def model_flops_per_token(shape: str, seq_len: int) -> float:
+    family, vocab, hidden, inter, layers, heads, kv, tied, _ = SHAPES[shape]
+    head_dim = hidden // heads
+    attn = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
+    mlp = 3 * hidden * inter
+    params = layers * (attn + mlp) + vocab * hidden  # the LM head's matmul; the embedding lookup is free
+    return 6 * params + 12 * layers * hidden * seq_len
+
+
+def make_samples(n: int, prompt_len: int, response_len: int, vocab: int, jitter: int, seed: int = 0):
+    from slime_rl.core.sample import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = prompt_len + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0)
+        r = response_len + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0)
+        tokens = torch.randint(0, vocab, (p + r,), generator=g).tolist()
+        adv = float(torch.randn((), generator=g))
+        out.append(Sample(index=i, group_index=i // 8, tokens=tokens, response_length=r, loss_mask=[1] * r,
+                          advantages=[adv] * r))
+    return out
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of fn()."""
+    sync(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    sync(device)
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+# ---------------------------------------------------------------- the two contenders
+
+
+def init_single_rank() -> None:
+    if not torch.distributed.is_initialized():
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+
+
+def megatron_trainer(model_dir: Path, args):
+    from slime_rl.core.config import load_config
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    init_single_rank()
+    overrides = [f"model.path={model_dir}", f"cluster.device={args.device}", "trainer.lr=1e-5",
+                 f"trainer.micro_batch_size={args.micro_batch_size}", "trainer.adam_beta2=0.99"]
+    if args.max_tokens_per_gpu:
+        overrides.append(f"trainer.max_tokens_per_gpu={args.max_tokens_per_gpu}")
+    return MegatronTrainer.from_config(load_config(None, overrides, check=False))
+
+
+class TransformersBaseline:
+    """Plain transformers training of the same batch: padded, SDPA, bf16 autocast on CUDA, fused AdamW."""
+
+    def __init__(self, model_dir: Path, device: str):
+        import transformers
+
+        self.device = device
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation="sdpa").to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, betas=(0.9, 0.99), fused=True)
+
+    def _batch(self, samples):
+        longest = max(len(s.tokens) for s in samples)
+        ids = torch.zeros(len(samples), longest, dtype=torch.long)
+        mask = torch.zeros(len(samples), longest - 1)
+        adv = torch.zeros(len(samples), longest - 1)
+        for j, s in enumerate(samples):
+            ids[j, : len(s.tokens)] = torch.tensor(s.tokens)
+            start = len(s.tokens) - s.response_length - 1
+            mask[j, start : start + s.response_length] = 1
+            adv[j, start : start + s.response_length] = s.advantages[0]
+        return ids.to(self.device), mask.to(self.device), adv.to(self.device)
+
+    def _token_log_probs(self, ids):
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.device == "cuda" else torch.autocast("cpu", enabled=False)
+        with ctx:
+            logits = self.model(ids).logits
+        return torch.log_softmax(logits.float(), -1)[:, :-1].gather(2, ids[:, 1:, None]).squeeze(-1)
+
+    def log_probs(self, samples):
+        ids, mask, _ = self._batch(samples)
+        with torch.no_grad():
+            return self._token_log_probs(ids)
+
+    def train_step(self, samples, old):
+        ids, mask, adv = self._batch(samples)
+        logp = self._token_log_probs(ids)
+        ratio = torch.exp(logp - old)
+        loss = -(adv * ratio * mask).sum() / mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------- table 1
+
+
+def step_table(args, model_dir: Path) -> list[dict]:
+    vocab = SHAPES[args.shape][1]
+    samples = make_samples(args.samples, args.prompt_len, args.response_len, vocab, args.jitter)
+    tokens = sum(len(s.tokens) for s in samples)
+    seq = tokens / len(samples)
+    flops = model_flops_per_token(args.shape, int(seq)) * tokens
+    rows = []
+    trainer = megatron_trainer(model_dir, args)
+    baseline = TransformersBaseline(model_dir, args.device)
+    for threads in args.threads if args.device == "cpu" else [None]:
+        if threads:
+            torch.set_num_threads(threads)
+        for name in ("megatron", "transformers"):
+            lp_times, train_times = [], []
+            for it in range(args.warmup + args.steps):
+                if name == "megatron":
+                    holder = {}
+                    lp = timed(lambda: holder.update(lp=trainer.compute_log_probs(samples)), args.device)
+                    for s, v in zip(samples, holder["lp"]):
+                        s.old_log_probs = v
+                    tr = timed(lambda: trainer.train_step(samples), args.device)
+                else:
+                    holder = {}
+                    lp = timed(lambda: holder.update(lp=baseline.log_probs(samples)), args.device)
+                    tr = timed(lambda: baseline.train_step(samples, holder["lp"]), args.device)
+                if it >= args.warmup:
+                    lp_times.append(lp)
+                    train_times.append(tr)
+            # 1 thread on a shared CPU: CPU seconds are the steadier figure; otherwise wall time
+            pick = 1 if (args.device == "cpu" and threads == 1) else 0
+            lp_s = min(t[pick] for t in lp_times)
+            tr_s = min(t[pick] for t in train_times)
+            rows.append(dict(contender=name, threads=threads, log_probs_s=lp_s, train_step_s=tr_s,
+                             total_s=lp_s + tr_s, train_tok_s=tokens / tr_s,
+                             mfu=flops / tr_s / (args.peak_tflops * 1e12) if args.peak_tflops else None,
+                             wall_train_s=statistics.median(t[0] for t in train_times)))
+    return rows
+
+
+# ---------------------------------------------------------------- table 2
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets the peak-RSS mark (VmHWM) to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_probe(args, model_dir: Path, variant: str) -> int:
+    """Bytes the log-prob pass adds beyond the loaded weights (run in its own process on CPU)."""
+    vocab = SHAPES[args.shape][1]
+    per_sample = args.memory_tokens // args.memory_samples
+    samples = make_samples(args.memory_samples, per_sample // 2, per_sample - per_sample // 2, vocab, 0)
+    if variant == "megatron":
+        trainer = megatron_trainer(model_dir, argparse.Namespace(**{**vars(args), "micro_batch_size": args.memory_samples,
+                                                                     "max_tokens_per_gpu": None}))
+        run = lambda: trainer.compute_log_probs(samples)  # noqa: E731
+    else:
+        baseline = TransformersBaseline(model_dir, args.device)
+        if args.device == "cuda":
+            baseline.model.to(torch.bfloat16)  # weights like the trainer's, so only the pass differs
+        run = lambda: baseline.log_probs(samples)  # noqa: E731
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    reset_peak_rss()
+    before = rss_bytes()
+    run()
+    return peak_rss_bytes() - before
+
+
+def memory_table(args, model_dir: Path) -> list[dict]:
+    rows = []
+    for variant in ("megatron", "naive"):
+        if args.device == "cuda":
+            peak = memory_probe(args, model_dir, variant)
+        else:  # a fresh process per variant: peak RSS cannot be reset
+            cmd = [sys.executable, __file__, "--probe", variant, "--model-dir", str(model_dir)] + sys.argv[1:]
+            out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            if out.returncode != 0:
+                raise RuntimeError(f"memory probe {variant} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+            peak = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
+        rows.append(dict(variant=variant, peak_bytes=peak))
+    vocab = SHAPES[args.shape][1]
+    rows.append(dict(variant="(fp32 logits alone)", peak_bytes=args.memory_tokens * vocab * 4))
+    return rows
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--samples", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=20)
+    p.add_argument("--response-len", type=int, default=10)
+    p.add_argument("--jitter", type=int, default=3, help="+- tokens of length variation per sample")
+    p.add_argument("--micro-batch-size", type=int, default=32)
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="packed dynamic micro-batches")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--peak-tflops", type=float, default=None, help="989 for an H200 (bf16 dense)")
+    p.add_argument("--memory-tokens", type=int, default=8192)
+    p.add_argument("--memory-samples", type=int, default=4)
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--probe", choices=["megatron", "naive"], default=None, help=argparse.SUPPRESS)
+    args, _ = p.parse_known_args()
+    if args.device == "cuda" and args.peak_tflops is None:
+        args.peak_tflops = 989.0
+
+    model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"slime-rl-bench-{args.shape}"
+    if args.probe:
+        torch.set_num_threads(1)
+        print(json.dumps({"peak": memory_probe(args, model_dir, args.probe)}))
+        return
+    make_model(args.shape, model_dir)
+
+    rows = step_table(args, model_dir)
+    tokens = sum(len(s.tokens) for s in make_samples(args.samples, args.prompt_len, args.response_len,
+                                                        SHAPES[args.shape][1], args.jitter))
+    print(f"\n## {args.shape} on {args.device}: {args.samples} samples, {tokens} tokens per step"
+          f" (prompt ~{args.prompt_len}, response ~{args.response_len})")
+    print("| contender | threads | compute_log_probs s | train_step s | total s | train tokens/s | MFU |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        print(f"| {r['contender']} | {r['threads'] or '-'} | {r['log_probs_s']:.3f} | {r['train_step_s']:.3f}"
+              f" | {r['total_s']:.3f} | {r['train_tok_s']:.0f} | {mfu} |")
+    by = {(r["contender"], r["threads"]): r for r in rows}
+    for threads in sorted({r["threads"] for r in rows}, key=lambda t: t or 0):
+        m, t = by[("megatron", threads)], by[("transformers", threads)]
+        print(f"megatron / transformers tokens/s ({threads or 'gpu'} thread(s)): {m['train_tok_s'] / t['train_tok_s']:.2f}x;"
+              f" whole update {t['total_s'] / m['total_s']:.2f}x")
+    if args.device == "cpu":
+        print("(1 thread: CPU seconds of the process; 2 threads: wall seconds)")
+
+    if not args.skip_memory:
+        mem = memory_table(args, model_dir)
+        print(f"\n## log-prob pass at {args.memory_tokens} tokens ({args.memory_samples} samples):"
+              " peak memory beyond the weights")
+        print("| pass | peak MiB |")
+        print("|---|---|")
+        for r in mem:
+            print(f"| {r['variant']} | {r['peak_bytes'] / 2**20:.0f} |")
+        print(f"trainer / naive: {mem[0]['peak_bytes'] / max(1, mem[1]['peak_bytes']):.2f} (target <= 0.25)")
+
+
+if __name__ == "__main__":
+    main()
