@@ -79,12 +79,12 @@ class _FusedLogProbs(torch.autograd.Function):
             p = log_p.exp()
             grad_z = torch.zeros_like(p)
             if grad_logp is not None:
-                g = grad_logp[s:e]
+                g = grad_logp[s:e].float()
                 grad_z.sub_(p * g[:, None])
                 grad_z.scatter_add_(1, local_t[s:e, None], torch.where(in_range[s:e], g, 0.0)[:, None])
             if grad_entropy is not None:
                 # dH/dz_k = -p_k (log p_k + H)
-                grad_z.sub_(p * (log_p + entropy[s:e, None]) * grad_entropy[s:e, None])
+                grad_z.sub_(p * (log_p + entropy[s:e, None]) * grad_entropy[s:e, None].float())
             if temperature != 1.0:
                 grad_z.div_(temperature)
             grad_z = grad_z.to(weight.dtype)
