@@ -148,7 +148,7 @@ class SGLangEngine(RolloutEngine):
                                             engine_args=engine_args, gpu_ids=gpu_ids[i] if gpu_ids else None))
             for server in servers:
                 wait_healthy(server, startup_timeout)
-            router = launch_router(log_dir, policy=policy)
+            router = launch_router(log_dir, policy=policy, extra_args=_router_args(kwargs))
             for server in servers:
                 router.add_worker(server.url)
             router.wait_ready(len(servers))
@@ -171,7 +171,7 @@ class SGLangEngine(RolloutEngine):
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
         servers = [attach_server(i, url) for i, url in enumerate(urls)]
         model_path = httpx.get(f"{servers[0].url}/model_info", timeout=30).json()["model_path"]
-        router = launch_router(work_dir / "logs", policy=policy)
+        router = launch_router(work_dir / "logs", policy=policy, extra_args=_router_args(kwargs))
         try:
             for server in servers:
                 router.add_worker(server.url)
@@ -568,6 +568,11 @@ class SGLangEngine(RolloutEngine):
         for server in self.servers:
             if server.process is not None:
                 server.process.stop()
+
+
+def _router_args(engine_kwargs: dict) -> list[str]:
+    """The router must not cut a generation the client still waits for (its default is 1800 s)."""
+    return ["--request-timeout-secs", str(int(engine_kwargs.get("request_timeout", 3600.0)) + 60)]
 
 
 def _try(fn, *args, **kwargs) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,19 @@ def _stop_all() -> None:
         child.stop(timeout=5.0)
 
 
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM skips atexit; stop the children, then die of SIGTERM as before."""
+    _stop_all()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stop_children_on_sigterm() -> None:
+    # Only where nobody else handles SIGTERM (Ray, pytest plugins, servers install their own).
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 def start_process(name: str, cmd: list[str], log_path: str | Path, env: dict[str, str] | None = None) -> ChildProcess:
     """Start ``cmd`` in a new session (its own process group) with stdout and stderr to ``log_path``."""
     log_path = Path(log_path)
@@ -88,6 +102,7 @@ def start_process(name: str, cmd: list[str], log_path: str | Path, env: dict[str
             raise RuntimeError(f"{name}: cannot start {cmd[0]!r}: {err}") from None
     child = ChildProcess(name=name, popen=popen, log_path=log_path)
     _RUNNING[popen.pid] = child
+    _stop_children_on_sigterm()
     return child
 
 
