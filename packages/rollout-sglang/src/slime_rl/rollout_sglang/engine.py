@@ -58,6 +58,10 @@ class _Request:
 
 
 class SGLangEngine(RolloutEngine):
+    """N SGLang servers behind one sglang-router. Build with `from_config`, `launch` or `attach`.
+    Tunables beyond the config are attributes: ``verify_weights``, ``sync_timeout``,
+    ``health_interval`` (0: no monitor), ``keep_weights_for_recovery``."""
+
     def __init__(self, servers: list[SGLangServer], router: Router, *, model_path: str, work_dir: str | Path,
                  max_concurrency: int = 512, transport: Transport = "auto", colocated: bool = True,
                  request_timeout: float = 3600.0, sync_timeout: float = 600.0, startup_timeout: float = 900.0,
