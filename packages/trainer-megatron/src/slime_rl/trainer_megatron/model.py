@@ -10,6 +10,7 @@ kernel on the CPU) instead of the local spec's unfused baddbmm + softmax.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,7 +131,17 @@ def transformer_config(
     extra = {}
     if recompute:
         extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    config = TransformerConfig(
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="full scope is deprecated")  # a default we do not use
+        config = _make_transformer_config(shape, tp, pp, dtype, extra)
+    # Micro-batches of different lengths (dynamic batching, packing) under PP. Set after
+    # construction: __post_init__ refuses it with the (unused here) MoE allgather dispatcher.
+    config.variable_seq_lengths = True
+    return config
+
+
+def _make_transformer_config(shape: HFModelShape, tp: int, pp: int, dtype: torch.dtype, extra: dict):
+    return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.intermediate_size,
@@ -167,10 +178,6 @@ def transformer_config(
         calculate_per_token_loss=True,
         **extra,
     )
-    # Micro-batches of different lengths (dynamic batching, packing) under PP. Set after
-    # construction: __post_init__ refuses it with the (unused here) MoE allgather dispatcher.
-    config.variable_seq_lengths = True
-    return config
 
 
 class SDPAttention(DotProductAttention):

@@ -1,0 +1,205 @@
+"""What a user relies on from train_step: GRPO and SFT learn, micro-batching does not change the
+update, checkpoints resume bit for bit, the reference model stays put, the critic fits returns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron_testlib import (
+    ensure_single_rank_group,
+    hf_response_log_probs,
+    load_hf,
+    make_config,
+    make_hf_model,
+    make_samples,
+)
+
+from slime_rl.core import losses
+from slime_rl.core.advantages import compute_advantages
+from slime_rl.core.sample import Sample
+from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+VOCAB = 256
+
+
+def trainer_for(model_dir, overrides=(), role="actor"):
+    ensure_single_rank_group()
+    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)), role=role)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("policy") / "m", "qwen2", tie=True, vocab=VOCAB)
+
+
+def surrogate(cfg, samples, log_probs) -> float:
+    """The GRPO/PPO loss of ``log_probs`` against the samples' old log-probs and advantages."""
+    pad = losses.pad_sequences
+    batch = losses.LossBatch(
+        log_probs=pad(log_probs), old_log_probs=pad([s.old_log_probs for s in samples]),
+        advantages=pad([s.advantages for s in samples]), loss_mask=pad([s.loss_mask for s in samples]))
+    num_tokens = sum(sum(s.loss_mask) for s in samples)
+    loss, _ = losses.compute_loss(cfg.algorithm, batch, eps_clip_high=cfg.eps_clip_high, num_tokens=num_tokens,
+                                  num_seqs=len(samples))
+    return float(loss)
+
+
+def test_grpo_step_with_real_advantages_lowers_the_loss(model_dir):
+    trainer = trainer_for(model_dir, ["trainer.lr=0.002"])
+    samples = make_samples(16, VOCAB, seed=3)
+    for k, s in enumerate(samples):  # 4 prompts x 4 samples; reward: share of "low" token ids
+        s.group_index = k // 4
+        s.reward = sum(t < VOCAB // 2 for t in s.response_tokens) / s.response_length
+    compute_advantages(samples, trainer.cfg.algorithm, n_samples_per_prompt=4)
+    assert any(a != 0 for s in samples for a in s.advantages)
+    before = trainer.compute_log_probs(samples)
+    for s, lp in zip(samples, before):
+        s.old_log_probs = lp
+    metrics = trainer.train_step(samples)
+    assert metrics["grad_norm"] > 0 and metrics["update_skipped"] == 0
+    after = trainer.compute_log_probs(samples)
+    assert surrogate(trainer.cfg, samples, before) == pytest.approx(metrics["loss"], abs=1e-6)
+    assert surrogate(trainer.cfg, samples, after) < surrogate(trainer.cfg, samples, before) - 1e-3
+    # and the rewarded tokens became more likely
+    gain = sum(sum(s.advantages[i] * (a[i] - b[i]) for i in range(s.response_length))
+               for s, a, b in zip(samples, after, before))
+    assert gain > 0
+
+
+def test_sft_drives_the_nll_down(tmp_path):
+    """A copy task: the response repeats the prompt."""
+    model_dir = make_hf_model(tmp_path / "m", "llama", vocab=64, hidden=64)
+    trainer = trainer_for(model_dir, ["algorithm.loss_type=sft", "trainer.lr=0.003", "trainer.micro_batch_size=8"])
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(16):
+        prompt = torch.randint(0, 64, (5,), generator=g).tolist()
+        samples.append(Sample(index=i, tokens=prompt + prompt, response_length=5, loss_mask=[1] * 5))
+
+    def nll():
+        lps = trainer.compute_log_probs(samples)
+        return -sum(sum(lp) for lp in lps) / sum(len(lp) for lp in lps)
+
+    start = nll()
+    for _ in range(25):
+        metrics = trainer.train_step(samples)
+    assert metrics["sft_loss"] == pytest.approx(metrics["loss"])
+    assert nll() < 0.5 * start, (start, nll())
+
+
+def test_micro_batching_does_not_change_the_update(model_dir):
+    samples = make_samples(6, VOCAB)
+    results = []
+    for overrides in (["trainer.micro_batch_size=1"], ["trainer.micro_batch_size=6"],
+                      ["trainer.max_tokens_per_gpu=25"]):
+        trainer = trainer_for(model_dir, overrides)
+        results.append([trainer.train_step(samples) for _ in range(2)])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-6)
+
+
+def test_a_rollout_of_several_global_batches_takes_several_optimizer_steps(model_dir):
+    samples = make_samples(6, VOCAB)
+    whole = trainer_for(model_dir, ["trainer.global_batch_size=3"]).train_step(samples)
+    halves = trainer_for(model_dir, ["trainer.global_batch_size=3"])
+    first, second = halves.train_step(samples[:3]), halves.train_step(samples[3:])
+    assert whole["optimizer_steps"] == 2
+    assert whole["loss"] == pytest.approx((first["loss"] + second["loss"]) / 2, abs=1e-12)
+    assert whole["grad_norm"] == pytest.approx((first["grad_norm"] + second["grad_norm"]) / 2, abs=1e-12)
+
+
+def test_resume_replays_the_next_steps_bit_for_bit(model_dir, tmp_path):
+    samples = make_samples(6, VOCAB)
+    overrides = ["trainer.lr_warmup_steps=2", "trainer.weight_decay=0.1", "algorithm.entropy_coef=0.01"]
+    trainer = trainer_for(model_dir, overrides)
+    for _ in range(2):
+        trainer.train_step(samples)
+    trainer.save(str(tmp_path / "ckpt"))
+    uninterrupted = [trainer.train_step(samples) for _ in range(3)]
+    weights = {n: t.clone() for b in trainer.named_weights(1 << 20) for n, t in b}
+
+    resumed = trainer_for(model_dir, overrides)
+    resumed.load(str(tmp_path / "ckpt"))
+    assert [resumed.train_step(samples) for _ in range(3)] == uninterrupted
+    assert all(torch.equal(t, weights[n]) for b in resumed.named_weights(1 << 20) for n, t in b)
+
+
+def test_learning_rate_warms_up_then_holds(model_dir):
+    trainer = trainer_for(model_dir, ["trainer.lr=0.001", "trainer.lr_warmup_steps=2"])
+    samples = make_samples(2, VOCAB)
+    assert [trainer.train_step(samples)["lr"] for _ in range(4)] == pytest.approx([0.0, 0.0005, 0.001, 0.001])
+
+
+def test_cosine_decay_needs_the_number_of_steps(model_dir):
+    with pytest.raises(ValueError, match="data.num_rollout"):
+        trainer_for(model_dir, ["trainer.lr_decay_style=cosine"])
+
+
+def test_reference_model_stays_at_its_weights(model_dir, tmp_path):
+    samples = make_samples(4, VOCAB)
+    trainer = trainer_for(model_dir, ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1",
+                                      "trainer.lr=0.01"])
+    initial = trainer.compute_log_probs(samples)
+    for s, lp in zip(samples, trainer.compute_log_probs(samples, model="ref")):
+        s.ref_log_probs = lp
+    metrics = [trainer.train_step(samples) for _ in range(2)]
+    assert metrics[0]["ref_kl"] == pytest.approx(0.0, abs=1e-9) and metrics[1]["ref_kl"] > 0
+    assert trainer.compute_log_probs(samples, model="ref") == initial
+    assert trainer.compute_log_probs(samples) != initial
+
+    # a separate reference checkpoint (model.ref_path) is scored as transformers scores it
+    other = make_hf_model(tmp_path / "ref", "qwen2", tie=True, vocab=VOCAB, seed=7)
+    with_ref = trainer_for(model_dir, [f"model.ref_path={other}"])
+    hf = load_hf(other)
+    for s, lp in zip(samples, with_ref.compute_log_probs(samples, model="ref")):
+        assert torch.allclose(torch.tensor(lp), hf_response_log_probs(hf, s.tokens, s.response_length), atol=1e-4)
+
+    plain = trainer_for(model_dir)
+    with pytest.raises(ValueError, match="reference"):
+        plain.compute_log_probs(samples, model="ref")
+
+
+def test_critic_fits_the_returns(model_dir):
+    critic = trainer_for(model_dir, ["trainer.critic_lr=0.01", "algorithm.value_clip=100"], role="critic")
+    samples = make_samples(6, VOCAB)
+    values = critic.compute_values(samples)
+    assert [len(v) for v in values] == [s.response_length for s in samples]
+    assert all(v == 0.0 for row in values for v in row)  # the value head starts at zero
+    for k, s in enumerate(samples):
+        s.returns = [1.0 if k % 2 else -1.0] * s.response_length
+
+    def error():
+        vals = critic.compute_values(samples)
+        return sum((v - r) ** 2 for s, row in zip(samples, vals) for v, r in zip(row, s.returns))
+
+    start = error()
+    for _ in range(15):
+        for s, v in zip(samples, critic.compute_values(samples)):
+            s.values = v
+        metrics = critic.train_step(samples)
+    assert "value_loss" in metrics and metrics["grad_norm"] > 0
+    assert error() < 0.3 * start
+    with pytest.raises(ValueError, match="critic"):
+        critic.compute_log_probs(samples)
+    critic.offload()  # host memory already on the CPU: nothing moves, training goes on
+    critic.onload()
+    critic.train_step(samples)
+
+
+def test_bad_samples_get_one_line_errors(model_dir):
+    trainer = trainer_for(model_dir)
+    good = make_samples(2, VOCAB)
+    no_adv = make_samples(2, VOCAB)
+    for s in no_adv:
+        s.advantages = []
+    with pytest.raises(ValueError, match="advantages"):
+        trainer.train_step(no_adv)
+    bad = make_samples(2, VOCAB)
+    bad[1].loss_mask = bad[1].loss_mask[:-1]
+    with pytest.raises(ValueError, match="loss_mask has"):
+        trainer.train_step(bad)
+    empty = Sample(index=9, tokens=[1, 2, 3], response_length=0)
+    with pytest.raises(ValueError, match="response_length is 0"):
+        trainer.compute_log_probs([good[0], empty])
