@@ -56,7 +56,12 @@ def load_plugin(group: str, name: str) -> Any:
         names = ", ".join(sorted(available)) or "none"
         raise PluginError(f"no {group} named {name!r} (installed: {names}){hint}; or give `module:attr`")
     (ep,) = [ep for ep in entry_points(group=group) if ep.name == name]
-    return ep.load()
+    try:
+        return ep.load()
+    except (ImportError, AttributeError) as err:
+        # Installed but broken (a missing optional dependency, a renamed class): say which and why.
+        dist = f" from {ep.dist.name}" if ep.dist is not None else ""
+        raise PluginError(f"{group} {name!r} ({ep.value}{dist}) is installed but does not load: {err}") from None
 
 
 def load_function(spec: str, builtins: dict[str, Any], *, what: str) -> Any:
