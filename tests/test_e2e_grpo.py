@@ -21,8 +21,9 @@ def write_prompts(path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_grpo_learns_toy_reward(tp, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("tp,one_step_off", [(1, False), (2, False), (1, True)],
+                         ids=["tp1-sync", "tp2-sync", "tp1-async-disaggregated"])
+def test_grpo_learns_toy_reward(tp, one_step_off, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TOY_TOKENIZER", str(tiny_model_dir))
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # Ray workers import toy_rewards
     monkeypatch.setenv("SLIME_RL_TORCH_THREADS", "1")
@@ -34,6 +35,7 @@ def test_grpo_learns_toy_reward(tp, tiny_model_dir, tmp_path, monkeypatch):
         "trainer.lr=0.01", "trainer.adam_beta2=0.99", "cluster.device=cpu",
         f"cluster.actor_num_gpus_per_node={tp}", f"parallel.tensor_model_parallel_size={tp}",
         f"logging.dir={tmp_path / 'run'}", "logging.tensorboard=false",
+        f"cluster.async={one_step_off}", f"cluster.colocate={not one_step_off}",
     ])
     summary = train(cfg)
     rows = [json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()]
@@ -43,3 +45,6 @@ def test_grpo_learns_toy_reward(tp, tiny_model_dir, tmp_path, monkeypatch):
     assert sum(rewards[-5:]) / 5 >= 0.9, rewards[-10:]
     # on-policy at step 0: the trainer scores the engine's tokens as the engine did
     assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 1e-4
+    lags = [r["rollout/weight_version_lag"] for r in rows if "rollout/weight_version_lag" in r]
+    # one step off: rollout k+1 overlapped training on k, so it ran on weights one version old
+    assert lags == [0.0] + [1.0 if one_step_off else 0.0] * 59

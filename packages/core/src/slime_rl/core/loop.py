@@ -76,7 +76,9 @@ def _attach(samples: list[Sample], field: str, values: list[list[float]]) -> Non
 
 
 def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
-    """Run (or resume) a training job; returns a summary (steps, eval before and after, paths)."""
+    """Run (or resume) a training job; returns a summary (steps, eval before and after, paths).
+
+    ``cluster.async`` runs one step off-policy: rollout k+1 overlaps training on rollout k."""
     import ray
 
     notify = callback or (lambda event, payload: None)
@@ -124,13 +126,20 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
         last_save = start_step if resumed is not None else None
 
         step = start_step
+        # One-step-off async (disaggregated only): rollout k+1 runs on the engines while the
+        # trainer trains on rollout k; the weights are synced once both are done.
+        next_rollout = manager.generate.remote() if cfg.cluster.async_train else None
         while cfg.data.num_rollout is None or step < cfg.data.num_rollout:
             timings: dict[str, float] = {}
             step_start = time.perf_counter()
             with phase(timings, "rollout"):
-                samples, metrics, exhausted = ray.get(manager.generate.remote())
+                samples, metrics, exhausted = ray.get(next_rollout or manager.generate.remote())
             if not samples:
                 break
+            # How many versions behind the trainer the samples' weights are (1 when one step off).
+            metrics["rollout/weight_version_lag"] = sum(step - s.weight_version for s in samples) / len(samples)
+            more = not exhausted and (cfg.data.num_rollout is None or step + 1 < cfg.data.num_rollout)
+            next_rollout = manager.generate.remote() if cfg.cluster.async_train and more else None
             samples_ref = ray.put(samples)
             if separate_old_pass:
                 with phase(timings, "log_probs"):
@@ -151,6 +160,9 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 if critic is not None:
                     metrics.update({f"critic/{k}": v for k, v in critic.call("train_step", samples_ref).items()})
                 metrics.update({f"train/{k}": v for k, v in actor.call("train_step", samples_ref).items()})
+            if next_rollout is not None:
+                with phase(timings, "wait_rollout"):
+                    ray.wait([next_rollout], num_returns=1)  # no weight update in the middle of a rollout
             with phase(timings, "weight_sync"):
                 sync_weights(actor, manager, bucket_bytes, version=step + 1)
             step += 1
