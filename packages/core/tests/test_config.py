@@ -206,12 +206,11 @@ def test_algorithm_checks(prompts):
     assert load_config(None, base + ["algorithm.eps_clip_c=3"]).algorithm.eps_clip_c == 3
 
 
-def test_resume_needs_the_save_dir(tmp_path, prompts):
-    err = refused(None, [f"data.prompt_data={prompts}", "checkpoint.resume=true"])
-    assert err.field == "checkpoint.save_dir"
-    cfg = load_config(None, [f"data.prompt_data={prompts}", "checkpoint.resume=true",
-                             f"checkpoint.save_dir={tmp_path}"])
-    assert cfg.checkpoint.resume
+def test_checkpoints_default_to_the_log_dir(tmp_path, prompts):
+    cfg = load_config(None, [f"data.prompt_data={prompts}", "checkpoint.resume=true", f"logging.dir={tmp_path}"])
+    assert cfg.checkpoint_dir == tmp_path / "checkpoints"
+    cfg = load_config(None, [f"data.prompt_data={prompts}", f"checkpoint.save_dir={tmp_path / 'ck'}"])
+    assert cfg.checkpoint_dir == tmp_path / "ck"
 
 
 def test_engines_must_not_straddle_nodes(prompts):

@@ -156,7 +156,7 @@ class EvalConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    save_dir: str | None = None
+    save_dir: str | None = None  # default: <logging.dir>/checkpoints
     save_interval: int | None = Field(None, ge=1)
     resume: bool = False  # continue from the newest checkpoint in save_dir
     save_hf: bool = False  # also write an HF folder with every checkpoint
@@ -168,6 +168,7 @@ class LoggingConfig(_Section):
     tensorboard: bool = True
     wandb_project: str | None = None
     progress_bar: bool = True
+    save_rollouts: bool = False  # every step's samples to <dir>/rollouts/step_<k>.jsonl (for debugging)
 
 
 class Config(_Section):
@@ -215,6 +216,11 @@ class Config(_Section):
     @property
     def num_engines(self) -> int:
         return self.rollout_num_gpus // self.cluster.rollout_num_gpus_per_engine
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """checkpoint.save_dir, or ``<logging.dir>/checkpoints``."""
+        return Path(self.checkpoint.save_dir or Path(self.logging.dir) / "checkpoints")
 
     @property
     def data_parallel_size(self) -> int:
@@ -420,8 +426,6 @@ def check_config(cfg: Config) -> None:
     for name, eval_path in cfg.eval.prompt_data.items():
         if not Path(eval_path).is_file():
             raise ConfigError(f"eval.prompt_data.{name}", f"file {eval_path} does not exist")
-    if cfg.checkpoint.resume and cfg.checkpoint.save_dir is None:
-        raise ConfigError("checkpoint.save_dir", "resuming needs the folder that holds the checkpoints; set it")
     _check_model(cfg)
     from slime_rl.core.placement import plan_placement  # here: placement imports this module
 

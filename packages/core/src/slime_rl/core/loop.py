@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,6 +64,11 @@ def sync_weights(actor: TrainerGroup, manager: Any, bucket_bytes: int, *, versio
     ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
 
 
+def save_rollouts(path: Path, samples: list[Sample]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in samples))
+
+
 @contextlib.contextmanager
 def phase(timings: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
@@ -83,7 +89,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
 
     notify = callback or (lambda event, payload: None)
     log_dir = Path(cfg.logging.dir)
-    save_dir = Path(cfg.checkpoint.save_dir or log_dir / "checkpoints")
+    save_dir = cfg.checkpoint_dir
     algo = cfg.algorithm
     needs_ref = algo.use_kl_loss or algo.kl_coef != 0
     needs_critic = algo.advantage_estimator == "ppo"
@@ -140,6 +146,8 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             metrics["rollout/weight_version_lag"] = sum(step - s.weight_version for s in samples) / len(samples)
             more = not exhausted and (cfg.data.num_rollout is None or step + 1 < cfg.data.num_rollout)
             next_rollout = manager.generate.remote() if cfg.cluster.async_train and more else None
+            if cfg.logging.save_rollouts:
+                save_rollouts(log_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", samples)
             samples_ref = ray.put(samples)
             if separate_old_pass:
                 with phase(timings, "log_probs"):
