@@ -6,7 +6,7 @@ import pickle
 import statistics
 
 import pytest
-from conftest import finished_group
+from buffer_testdata import finished_group
 
 from slime_rl.buffer import BUFFER_FILTERS, DYNAMIC_SAMPLING_FILTERS, SampleBuffer, nonzero_std
 from slime_rl.core.config import Config

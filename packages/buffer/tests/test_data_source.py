@@ -12,7 +12,7 @@ from collections import Counter
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import arithmetic_rows, write_jsonl
+from buffer_testdata import arithmetic_rows, write_jsonl
 
 from slime_rl.buffer import DataError, PromptDataSource, SampleBuffer
 from slime_rl.core.config import Config

@@ -34,7 +34,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     max_new_tokens: int = 1024
-    stop: list[str] = field(default_factory=list)  # stop strings (kept out of the response when matched)
+    stop: list[str] = field(default_factory=list)  # stop strings (the tokens that complete one stay in the response)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's eos
     ignore_eos: bool = False
     seed: int | None = None
