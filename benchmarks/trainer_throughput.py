@@ -178,6 +178,7 @@ def step_table(args, model_dir: Path) -> list[dict]:
     seq = tokens / len(samples)
     flops = model_flops_per_token(args.shape, int(seq)) * tokens
     rows = []
+    holder: dict = {}  # the timed lambdas leave the log-probs here; each iteration overwrites them
     trainer = megatron_trainer(model_dir, args)
     baseline = TransformersBaseline(model_dir, args.device)
     for threads in args.threads if args.device == "cpu" else [None]:
@@ -187,13 +188,11 @@ def step_table(args, model_dir: Path) -> list[dict]:
             lp_times, train_times = [], []
             for it in range(args.warmup + args.steps):
                 if name == "megatron":
-                    holder = {}
                     lp = timed(lambda: holder.update(lp=trainer.compute_log_probs(samples)), args.device)
-                    for s, v in zip(samples, holder["lp"]):
+                    for s, v in zip(samples, holder["lp"], strict=True):
                         s.old_log_probs = v
                     tr = timed(lambda: trainer.train_step(samples), args.device)
                 else:
-                    holder = {}
                     lp = timed(lambda: holder.update(lp=baseline.log_probs(samples)), args.device)
                     tr = timed(lambda: baseline.train_step(samples, holder["lp"]), args.device)
                 if it >= args.warmup:

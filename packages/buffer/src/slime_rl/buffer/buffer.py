@@ -27,7 +27,7 @@ from slime_rl.buffer.filters import BUFFER_FILTERS
 from slime_rl.buffer.store import UNFINISHED, GroupStore, is_partial
 from slime_rl.core.contracts import Buffer
 from slime_rl.core.plugins import load_function
-from slime_rl.core.sample import Sample, SampleStatus
+from slime_rl.core.sample import Sample
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config

@@ -8,7 +8,10 @@ orchestrator applies them, and are re-exported here.
 
 from __future__ import annotations
 
-from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS, nonzero_std  # re-exported: the DAPO filter lives in core
+from slime_rl.core.filters import (  # re-exported: the DAPO filter lives in core
+    DYNAMIC_SAMPLING_FILTERS,
+    nonzero_std,
+)
 from slime_rl.core.sample import Sample
 
 
