@@ -48,10 +48,12 @@ class _FusedLogProbs(torch.autograd.Function):
             m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
             z.sub_(m[:, None])  # shifted logits from here on
             target = torch.where(in_range[s:e], z.gather(1, local_t[s:e, None]).squeeze(1), 0.0)
-            p = z.exp()
-            stats = [p.sum(-1), target]
             if with_entropy:
-                stats.append((p * z).sum(-1))
+                p = z.exp()
+                # sum_k p_k z_k as a batched dot product (no [chunk, V] temporary)
+                stats = [p.sum(-1), target, torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)]
+            else:
+                stats = [z.exp_().sum(-1), target]
             stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
             log_z = stats[0].log()
             lse[s:e] = m + log_z
@@ -71,31 +73,32 @@ class _FusedLogProbs(torch.autograd.Function):
             grad_entropy = None
         n, chunk, temperature = hidden.shape[0], ctx.chunk, ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_weight = None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            z = _logits(hidden[s:e], weight, temperature)
-            log_p = z.sub_(lse[s:e, None])  # log-softmax of this chunk's logits (in place)
-            p = log_p.exp()
-            grad_z = torch.zeros_like(p)
-            if grad_logp is not None:
-                g = grad_logp[s:e].float()
-                grad_z.sub_(p * g[:, None])
-                grad_z.scatter_add_(1, local_t[s:e, None], torch.where(in_range[s:e], g, 0.0)[:, None])
+            g = grad_logp[s:e, None].float() if grad_logp is not None else None
+            # d logp_t / dz_k = 1[k=t] - p_k;   dH / dz_k = -p_k (log p_k + H)
+            grad_z = _logits(hidden[s:e], weight, temperature).sub_(lse[s:e, None])  # log p, in place
             if grad_entropy is not None:
-                # dH/dz_k = -p_k (log p_k + H)
-                grad_z.sub_(p * (log_p + entropy[s:e, None]) * grad_entropy[s:e, None].float())
+                coef = (grad_z + entropy[s:e, None]).mul_(grad_entropy[s:e, None].float())
+                if g is not None:
+                    coef.add_(g)
+                grad_z = grad_z.exp_().mul_(coef).neg_()
+            else:
+                grad_z = grad_z.exp_().mul_(g).neg_()
+            if g is not None:
+                grad_z.scatter_add_(1, local_t[s:e, None], torch.where(in_range[s:e, None], g, 0.0))
             if temperature != 1.0:
                 grad_z.div_(temperature)
             grad_z = grad_z.to(weight.dtype)
             if grad_hidden is not None:
                 grad_hidden[s:e] = grad_z @ weight
-            if grad_weight is not None:
-                h = hidden[s:e].to(weight.dtype)
-                if weight.dtype == torch.float32:
-                    grad_weight.addmm_(grad_z.t(), h)
-                else:  # bf16 matmul (fp32 accumulation inside), summed over chunks in fp32
-                    grad_weight.add_(grad_z.t() @ h)
+            if ctx.needs_input_grad[1]:
+                part = grad_z.t() @ hidden[s:e].to(weight.dtype)
+                if grad_weight is None:
+                    grad_weight = part if chunk >= n else part.float()
+                else:  # summed over chunks in fp32
+                    grad_weight.add_(part)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

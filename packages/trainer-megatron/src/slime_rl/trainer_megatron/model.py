@@ -217,6 +217,8 @@ class SDPAttention(DotProductAttention):
         return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)
 
     def _sdpa(self, q, k, v, *, is_causal=False, mask=None, dropout=0.0, gqa=False):
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout == 0.0:
+            return self._matmul_attention(q, k, v, is_causal=is_causal, mask=mask)
         if gqa and q.device.type == "cuda":
             # enable_gqa is not served by every CUDA kernel; expanding keeps flash attention in play.
             rep = q.shape[1] // k.shape[1]
@@ -229,6 +231,20 @@ class SDPAttention(DotProductAttention):
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    def _matmul_attention(self, q, k, v, *, is_causal, mask):
+        """bf16 on the CPU: two AMX matmuls around an fp32 softmax. torch's CPU flash kernel is
+        several times slower than this in bf16 backward (fp32 is served well by SDPA)."""
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.softmax_scale
+        if is_causal:
+            s = q.shape[-2]
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 @dataclass

@@ -162,8 +162,8 @@ class MegatronTrainer(PolicyTrainer):
     def _resolve_dtype(self, name: str) -> torch.dtype:
         if name == "auto":
             return torch.bfloat16 if self.device_type == "cuda" else torch.float32
-        if name != "float32" and self.device_type == "cpu":
-            raise ValueError(f"model.dtype: {name} training on the CPU is not supported; use float32 or auto")
+        if name == "float16" and self.device_type == "cpu":
+            raise ValueError("model.dtype: float16 on the CPU is not supported; use float32, bfloat16 or auto")
         return _DTYPES[name]
 
     def _make_scheduler(self, lr: float) -> OptimizerParamScheduler:
