@@ -15,7 +15,8 @@ from typing import Any, Literal
 import torch
 
 from slime_rl.core.config import Config
-from slime_rl.core.plugins import load_plugin
+from slime_rl.core.contracts import WeightSender
+from slime_rl.core.plugins import load_attr, load_plugin
 from slime_rl.core.rollout import Group, RolloutRunner
 from slime_rl.core.sample import Sample
 from slime_rl.core.tensor_transport import HostArrays, from_host_arrays, to_host_arrays
@@ -36,7 +37,8 @@ class TrainerWorker:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % cfg.cluster.actor_num_gpus_per_node))
         _set_threads(cfg)
-        self.rank = rank
+        self.rank, self.cfg = rank, cfg
+        self.sender: WeightSender | None = None
         trainer_cls = load_plugin("slime_rl.trainers", cfg.trainer.backend)
         self.trainer = trainer_cls.from_config(cfg, role=role)
 
@@ -57,6 +59,12 @@ class TrainerWorker:
         buckets = [to_host_arrays(bucket) if self.rank == 0 else None
                    for bucket in self.trainer.named_weights(bucket_bytes)]
         return buckets if self.rank == 0 else None
+
+    def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
+        """Push the weights straight to the engine's servers (the engine's `weight_sender`)."""
+        if self.sender is None:
+            self.sender = load_attr(sender_spec, what="weight sender")(self.cfg, rank=self.rank)
+        self.sender.send(self.trainer.named_weights(bucket_bytes), handle, version=version, transport=transport)
 
     def save(self, path: str) -> None:
         self.trainer.save(path)
@@ -112,6 +120,15 @@ class RolloutManager:
     async def update_weights(self, buckets: list[HostArrays], version: int) -> None:
         for i, bucket in enumerate(buckets):
             await self.engine.update_weights(from_host_arrays(bucket), version=version, last=i == len(buckets) - 1)
+
+    def weight_sender(self) -> str | None:
+        return self.engine.weight_sender
+
+    async def begin_weight_sync(self, version: int, transport: str) -> Any:
+        return await self.engine.begin_weight_sync(version, transport=transport)
+
+    async def end_weight_sync(self, version: int) -> None:
+        await self.engine.end_weight_sync(version)
 
     async def release_memory(self) -> None:
         await self.engine.release_memory()

@@ -79,6 +79,7 @@ class RolloutConfig(_Section):
     router_policy: str = "round_robin"
     update_weight_transport: Literal["auto", "tensor", "nccl", "disk"] = "auto"
     update_weight_buffer_mb: int = Field(512, ge=1)
+    check_weight_update: bool = False  # after each sync, compare engine weights with the trainer's (slow)
     max_staleness: int | None = Field(None, ge=0)  # async: samples older than this many versions are stale
     staleness_policy: Literal["drop", "downweight"] = "drop"  # what happens to stale samples
     buffer_filter: str | None = None  # which buffered groups to hand out: "oldest_first", "freshest_first", module:attr

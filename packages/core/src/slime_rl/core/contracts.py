@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
@@ -53,10 +53,23 @@ class RolloutEngine(ABC):
     serve many concurrent ``generate`` calls. One object fronts all of a run's
     rollout servers (the SGLang engine holds N servers behind a router)."""
 
+    #: ``module:attr`` of a `WeightSender` the trainer ranks run to push weights straight to this
+    #: engine's servers (CUDA IPC, NCCL). None: buckets reach `update_weights` through Ray.
+    weight_sender: ClassVar[str | None] = None
+
     @classmethod
     def from_config(cls, cfg: Config) -> RolloutEngine:
         """Build (launch or attach) the engine a config describes. Called once, in the rollout process."""
         raise NotImplementedError(f"{cls.__name__} does not implement from_config")
+
+    async def begin_weight_sync(self, version: int, *, transport: str) -> Any:
+        """For engines with a `weight_sender`: hold generation and return the (picklable) handle
+        the trainer's sender pushes to."""
+        raise NotImplementedError(f"{type(self).__name__} has no trainer-side weight sync")
+
+    async def end_weight_sync(self, version: int) -> None:
+        """For engines with a `weight_sender`: the push is complete; serve ``version``."""
+        raise NotImplementedError(f"{type(self).__name__} has no trainer-side weight sync")
 
     @abstractmethod
     async def generate(
@@ -90,6 +103,18 @@ class RolloutEngine(ABC):
 
     async def shutdown(self) -> None:
         """Stop servers and free resources. Safe to call twice."""
+
+
+class WeightSender(ABC):
+    """Runs in every trainer rank and pushes the weights to an engine's servers directly."""
+
+    def __init__(self, cfg: Config, *, rank: int):
+        self.cfg, self.rank = cfg, rank
+
+    @abstractmethod
+    def send(self, buckets: Iterator[NamedTensors], handle: Any, *, version: int, transport: str) -> None:
+        """Consume ``buckets`` (the trainer's `named_weights`, a collective every rank must run to
+        the end) and push them to the servers ``handle`` names (from `begin_weight_sync`)."""
 
 
 class PolicyTrainer(ABC):

@@ -56,12 +56,31 @@ class TrainerGroup:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
 
-def sync_weights(actor: TrainerGroup, manager: Any, bucket_bytes: int, *, version: int) -> None:
-    """Trainer rank 0's buckets go to the engines by object reference: the driver never holds them."""
+def weight_transport(cfg: Config) -> str:
+    """``auto``: CUDA IPC tensors when colocated, an NCCL broadcast when not."""
+    if cfg.rollout.update_weight_transport != "auto":
+        return cfg.rollout.update_weight_transport
+    return "tensor" if cfg.cluster.colocate else "nccl"
+
+
+def sync_weights(cfg: Config, actor: TrainerGroup, manager: Any, *, version: int) -> None:
+    """Send the trainer's weights to the engines as ``version``.
+
+    Engines with a trainer-side `weight_sender` (SGLang) get them straight from the trainer
+    ranks; otherwise rank 0's buckets go to the rollout process by object reference (the
+    driver never holds them)."""
     import ray
 
-    refs = actor.call_async("weight_buckets", bucket_bytes)
-    ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
+    bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
+    sender = ray.get(manager.weight_sender.remote())
+    if sender is None:
+        refs = actor.call_async("weight_buckets", bucket_bytes)
+        ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
+        return
+    transport = weight_transport(cfg)
+    handle = ray.get(manager.begin_weight_sync.remote(version, transport))
+    ray.get(actor.call_async("push_weights", sender, handle, bucket_bytes, version, transport))
+    ray.get(manager.end_weight_sync.remote(version))
 
 
 def save_rollouts(path: Path, samples: list[Sample]) -> None:
@@ -96,7 +115,6 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     # One step per rollout and on-policy: the trainer's own log-probs before the update are
     # the old policy's, so it computes them in the training forward instead of a second pass.
     separate_old_pass = cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs
-    bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
     summary: dict[str, Any] = {"log_dir": str(log_dir), "checkpoint_dir": str(save_dir)}
 
     with local_ray(cfg):
@@ -118,7 +136,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 critic.call("load", str(folder / "critic"))
             ray.get(manager.load_state_dict.remote(meta["rollout_state"]))
             start_step = meta["step"]
-            sync_weights(actor, manager, bucket_bytes, version=start_step)
+            sync_weights(cfg, actor, manager, version=start_step)
         summary["start_step"] = start_step
         notify("start", {"start_step": start_step, "num_steps": cfg.data.num_rollout,
                          "startup_s": time.perf_counter() - started})
@@ -172,7 +190,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 with phase(timings, "wait_rollout"):
                     ray.wait([next_rollout], num_returns=1)  # no weight update in the middle of a rollout
             with phase(timings, "weight_sync"):
-                sync_weights(actor, manager, bucket_bytes, version=step + 1)
+                sync_weights(cfg, actor, manager, version=step + 1)
             step += 1
             timings["time/step"] = time.perf_counter() - step_start
             tokens = sum(len(s.tokens) for s in samples)

@@ -62,6 +62,9 @@ class SGLangEngine(RolloutEngine):
     Tunables beyond the config are attributes: ``verify_weights``, ``sync_timeout``,
     ``health_interval`` (0: no monitor), ``keep_weights_for_recovery``."""
 
+    # The training loop has trainer rank 0 push weights straight to the servers (CUDA IPC, NCCL).
+    weight_sender = "slime_rl.rollout_sglang.trainer_sync:SGLangWeightSender"
+
     def __init__(self, servers: list[SGLangServer], router: Router, *, model_path: str, work_dir: str | Path,
                  max_concurrency: int = 512, transport: Transport = "auto", colocated: bool = True,
                  request_timeout: float = 3600.0, sync_timeout: float = 600.0, startup_timeout: float = 900.0,

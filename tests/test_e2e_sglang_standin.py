@@ -1,0 +1,56 @@
+"""The training loop with the SGLang engine on CPU: the real sglang-router in front of stand-in
+SGLang servers (a test double; real SGLang needs a GPU, see docs/gpu-results.md for that run),
+the real Megatron trainer, and the trainer-side weight push checked against the servers'
+parameters after every sync."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from slime_rl.core.config import load_config
+from slime_rl.core.loop import train
+
+STANDIN = Path(__file__).parents[1] / "packages" / "rollout-sglang" / "tests" / "standin_sglang.py"
+
+
+def fake_sglang_python(folder: Path) -> str:
+    """An 'interpreter' whose ``-m sglang.launch_server ARGS`` runs the stand-in server with ARGS."""
+    script = folder / "python"
+    script.write_text(
+        "#!/bin/sh\n# TEST DOUBLE: the stand-in SGLang server instead of sglang.launch_server\n"
+        f'if [ "$1" = "-m" ] && [ "$2" = "sglang.launch_server" ]; then shift 2; exec "{sys.executable}" "{STANDIN}" "$@"; fi\n'
+        f'exec "{sys.executable}" "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return str(script)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_loop_through_sglang_router_with_trainer_side_weight_sync(transport, tiny_model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
+    monkeypatch.setenv("TOY_TOKENIZER", str(tiny_model_dir))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    monkeypatch.setenv("SLIME_RL_TORCH_THREADS", "1")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": f"def f{i}(", "label": ""}) + "\n" for i in range(20)))
+    cfg = load_config(None, [
+        f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=2",
+        "data.n_samples_per_prompt=4", "data.num_rollout=3", "rollout.max_response_len=6",
+        "rollout.engine=sglang", f"rollout.engine_python={fake_sglang_python(tmp_path)}",
+        f"rollout.update_weight_transport={transport}", "rollout.check_weight_update=true",
+        "rollout.reward=toy_rewards:digit_token_fraction", "trainer.lr=0.01", "cluster.device=cpu",
+        f"logging.dir={tmp_path / 'run'}", "logging.tensorboard=false",
+    ])
+    summary = train(cfg)
+    rows = [json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # every rollout ran on the weights of the step before (synced, checked equal, version reported)
+    assert all(r["rollout/weight_version_lag"] == 0.0 for r in rows)
+    assert all(r["rollout/tokens"] > 0 for r in rows)
+    logs = (tmp_path / "run" / "sglang" / "logs")
+    assert any(logs.iterdir()), "the servers' logs are kept next to the run"
