@@ -114,6 +114,9 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     needs_critic = algo.advantage_estimator == "ppo"
     # One step per rollout and on-policy: the trainer's own log-probs before the update are
     # the old policy's, so it computes them in the training forward instead of a second pass.
+    # Colocated on GPUs, trainer and engines take turns with the memory (slime's --offload).
+    offload = cfg.cluster.offload if cfg.cluster.offload is not None else (
+        cfg.cluster.colocate and resolve_device(cfg) == "cuda")
     separate_old_pass = cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs
     summary: dict[str, Any] = {"log_dir": str(log_dir), "checkpoint_dir": str(save_dir)}
 
@@ -137,6 +140,8 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             ray.get(manager.load_state_dict.remote(meta["rollout_state"]))
             start_step = meta["step"]
             sync_weights(cfg, actor, manager, version=start_step)
+        if offload:
+            actor.call("offload")
         summary["start_step"] = start_step
         notify("start", {"start_step": start_step, "num_steps": cfg.data.num_rollout,
                          "startup_s": time.perf_counter() - started})
@@ -166,6 +171,11 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             next_rollout = manager.generate.remote() if cfg.cluster.async_train and more else None
             if cfg.logging.save_rollouts:
                 save_rollouts(log_dir / "rollouts" / f"step_{step + 1:06d}.jsonl", samples)
+            if offload:
+                with phase(timings, "offload_rollout"):
+                    ray.get(manager.release_memory.remote())
+                with phase(timings, "onload_train"):
+                    actor.call("onload")
             samples_ref = ray.put(samples)
             if separate_old_pass:
                 with phase(timings, "log_probs"):
@@ -189,8 +199,14 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             if next_rollout is not None:
                 with phase(timings, "wait_rollout"):
                     ray.wait([next_rollout], num_returns=1)  # no weight update in the middle of a rollout
+            if offload:
+                with phase(timings, "onload_rollout"):
+                    ray.get(manager.resume_memory.remote())
             with phase(timings, "weight_sync"):
                 sync_weights(cfg, actor, manager, version=step + 1)
+            if offload:
+                with phase(timings, "offload_train"):
+                    actor.call("offload")
             step += 1
             timings["time/step"] = time.perf_counter() - step_start
             tokens = sum(len(s.tokens) for s in samples)
