@@ -34,8 +34,11 @@ class TrainerWorker:
     def __init__(self, cfg_dict: dict[str, Any], *, rank: int, world_size: int, master_addr: str,
                  master_port: int, role: Literal["actor", "critic"] = "actor"):
         cfg = Config.model_validate(cfg_dict)
+        # Ray shows an actor only its own GPU: device 0 here, whatever the rank.
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        local_rank = 0 if len(visible) == 1 else rank % cfg.cluster.actor_num_gpus_per_node
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % cfg.cluster.actor_num_gpus_per_node))
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
         _set_threads(cfg)
         self.rank, self.cfg = rank, cfg
         self.sender: WeightSender | None = None

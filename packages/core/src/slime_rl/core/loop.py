@@ -32,20 +32,20 @@ Callback = Callable[[str, dict[str, Any]], None]  # (event, payload): "start", "
 class TrainerGroup:
     """The trainer's ranks as Ray actors; each method runs on all ranks and returns rank 0's answer."""
 
-    def __init__(self, cfg: Config, role: str = "actor"):
+    def __init__(self, cfg: Config, role: str = "actor", placement: Any = None):
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         world = cfg.actor_num_gpus
-        on_gpu = resolve_device(cfg) == "cuda"
-        # Colocated engines share the GPU, so a rank takes only part of it (slime: 0.4 / 0.2).
-        gpus = (0.4 if cfg.cluster.colocate else 1.0) if on_gpu else 0
         port = free_port()
-        worker = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerWorker)
-        self.workers = [
-            worker.remote(cfg.to_dict(), rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
-                          role=role)
-            for rank in range(world)
-        ]
+        self.workers = []
+        for rank in range(world):
+            options: dict[str, Any] = {"num_cpus": 0}
+            if placement is not None:  # rank i on GPU bundle i; a colocated engine shares it (slime: 0.4)
+                options.update(num_gpus=0.4 if cfg.cluster.colocate else 1.0,
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(placement, rank))
+            self.workers.append(ray.remote(**options)(TrainerWorker).remote(
+                cfg.to_dict(), rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, role=role))
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         import ray
@@ -54,6 +54,24 @@ class TrainerGroup:
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+
+def gpu_placement_group(cfg: Config, timeout_s: float = 120.0) -> Any:
+    """One {GPU: 1} bundle per GPU the run uses (slime's rule: colocated runs need the larger of
+    the trainer's and the engines' counts, disaggregated ones both); None on the CPU."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    if resolve_device(cfg) != "cuda":
+        return None
+    count = (max(cfg.actor_num_gpus, cfg.rollout_num_gpus) if cfg.cluster.colocate
+             else cfg.actor_num_gpus + cfg.rollout_num_gpus)
+    group = placement_group([{"GPU": 1, "CPU": 1}] * count, strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        raise RuntimeError(f"Ray could not reserve {count} GPUs in {timeout_s:.0f} s (it sees "
+                           f"{ray.cluster_resources().get('GPU', 0):g}); check cluster.* GPU counts")
+    return group
 
 
 def weight_transport(cfg: Config) -> str:
@@ -122,8 +140,9 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
 
     with local_ray(cfg):
         started = time.perf_counter()
-        actor = TrainerGroup(cfg, "actor")
-        critic = TrainerGroup(cfg, "critic") if needs_critic else None
+        placement = gpu_placement_group(cfg)
+        actor = TrainerGroup(cfg, "actor", placement)
+        critic = TrainerGroup(cfg, "critic", placement) if needs_critic else None  # on the actor's GPUs
         manager = ray.remote(num_cpus=0)(RolloutManager).remote(cfg.to_dict(), str(log_dir / "rollout_state"))
         ray.get(manager.ping.remote())
         actor.call("ready")  # every rank built: a broken backend fails here, before any rollout
