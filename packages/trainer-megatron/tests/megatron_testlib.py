@@ -32,7 +32,7 @@ def ensure_single_rank_group() -> None:
 
 def make_hf_model(path: Path, family: str = "llama", *, tie: bool = False, seed: int = 0, vocab: int = 256,
                   layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
-                  rope_scaling: dict | None = None) -> Path:
+                  rope_scaling: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """A random HF model folder (config.json + model.safetensors); norms and biases perturbed
     so that every parameter matters."""
     import transformers
@@ -59,7 +59,7 @@ def make_hf_model(path: Path, family: str = "llama", *, tie: bool = False, seed:
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     return path
 
 
@@ -70,9 +70,11 @@ def load_hf(path: Path):
 
 
 def hf_response_log_probs(hf_model, tokens: list[int], response_length: int, temperature: float = 1.0) -> torch.Tensor:
+    device = next(hf_model.parameters()).device
+    ids = torch.tensor([tokens], device=device)
     with torch.no_grad():
-        logits = hf_model(torch.tensor([tokens])).logits[0].float() / temperature
-    logp = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
+        logits = hf_model(ids).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
     return logp[-response_length:]
 
 

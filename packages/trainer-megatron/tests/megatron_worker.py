@@ -24,13 +24,14 @@ def run_scenario(spec: dict) -> dict:
 
     torch.set_num_threads(1)
     cfg = make_config(Path(spec["model"]), spec.get("overrides", []))
-    samples = make_samples(spec["num_samples"], spec["vocab"], seed=spec.get("seed", 1))
+    samples = make_samples(spec["num_samples"], spec["vocab"], seed=spec.get("seed", 1),
+                           prompt=tuple(spec.get("prompt", (3, 9))), response=tuple(spec.get("response", (2, 12))))
     trainer = MegatronTrainer.from_config(cfg)
     result: dict = {}
 
     # HF -> Megatron -> HF: every rank must see exactly the tensors of the checkpoint.
     reader = SafetensorsFolder(spec["model"])
-    exported = {name: t.clone() for bucket in trainer.named_weights(1 << 16) for name, t in bucket}
+    exported = {name: t.cpu().clone() for bucket in trainer.named_weights(1 << 16) for name, t in bucket}
     result["exported_names"] = sorted(exported)
     exact = sorted(exported) == sorted(reader.weight_map) and all(
         torch.equal(exported[n], reader.get(n)) for n in exported
@@ -41,10 +42,10 @@ def run_scenario(spec: dict) -> dict:
 
     result["log_probs"] = trainer.compute_log_probs(samples)
     ref = trainer.compute_log_probs(samples, model="ref") if spec.get("ref") else None
-    for s, lp in zip(samples, result["log_probs"]):
+    for s, lp in zip(samples, result["log_probs"], strict=True):
         s.old_log_probs = list(lp)
     if ref is not None:
-        for s, lp in zip(samples, ref):
+        for s, lp in zip(samples, ref, strict=True):
             s.ref_log_probs = list(lp)
 
     steps, save_after = spec.get("steps", 3), spec.get("save_after")
@@ -53,7 +54,7 @@ def run_scenario(spec: dict) -> dict:
         if save_after is not None and k == save_after:
             trainer.save(spec["ckpt"])
         result["metrics"].append(trainer.train_step(samples))
-    result["final"] = {n: t.clone() for b in trainer.named_weights(1 << 20) for n, t in b}
+    result["final"] = {n: t.cpu().clone() for b in trainer.named_weights(1 << 20) for n, t in b}
     if spec.get("save_hf"):
         trainer.save_hf(spec["save_hf"])
 
@@ -62,14 +63,55 @@ def run_scenario(spec: dict) -> dict:
         resumed = MegatronTrainer.from_config(cfg)
         resumed.load(spec["ckpt"])
         result["resumed_metrics"] = [resumed.train_step(samples) for _ in range(save_after, steps)]
-        result["resumed_final"] = {n: t.clone() for b in resumed.named_weights(1 << 20) for n, t in b}
+        result["resumed_final"] = {n: t.cpu().clone() for b in resumed.named_weights(1 << 20) for n, t in b}
     return result
+
+
+def run_hf_parity(spec: dict) -> dict:
+    """|trainer - transformers| log-probs (transformers in the trainer's dtype, on its device)."""
+    from megatron_testlib import hf_response_log_probs, load_hf, make_config, make_samples
+
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    cfg = make_config(Path(spec["model"]), spec.get("overrides", []))
+    samples = make_samples(spec["num_samples"], spec["vocab"], prompt=tuple(spec["prompt"]),
+                           response=tuple(spec["response"]))
+    trainer = MegatronTrainer.from_config(cfg)
+    ours = trainer.compute_log_probs(samples)
+    hf = load_hf(Path(spec["model"])).to(trainer.device, trainer.dtype)
+    diffs = [(torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length).cpu()).abs()
+             for s, lp in zip(samples, ours, strict=True)]
+    return {"abs_diff": torch.cat(diffs)}
+
+
+def run_offload(spec: dict) -> dict:
+    """Memory held before/after offload, and whether onload restores the same log-probs."""
+    from megatron_testlib import make_config, make_samples
+
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    cfg = make_config(Path(spec["model"]), spec.get("overrides", []))
+    samples = make_samples(spec["num_samples"], spec["vocab"], prompt=tuple(spec["prompt"]),
+                           response=tuple(spec["response"]))
+    trainer = MegatronTrainer.from_config(cfg)
+    trainer.train_step(samples)  # Adam moments exist
+    before = trainer.compute_log_probs(samples)
+    held = torch.cuda.memory_allocated()
+    trainer.offload()
+    offloaded = torch.cuda.memory_allocated()
+    trainer.onload()
+    after = trainer.compute_log_probs(samples)
+    trainer.train_step(samples)
+    return {"held": held, "offloaded": offloaded, "same_log_probs": before == after}
+
+
+SCENARIOS = {"train": run_scenario, "hf_parity": run_hf_parity, "offload": run_offload}
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     sys.path.insert(0, str(Path(__file__).parent))
-    result = run_scenario(spec)
+    result = SCENARIOS[spec.get("scenario", "train")](spec)
     if torch.distributed.get_rank() == 0:
         torch.save(result, spec["out"])
     torch.distributed.barrier()

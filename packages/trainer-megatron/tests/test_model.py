@@ -31,7 +31,7 @@ def max_diff_to_hf(trainer, hf_dir, samples, temperature=1.0):
     hf = load_hf(hf_dir)
     ours = trainer.compute_log_probs(samples)
     diffs = [(torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length, temperature)).abs().max()
-             for s, lp in zip(samples, ours)]
+             for s, lp in zip(samples, ours, strict=True)]
     return max(float(d) for d in diffs)
 
 
@@ -65,7 +65,7 @@ def test_packing_and_padding_and_micro_batch_sizes_agree(tmp_path):
     results = [trainer_for(model_dir, ov).compute_log_probs(samples) for ov in
                (["trainer.micro_batch_size=1"], ["trainer.micro_batch_size=3"], ["trainer.max_tokens_per_gpu=30"])]
     for other in results[1:]:
-        for a, b in zip(results[0], other):
+        for a, b in zip(results[0], other, strict=True):
             assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
 
 
@@ -100,7 +100,7 @@ def test_trained_weights_export_as_what_the_trainer_scores(tmp_path):
     trainer.save_hf(str(tmp_path / "out"))
     assert max_diff_to_hf(trainer, tmp_path / "out", samples) <= 1e-4
     after = trainer.compute_log_probs(samples)
-    assert max(abs(a - b) for x, y in zip(before, after) for a, b in zip(x, y)) > 1e-3
+    assert max(abs(a - b) for x, y in zip(before, after, strict=True) for a, b in zip(x, y, strict=True)) > 1e-3
 
 
 def test_unsupported_models_and_layouts_get_clear_errors(tmp_path):

@@ -32,10 +32,10 @@ def test_two_ranks_match_one(layout, tmp_path):
                        "save_after": 1, "ckpt": str(tmp_path / "ckpt")}, tmp_path)
 
     assert single["roundtrip_exact"] and multi["roundtrip_exact"]
-    for a, b in zip(single["log_probs"], multi["log_probs"]):
+    for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
     assert len(multi["metrics"]) == 3
-    for one, two in zip(single["metrics"], multi["metrics"]):
+    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
         assert abs(one["loss"] - two["loss"]) <= 1e-5, (one, two)
         assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5, (one, two)
         assert abs(one["ref_kl"] - two["ref_kl"]) <= 1e-5

@@ -53,7 +53,7 @@ def test_grpo_step_with_real_advantages_lowers_the_loss(model_dir):
     compute_advantages(samples, trainer.cfg.algorithm, n_samples_per_prompt=4)
     assert any(a != 0 for s in samples for a in s.advantages)
     before = trainer.compute_log_probs(samples)
-    for s, lp in zip(samples, before):
+    for s, lp in zip(samples, before, strict=True):
         s.old_log_probs = lp
     metrics = trainer.train_step(samples)
     assert metrics["grad_norm"] > 0 and metrics["update_skipped"] == 0
@@ -62,7 +62,7 @@ def test_grpo_step_with_real_advantages_lowers_the_loss(model_dir):
     assert surrogate(trainer.cfg, samples, after) < surrogate(trainer.cfg, samples, before) - 1e-3
     # and the rewarded tokens became more likely
     gain = sum(sum(s.advantages[i] * (a[i] - b[i]) for i in range(s.response_length))
-               for s, a, b in zip(samples, after, before))
+               for s, a, b in zip(samples, after, before, strict=True))
     assert gain > 0
 
 
@@ -95,7 +95,7 @@ def test_micro_batching_does_not_change_the_update(model_dir):
         trainer = trainer_for(model_dir, overrides)
         results.append([trainer.train_step(samples) for _ in range(2)])
     for other in results[1:]:
-        for a, b in zip(results[0], other):
+        for a, b in zip(results[0], other, strict=True):
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-6)
 
@@ -142,7 +142,7 @@ def test_reference_model_stays_at_its_weights(model_dir, tmp_path):
     trainer = trainer_for(model_dir, ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1",
                                       "trainer.lr=0.01"])
     initial = trainer.compute_log_probs(samples)
-    for s, lp in zip(samples, trainer.compute_log_probs(samples, model="ref")):
+    for s, lp in zip(samples, trainer.compute_log_probs(samples, model="ref"), strict=True):
         s.ref_log_probs = lp
     metrics = [trainer.train_step(samples) for _ in range(2)]
     assert metrics[0]["ref_kl"] == pytest.approx(0.0, abs=1e-9) and metrics[1]["ref_kl"] > 0
@@ -153,7 +153,7 @@ def test_reference_model_stays_at_its_weights(model_dir, tmp_path):
     other = make_hf_model(tmp_path / "ref", "qwen2", tie=True, vocab=VOCAB, seed=7)
     with_ref = trainer_for(model_dir, [f"model.ref_path={other}"])
     hf = load_hf(other)
-    for s, lp in zip(samples, with_ref.compute_log_probs(samples, model="ref")):
+    for s, lp in zip(samples, with_ref.compute_log_probs(samples, model="ref"), strict=True):
         assert torch.allclose(torch.tensor(lp), hf_response_log_probs(hf, s.tokens, s.response_length), atol=1e-4)
 
     plain = trainer_for(model_dir)
@@ -172,11 +172,11 @@ def test_critic_fits_the_returns(model_dir):
 
     def error():
         vals = critic.compute_values(samples)
-        return sum((v - r) ** 2 for s, row in zip(samples, vals) for v, r in zip(row, s.returns))
+        return sum((v - r) ** 2 for s, row in zip(samples, vals, strict=True) for v, r in zip(row, s.returns, strict=True))
 
     start = error()
     for _ in range(15):
-        for s, v in zip(samples, critic.compute_values(samples)):
+        for s, v in zip(samples, critic.compute_values(samples), strict=True):
             s.values = v
         metrics = critic.train_step(samples)
     assert "value_loss" in metrics and metrics["grad_norm"] > 0
@@ -213,8 +213,8 @@ def test_bf16_mixed_precision_trains_and_resumes_bit_for_bit(model_dir, tmp_path
     trainer = trainer_for(model_dir, overrides)
     assert next(trainer.model.parameters()).dtype == torch.bfloat16
     bf16 = trainer.compute_log_probs(samples)
-    assert max(abs(a - b) for x, y in zip(fp32, bf16) for a, b in zip(x, y)) < 0.1
-    for s, lp in zip(samples, bf16):
+    assert max(abs(a - b) for x, y in zip(fp32, bf16, strict=True) for a, b in zip(x, y, strict=True)) < 0.1
+    for s, lp in zip(samples, bf16, strict=True):
         s.old_log_probs = lp
     trainer.train_step(samples)
     trainer.save(str(tmp_path / "ckpt"))
@@ -224,3 +224,18 @@ def test_bf16_mixed_precision_trains_and_resumes_bit_for_bit(model_dir, tmp_path
     resumed = trainer_for(model_dir, overrides)
     resumed.load(str(tmp_path / "ckpt"))
     assert [resumed.train_step(samples) for _ in range(2)] == uninterrupted
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_reference_pass_leaves_training_untouched(model_dir, dtype):
+    samples = make_samples(6, VOCAB)
+    overrides = [f"model.dtype={dtype}", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"]
+    runs = []
+    for ref_pass_first in (False, True):
+        trainer = trainer_for(model_dir, overrides)
+        if ref_pass_first:
+            trainer.compute_log_probs(samples, model="ref")
+        for s in samples:
+            s.ref_log_probs = [-1.0] * s.response_length
+        runs.append([trainer.train_step(samples) for _ in range(2)])
+    assert runs[0] == runs[1]

@@ -83,7 +83,7 @@ def collate(samples: list[Sample], ids: list[int], *, packed: bool, device: torc
     index, targets = [], []
     if packed:
         offset = 0
-        for seq, r in zip(seqs, resp):
+        for seq, r in zip(seqs, resp, strict=True):
             start = offset + len(seq) - r - 1  # position predicting the first response token
             index.extend(range(start, start + r))
             targets.extend(seq[len(seq) - r :])
@@ -93,7 +93,7 @@ def collate(samples: list[Sample], ids: list[int], *, packed: bool, device: torc
     else:
         b, longest = len(seqs), max(len(s) for s in seqs)
         input_ids = torch.zeros(b, longest, dtype=torch.long)
-        for j, (seq, r) in enumerate(zip(seqs, resp)):
+        for j, (seq, r) in enumerate(zip(seqs, resp, strict=True)):
             input_ids[j, : len(seq)] = torch.tensor(seq)
             start = len(seq) - r - 1
             index.extend(pos * b + j for pos in range(start, start + r))  # hidden is [s, b, h]
@@ -121,7 +121,7 @@ def padded_field(samples: list[Sample], mb: MicroBatch, field: str, *, device: t
     rows = [getattr(samples[i], field) for i in mb.sample_ids]
     if any(len(r) == 0 for r in rows):
         return None
-    for i, row, r in zip(mb.sample_ids, rows, mb.response_lengths):
+    for i, row, r in zip(mb.sample_ids, rows, mb.response_lengths, strict=True):
         if len(row) != r:
             raise ValueError(f"sample {samples[i].index}: {field} has {len(row)} entries for {r} response tokens")
     out = torch.zeros(len(rows), max(mb.response_lengths), dtype=torch.float32)

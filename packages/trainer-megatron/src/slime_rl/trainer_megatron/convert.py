@@ -292,7 +292,7 @@ def iter_hf_tensors(model: PolicyGPT, shape: HFModelShape) -> Iterator[tuple[str
         if pp_size > 1:
             for t in tensors:
                 dist.broadcast(t, src=pp_ranks[owner], group=pp_group)
-        yield from zip(ref.hf_names, tensors)
+        yield from zip(ref.hf_names, tensors, strict=True)
 
 
 def bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:

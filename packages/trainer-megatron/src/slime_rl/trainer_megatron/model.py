@@ -210,7 +210,7 @@ class SDPAttention(DotProductAttention):
             out = torch.cat(
                 [
                     self._sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, dropout=dropout, gqa=gqa)
-                    for a, b in zip(bounds[:-1], bounds[1:])
+                    for a, b in zip(bounds[:-1], bounds[1:], strict=True)
                 ],
                 dim=2,
             )

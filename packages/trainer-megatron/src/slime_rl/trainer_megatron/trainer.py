@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +26,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -38,10 +41,10 @@ from slime_rl.core import losses
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
 from slime_rl.core.sample import Sample
-from slime_rl.trainer_megatron import batching, convert, device as dev
+from slime_rl.trainer_megatron import batching, convert
+from slime_rl.trainer_megatron import device as dev
 from slime_rl.trainer_megatron.logprobs import token_log_probs
 from slime_rl.trainer_megatron.model import (
-    PolicyGPT,
     build_model,
     check_parallel_fits,
     hf_model_shape,
@@ -101,9 +104,13 @@ class MegatronTrainer(PolicyTrainer):
         self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=role == "critic")
         if self.device_type == "cuda":
             self.model.cuda()
+        # bf16: Float16Module also casts the torch norms' fp32 weights, so every parameter has its
+        # final dtype before weights are loaded or snapshotted.
+        module = Float16Module(self.tconfig, self.model) if self.dtype != torch.float32 else self.model
 
         # Reference weights: HF ref_path (or the initial weights) kept in host memory, swapped in on demand.
         self._ref_weights: dict[str, torch.Tensor] | None = None
+        self._swap_spare: dict[str, torch.Tensor] = {}
         algo = cfg.algorithm
         needs_ref = role == "actor" and (algo.use_kl_loss or algo.kl_coef != 0 or cfg.model.ref_path is not None)
         ref_path = cfg.model.ref_path or cfg.model.path
@@ -114,7 +121,6 @@ class MegatronTrainer(PolicyTrainer):
         if needs_ref and self._ref_weights is None:
             self._ref_weights = self._snapshot_to_host()
 
-        module = Float16Module(self.tconfig, self.model) if self.dtype != torch.float32 else self.model
         self.ddp = DistributedDataParallel(
             config=self.tconfig,
             ddp_config=DistributedDataParallelConfig(
@@ -295,7 +301,7 @@ class MegatronTrainer(PolicyTrainer):
         with self._weights(model):
             outputs = self._run(mbs, loss_func, forward_only=True)
         self.ddp.train()
-        per_mb = [(mb.sample_ids, out["values"]) for mb, out in zip(mbs, outputs)] if self.is_last_stage else []
+        per_mb = [(mb.sample_ids, out["values"]) for mb, out in zip(mbs, outputs, strict=True)] if self.is_last_stage else []
         return self._share_per_token(samples, per_mb)
 
     @torch.no_grad()
@@ -312,7 +318,7 @@ class MegatronTrainer(PolicyTrainer):
         self.ddp.eval()
         outputs = self._run(mbs, loss_func, forward_only=True)
         self.ddp.train()
-        per_mb = [(mb.sample_ids, out["values"]) for mb, out in zip(mbs, outputs)] if self.is_last_stage else []
+        per_mb = [(mb.sample_ids, out["values"]) for mb, out in zip(mbs, outputs, strict=True)] if self.is_last_stage else []
         return self._share_per_token(samples, per_mb)
 
     def _values(self, mb: batching.MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
@@ -418,7 +424,7 @@ class MegatronTrainer(PolicyTrainer):
     # ---------------------------------------------------------------- reference weights
 
     def _snapshot_to_host(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+        return {name: _host_copy(p.detach()) for name, p in self.model.named_parameters()}
 
     @contextlib.contextmanager
     def _weights(self, which: Literal["actor", "ref"]):
@@ -439,14 +445,21 @@ class MegatronTrainer(PolicyTrainer):
 
     @torch.no_grad()
     def _swap_ref(self) -> None:
+        """Exchange the model's weights with the host-held ones (the reference, or the actor's)."""
         for name, param in self.model.named_parameters():
-            host = self._ref_weights[name]
-            if param.device.type == "cpu":  # host memory already: swap storage, no copy
-                param.data, self._ref_weights[name] = host, param.data
-            else:
-                actor = param.data.to("cpu", non_blocking=True)
-                param.data.copy_(host, non_blocking=True)
-                self._ref_weights[name] = actor
+            held = self._ref_weights[name]
+            # Same dtype only: a dtype change would give the parameter a new grad accumulator and
+            # silently detach Megatron's DDP gradient hook from it.
+            assert held.dtype == param.dtype and held.shape == param.shape, name
+            if not param.is_cuda:  # host memory already: exchange storage, no copy
+                param.data, self._ref_weights[name] = held, param.data
+                continue
+            spare = self._swap_spare.get(name)  # a second pinned buffer, made on the first swap
+            if spare is None:
+                spare = self._swap_spare[name] = torch.empty(held.shape, dtype=held.dtype, pin_memory=True)
+            spare.copy_(param.data, non_blocking=True)
+            param.data.copy_(held, non_blocking=True)
+            self._ref_weights[name], self._swap_spare[name] = spare, held
         if self.device_type == "cuda":
             torch.cuda.synchronize()
 
@@ -511,11 +524,12 @@ class MegatronTrainer(PolicyTrainer):
         self.ddp.offload_grad_buffers()
         for param in self.model.parameters():
             if param.is_cuda:
-                param.data = param.data.to("cpu", non_blocking=True).pin_memory()
+                param.data = _host_copy(param.data, non_blocking=True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
+        """Bring back what ``offload`` moved."""
         if self.device_type != "cuda":
             return
         for param in self.model.parameters():
@@ -526,6 +540,13 @@ class MegatronTrainer(PolicyTrainer):
         torch.cuda.synchronize()
 
 
+def _host_copy(t: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
+    """A host copy of ``t``, in pinned memory when ``t`` is on the GPU (fast, asynchronous transfers)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    out.copy_(t, non_blocking=non_blocking)
+    return out
+
+
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside a Megatron (possibly chained) optimizer."""
     chained = getattr(optimizer, "chained_optimizers", None)
@@ -533,8 +554,3 @@ def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
         return [inner for opt in chained for inner in _torch_optimizers(opt)]
     inner = getattr(optimizer, "optimizer", None)
     return [inner] if isinstance(inner, torch.optim.Optimizer) else []
-
-
-def local_rank_env() -> dict[str, str]:
-    """The torch.distributed variables of this process (for logs and error messages)."""
-    return {k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
