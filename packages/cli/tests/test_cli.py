@@ -1,5 +1,6 @@
 """slime-cli through typer's CliRunner: exit codes, one-line errors, plan output, train wiring."""
 
+import re
 import sys
 import types
 from importlib.metadata import PackageNotFoundError, version
@@ -7,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_output import step_lines, table_rows
 from typer.testing import CliRunner
 
 from slime_rl.cli.app import app
-from slime_rl.core import plugins
+from slime_rl.core import checkpoint, plugins
 from slime_rl.core.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -117,22 +119,52 @@ def custom_config(tmp_path):
         "rollout": {"engine": "slime_rl.core.contracts:RolloutEngine", "reward": "slime_rl.core.sample:Sample"},
         "trainer": {"backend": "slime_rl.core.contracts:PolicyTrainer"},
         "checkpoint": {"save_dir": str(tmp_path / "ckpt")},
+        "logging": {"dir": str(tmp_path / "logs")},
     }))
     return path
 
 
+EVAL_KEYS = ("eval/addition/pass@1", "eval/addition/reward_mean")
+
+
 @pytest.fixture
 def fake_loop(monkeypatch):
-    """Stands in for slime_rl.core.loop so these tests check the CLI's wiring, not a training run."""
+    """Stands in for slime_rl.core.loop so these tests check the CLI, not a training run.
+
+    Like the real loop it calls back start, eval, step (reward k/4 at step k), eval, done; writes
+    metrics.jsonl, a tensorboard folder and a checkpoint; and returns the loop's summary."""
     module = types.ModuleType("slime_rl.core.loop")
     module.calls = []
     module.error = None
+    module.start_step = 0
+    module.num_steps = 3
 
-    def train(cfg):
+    def train(cfg, callback=None):
         module.calls.append(cfg)
         if module.error is not None:
             raise module.error
-        return {"steps": 3, "reward": 0.5}
+        notify = callback or (lambda event, payload: None)
+        start, end = module.start_step, module.num_steps
+        log_dir, save_dir = Path(cfg.logging.dir), cfg.checkpoint_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / "metrics.jsonl").write_text("")
+        if cfg.logging.tensorboard:
+            (log_dir / "tensorboard").mkdir(exist_ok=True)
+        notify("start", {"start_step": start, "num_steps": end, "startup_s": 0.01})
+        before = dict.fromkeys(EVAL_KEYS, start / 64)
+        notify("eval", {"step": start, "metrics": before})
+        for step in range(start + 1, end + 1):
+            notify("step", {"step": step, "metrics": {"rollout/reward_mean": step / 4, "time/step": 0.5 * step,
+                                                      "time/rollout": 0.1}})
+        after = dict.fromkeys(EVAL_KEYS, 0.5)
+        notify("eval", {"step": end, "metrics": after})
+        checkpoint.step_dir(save_dir, end).mkdir(parents=True, exist_ok=True)
+        checkpoint.commit(save_dir, end, {})
+        summary = {"log_dir": str(log_dir), "checkpoint_dir": str(save_dir), "start_step": start,
+                   "eval_before": before, "eval_after": after, "steps": end, "elapsed_s": 1.0,
+                   "metrics_file": str(log_dir / "metrics.jsonl")}
+        notify("done", summary)
+        return summary
 
     module.train = train
     monkeypatch.setitem(sys.modules, "slime_rl.core.loop", module)
@@ -144,7 +176,7 @@ def test_train_hands_the_checked_config_to_the_loop(custom_config, fake_loop):
     assert result.exit_code == 0, result.output
     (cfg,) = fake_loop.calls
     assert cfg.rollout.temperature == 0.3 and cfg.checkpoint.resume is True
-    assert result.stdout.strip() == 'done: {"steps": 3, "reward": 0.5}'
+    assert "slime-cli train: done" in result.stdout
 
 
 def test_train_without_config_uses_the_cpu_default(tmp_path, custom_config, fake_loop, monkeypatch):
@@ -227,6 +259,69 @@ def test_train_without_the_loop_stops_in_one_line(custom_config, monkeypatch):
     assert result.stderr.splitlines() == [
         "error: the training loop (slime_rl.core.loop) is not in this slime-rl-core yet; the config and backends"
         " check out"]
+
+
+# ------------------------------------------------------------------ train's output
+
+
+def test_train_logs_a_line_a_step_when_stdout_is_no_terminal(custom_config, fake_loop):
+    result = run("train", custom_config)
+    assert result.exit_code == 0, result.output
+    lines = step_lines(result.stdout)
+    assert lines[0].startswith("started in ") and lines[0].endswith(" s: 3 steps")
+    assert lines[1:] == [
+        "eval @ step 0: addition/pass@1 0.000  addition/reward_mean 0.000",
+        "step 1/3  reward 0.250 (avg10 0.250)  addition/pass@1 0.000 @0  0.50 s/step",
+        "step 2/3  reward 0.500 (avg10 0.375)  addition/pass@1 0.000 @0  0.75 s/step",
+        "step 3/3  reward 0.750 (avg10 0.500)  addition/pass@1 0.000 @0  1.00 s/step",
+        "eval @ step 3: addition/pass@1 0.500  addition/reward_mean 0.500",
+    ]
+
+
+def test_train_ends_with_the_summary_table(custom_config, fake_loop, tmp_path):
+    result = run("train", custom_config)
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.stdout)
+    assert rows["addition/pass@1 (greedy accuracy)"] == "0.000 -> 0.500  (step 0 -> 3)"
+    assert rows["addition/reward_mean"] == "0.000 -> 0.500  (step 0 -> 3)"
+    assert rows["steps"] == "3 run (now at step 3)"
+    assert rows["metrics (JSONL)"] == str(tmp_path / "logs" / "metrics.jsonl")
+    assert rows["TensorBoard"] == f"tensorboard --logdir {tmp_path / 'logs' / 'tensorboard'}"
+    assert rows["checkpoint"] == f"{tmp_path / 'ckpt' / 'step_000003'} (step 3; --resume continues from it)"
+    wall = re.fullmatch(r"(\S+) s total: startup (\S+) s, training (\S+) s, median 1\.00 s/step", rows["wall time"])
+    assert wall, rows["wall time"]
+    total, startup, training = map(float, wall.groups())
+    assert startup + training <= total + 0.2  # each printed to 0.1 s
+
+
+def test_train_summary_of_a_resumed_run(custom_config, fake_loop):
+    fake_loop.start_step, fake_loop.num_steps = 10, 12
+    result = run("train", custom_config, "--resume", "logging.tensorboard=false", "eval.temperature=0.7")
+    assert result.exit_code == 0, result.output
+    assert step_lines(result.stdout)[0].endswith(" s: 12 steps, resumed from step 10")
+    rows = table_rows(result.stdout)
+    assert rows["steps"] == "2 run (now at step 12, resumed from step 10)"
+    assert rows["addition/pass@1"] == "0.156 -> 0.500  (step 10 -> 12)"  # sampled eval: no "greedy accuracy"
+    assert rows["TensorBoard"] == "off (logging.tensorboard=false)"
+    assert rows["checkpoint"].endswith("step_000012 (step 12; --resume continues from it)")
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def test_train_shows_a_progress_bar_on_a_terminal(custom_config, fake_loop):
+    terminal = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "COLUMNS": "200"}
+    result = runner.invoke(app, ["train", str(custom_config)], env=terminal)
+    assert result.exit_code == 0, result.output
+    out = ANSI.sub("", result.stdout)
+    assert step_lines(out) == []  # no plain lines: the bar
+    bar = [line for line in out.splitlines() if "step 3/3" in line][-1]  # its final state stays on screen
+    assert "reward 0.750 (avg10 0.500)  addition/pass@1 0.500 @3  1.00 s/step" in bar
+    assert table_rows(out)["steps"] == "3 run (now at step 3)"
+    # logging.progress_bar=false: plain lines even on a terminal
+    result = runner.invoke(app, ["train", str(custom_config), "logging.progress_bar=false"], env=terminal)
+    assert result.exit_code == 0, result.output
+    assert len(step_lines(ANSI.sub("", result.stdout))) == 6
 
 
 # ------------------------------------------------------------------ doctor

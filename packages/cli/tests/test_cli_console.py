@@ -1,12 +1,15 @@
 """slime-cli through the installed console script, in a subprocess, as a user runs it."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from cli_output import step_lines, table_rows
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "grpo_math.yaml"
@@ -64,3 +67,39 @@ def test_doctor_flags_a_broken_backend(plugin_dir):
     assert "does not load: No module named 'missing_engine_module'" in broken
     assert "slime_rl.rollout_engines:broken-one" in lines[-1] and lines[-1].startswith("problems:")
     assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_train_the_cpu_default_for_two_steps_ends_with_its_summary(tmp_path):
+    """The real demo (SmolLM2-135M, Ray, Megatron on CPU), cut to 2 steps: its log lines, then the table,
+    whose figures are the run's own (metrics.jsonl) and whose paths exist."""
+    workdir = tmp_path / "wd"
+    result = subprocess.run([str(SCRIPT), "train", "data.num_rollout=2", "--workdir", str(workdir)],
+                            capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr[-5000:]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval/addition/pass@1"] for r in records if "eval/addition/pass@1" in r}
+    rewards = {r["step"]: r["rollout/reward_mean"] for r in records if "rollout/reward_mean" in r}
+    assert sorted(evals) == [0, 2] and sorted(rewards) == [1, 2]
+
+    lines = step_lines(result.stdout)
+    assert len(lines) == 5, result.stdout
+    assert lines[0].startswith("started in ") and lines[0].endswith(" s: 2 steps")
+    assert lines[1].startswith(f"eval @ step 0: addition/pass@1 {evals[0]:.3f}  ")
+    assert lines[2].startswith(f"step 1/2  reward {rewards[1]:.3f} (avg10 {rewards[1]:.3f})  addition/pass@1 ")
+    assert lines[3].startswith(f"step 2/2  reward {rewards[2]:.3f} (avg10 {(rewards[1] + rewards[2]) / 2:.3f})")
+    assert lines[4].startswith(f"eval @ step 2: addition/pass@1 {evals[2]:.3f}  ")
+
+    rows = table_rows(result.stdout)
+    assert rows["addition/pass@1 (greedy accuracy)"] == f"{evals[0]:.3f} -> {evals[2]:.3f}  (step 0 -> 2)"
+    assert rows["steps"] == "2 run (now at step 2)"
+    assert rows["metrics (JSONL)"] == str(workdir / "metrics.jsonl")
+    assert rows["TensorBoard"] == f"tensorboard --logdir {workdir / 'tensorboard'}"
+    assert any((workdir / "tensorboard").glob("events.out.tfevents.*"))
+    assert rows["checkpoint"] == f"{workdir / 'checkpoints' / 'step_000002'} (step 2; --resume continues from it)"
+    assert (workdir / "checkpoints" / "step_000002" / "meta.json").is_file()
+    wall = re.fullmatch(r"(\S+) s total: startup (\S+) s, training (\S+) s, median (\S+) s/step", rows["wall time"])
+    assert wall, rows["wall time"]
+    total, startup, training, per_step = map(float, wall.groups())
+    assert 0 < startup and 0 < per_step < training <= total

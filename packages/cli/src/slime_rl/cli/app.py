@@ -7,14 +7,17 @@ usage; 1 a failure at run time. A user's mistake is one line on stderr,
 
 from __future__ import annotations
 
-import json
+import os
+import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from rich.console import Console
 
+from slime_rl.cli.progress import show_progress, summary_table
 from slime_rl.core.config import Config, ConfigError, load_config
 from slime_rl.core.plugins import PluginError, load_attr, load_plugin
 
@@ -184,8 +187,10 @@ def train(
             raise
         fail("the training loop (slime_rl.core.loop) is not in this slime-rl-core yet; the config and backends"
              " check out", 1)
+    console = _console()
     try:
-        result = run_training(cfg)
+        with show_progress(console, bar=cfg.logging.progress_bar and console.is_terminal) as (callback, state):
+            result = run_training(cfg, callback=callback)
     except (ConfigError, PluginError) as err:
         fail(str(err), 2)
     except KeyboardInterrupt:
@@ -193,7 +198,15 @@ def train(
     except Exception as err:  # a failure at run time: the traceback is the bug report
         traceback.print_exc()
         fail(f"training failed: {type(err).__name__}: {err}", 1)
-    typer.echo("done: " + json.dumps(result or {}, default=str))
+    console.print(summary_table(result or {}, cfg, state, time.perf_counter() - state.began))
+
+
+def _console() -> Console:
+    """stdout; wide when it is a file or pipe, so that logged paths stay on one line."""
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=200)
+    return console
 
 
 @app.command()
