@@ -119,3 +119,56 @@ def test_unsupported_models_and_layouts_get_clear_errors(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="hidden_act"):
         hf_model_shape(read_hf_config(model_dir))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_core_attention_padded_and_packed_match_reference(dtype, tmp_path):
+    """SDPAttention: causal within each sequence, GQA, for the padded layout and both packed
+    paths (the CPU's block-diagonal mask and the per-sequence calls CUDA uses)."""
+    import dataclasses
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from slime_rl.trainer_megatron.model import (
+        SDPAttention,
+        hf_model_shape,
+        packed_seq_params,
+        read_hf_config,
+        transformer_config,
+    )
+
+    model_dir = make_hf_model(tmp_path / "m", "llama", vocab=VOCAB, hidden=64, heads=4, kv_heads=2)
+    trainer_for(model_dir)  # the process group and Megatron's parallel state
+    shape = hf_model_shape(read_hf_config(model_dir))  # head_dim 16, 4 query heads over 2 KV heads
+    attn = SDPAttention(transformer_config(shape, tp=1, pp=1, dtype=dtype), layer_number=1,
+                        attn_mask_type=AttnMaskType.causal, attention_type="self")
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 1, 9]
+
+    def reference(q, k, v):  # [s, n, d] one sequence, fp64 math
+        k, v = (x.repeat_interleave(2, dim=1) for x in (k, v))
+        scores = torch.einsum("snd,tnd->nst", q.double(), k.double()) / 16**0.5
+        scores = scores.masked_fill(torch.ones(len(q), len(q), dtype=torch.bool).triu(1), float("-inf"))
+        return torch.einsum("nst,tnd->snd", scores.softmax(-1), v.double()).reshape(len(q), -1)
+
+    seqs = [[torch.randn(n, h, 16, generator=g) for h in (4, 2, 2)] for n in lens]
+    expected = [reference(*s) for s in seqs]
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+
+    # padded: [s, b, n, d], right padding
+    longest = max(lens)
+    padded = [torch.zeros(longest, len(lens), h, 16) for h in (4, 2, 2)]
+    for j, s in enumerate(seqs):
+        for x, part in zip(padded, s, strict=True):
+            x[: len(part), j] = part
+    out = attn(*(x.to(dtype) for x in padded), None)
+    for j, n in enumerate(lens):
+        assert torch.allclose(out[:n, j].double(), expected[j], atol=tol)
+
+    # packed: [t, n, d]
+    packed = [torch.cat([s[i] for s in seqs]).to(dtype) for i in range(3)]
+    params = packed_seq_params(lens, torch.device("cpu"))
+    per_sequence = dataclasses.replace(params, block_causal_mask=None)
+    for p in (params, per_sequence):
+        out = attn(*packed, None, packed_seq_params=p)
+        assert torch.allclose(out.double(), torch.cat(expected), atol=tol)

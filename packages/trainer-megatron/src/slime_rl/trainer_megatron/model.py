@@ -10,6 +10,7 @@ kernel on the CPU) instead of the local spec's unfused baddbmm + softmax.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,12 +256,14 @@ class PackedSequences(PackedSeqParams):
 
 
 def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedSequences:
-    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    """thd parameters for sequences of ``seq_lens`` packed into one row. ``cu_seqlens`` stay on
+    the host: the local spec only reads them as Python numbers (RoPE and SDPAttention split the
+    row per sequence), so keeping them there spares a device sync per layer."""
+    cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32)
     mask = None
     if device.type == "cpu":
         seg = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
-        total = len(seg)
-        causal = torch.ones(total, total, dtype=torch.bool).tril_()
+        causal = torch.ones(len(seg), len(seg), dtype=torch.bool).tril_()
         mask = (seg[:, None] == seg[None, :]) & causal
     longest = max(seq_lens)
     return PackedSequences(
