@@ -124,7 +124,7 @@ def test_unsupported_models_and_layouts_get_clear_errors(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_core_attention_padded_and_packed_match_reference(dtype, tmp_path):
     """SDPAttention: causal within each sequence, GQA, for the padded layout and both packed
-    paths (the CPU's block-diagonal mask and the per-sequence calls CUDA uses)."""
+    paths (the CPU's scatter into a padded batch and the per-sequence calls CUDA uses)."""
     import dataclasses
 
     from megatron.core.transformer.enums import AttnMaskType
@@ -168,7 +168,7 @@ def test_core_attention_padded_and_packed_match_reference(dtype, tmp_path):
     # packed: [t, n, d]
     packed = [torch.cat([s[i] for s in seqs]).to(dtype) for i in range(3)]
     params = packed_seq_params(lens, torch.device("cpu"))
-    per_sequence = dataclasses.replace(params, block_causal_mask=None)
+    per_sequence = dataclasses.replace(params, pad_index=None, pad_shape=None)
     for p in (params, per_sequence):
         out = attn(*packed, None, packed_seq_params=p)
         assert torch.allclose(out.double(), torch.cat(expected), atol=tol)

@@ -181,13 +181,17 @@ def _make_transformer_config(shape: HFModelShape, tp: int, pp: int, dtype: torch
     )
 
 
+_CPU_MATMUL_ATTENTION_BYTES = 64 << 20  # fp32 scores of one call
+
+
 class SDPAttention(DotProductAttention):
     """Core attention over torch's scaled_dot_product_attention, causal, with GQA.
 
     Padded batches (``[s, b, heads, dim]``) use ``is_causal`` (right padding never
-    reaches a real token). Packed batches (``thd``) attend within each sequence:
-    one SDPA call per sequence on CUDA (flash kernels, no T x T mask), one call with
-    a block-diagonal mask on the CPU (fewer kernel launches for short sequences).
+    reaches a real token). Packed batches (``thd``) attend within each sequence: on
+    CUDA one flash call per sequence (exact work, no T x T mask); on the CPU the
+    packed rows are scattered into a padded batch for one call, since per-call
+    overhead dominates short sequences there.
     """
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -196,36 +200,46 @@ class SDPAttention(DotProductAttention):
         dropout = self.attention_dropout.p if self.training else 0.0
         gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         if packed_seq_params is None:
-            # [s, b, n, d] -> [b, n, s, d]
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-            out = self._sdpa(q, k, v, is_causal=True, dropout=dropout, gqa=gqa)
-            s, b = query.shape[0], query.shape[1]
-            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
-        # thd: [t, n, d]
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, n, t, d]
-        mask = getattr(packed_seq_params, "block_causal_mask", None)
-        if mask is not None:
-            out = self._sdpa(q, k, v, mask=mask, dropout=dropout, gqa=gqa)
-        else:
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
-            out = torch.cat(
-                [
-                    self._sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, dropout=dropout, gqa=gqa)
-                    for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-                ],
-                dim=2,
-            )
+            return self._padded(query, key, value, dropout, gqa)
+        # thd: [t, heads, dim]
+        index = getattr(packed_seq_params, "pad_index", None)
+        if index is not None:
+            b, s = packed_seq_params.pad_shape
+            padded = []
+            for x in (query, key, value):
+                rows = x.new_zeros(b * s, *x.shape[1:])
+                rows[index] = x
+                padded.append(rows.view(b, s, *x.shape[1:]).transpose(0, 1))  # [s, b, heads, dim]
+            out = self._padded(*padded, dropout, gqa)  # [s, b, heads * dim]
+            return out.transpose(0, 1).reshape(b * s, -1)[index]
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, dim]
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        out = torch.cat(
+            [
+                self._sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, dropout=dropout, gqa=gqa)
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            ],
+            dim=2,
+        )
         return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)
 
-    def _sdpa(self, q, k, v, *, is_causal=False, mask=None, dropout=0.0, gqa=False):
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout == 0.0:
-            return self._matmul_attention(q, k, v, is_causal=is_causal, mask=mask)
+    def _padded(self, query, key, value, dropout, gqa):
+        # [s, b, heads, dim] -> [b, heads, s, dim] -> attention -> [s, b, heads * dim]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = self._sdpa(q, k, v, is_causal=True, dropout=dropout, gqa=gqa)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    def _sdpa(self, q, k, v, *, is_causal: bool, dropout: float = 0.0, gqa: bool = False):
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout == 0.0 and is_causal:
+            scores_bytes = 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+            if scores_bytes <= _CPU_MATMUL_ATTENTION_BYTES:
+                return self._matmul_attention(q, k, v)
         if gqa and q.device.type == "cuda":
             # enable_gqa is not served by every CUDA kernel; expanding keeps flash attention in play.
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             gqa = False
-        kwargs = dict(attn_mask=mask, is_causal=is_causal, dropout_p=dropout, scale=self.softmax_scale)
+        kwargs = dict(is_causal=is_causal, dropout_p=dropout, scale=self.softmax_scale)
         if gqa:
             kwargs["enable_gqa"] = True
         if dropout > 0:
@@ -233,26 +247,27 @@ class SDPAttention(DotProductAttention):
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    def _matmul_attention(self, q, k, v, *, is_causal, mask):
-        """bf16 on the CPU: two AMX matmuls around an fp32 softmax. torch's CPU flash kernel is
-        several times slower than this in bf16 backward (fp32 is served well by SDPA)."""
+    def _matmul_attention(self, q, k, v):
+        """bf16 on the CPU, short sequences: two AMX matmuls around an fp32 softmax. torch's CPU
+        flash kernel is several times slower than this in bf16 backward at RL-rollout lengths
+        (fp32 is served well by SDPA); long sequences go to SDPA, which never holds all scores."""
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.softmax_scale
-        if is_causal:
-            s = q.shape[-2]
-            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_()
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+        s = q.shape[-2]
+        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+        scores = scores.masked_fill_(future, float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 @dataclass
 class PackedSequences(PackedSeqParams):
-    """Megatron's thd packing parameters, plus the CPU's block-diagonal causal mask."""
+    """Megatron's thd packing parameters, plus where each packed token sits in a padded
+    ``[batch, longest]`` layout (the CPU's attention uses it)."""
 
-    block_causal_mask: torch.Tensor | None = None
+    pad_index: torch.Tensor | None = None
+    pad_shape: tuple[int, int] | None = None
 
 
 def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedSequences:
@@ -260,15 +275,14 @@ def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedSequen
     the host: the local spec only reads them as Python numbers (RoPE and SDPAttention split the
     row per sequence), so keeping them there spares a device sync per layer."""
     cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32)
-    mask = None
-    if device.type == "cpu":
-        seg = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
-        causal = torch.ones(len(seg), len(seg), dtype=torch.bool).tril_()
-        mask = (seg[:, None] == seg[None, :]) & causal
     longest = max(seq_lens)
+    pad_index = pad_shape = None
+    if device.type == "cpu":
+        pad_index = torch.cat([torch.arange(n) + j * longest for j, n in enumerate(seq_lens)])
+        pad_shape = (len(seq_lens), longest)
     return PackedSequences(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-        block_causal_mask=mask,
+        pad_index=pad_index, pad_shape=pad_shape,
     )
 
 
