@@ -15,9 +15,12 @@ COMMON = ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1", "algorithm
 
 LAYOUTS = {
     # name: (family, tied embeddings, parallel overrides, batching overrides)
-    "tp2": ("qwen2", False, ["parallel.tensor_model_parallel_size=2"], ["trainer.micro_batch_size=2"]),
+    # TP: QKV biases and the vocab-parallel embedding doubling as the LM head
+    "tp2": ("qwen2", True, ["parallel.tensor_model_parallel_size=2"], ["trainer.micro_batch_size=2"]),
+    # PP: 1F1B over packed micro-batches of different lengths, tied embeddings on two stages
     "pp2": ("llama", True, ["parallel.pipeline_model_parallel_size=2"], ["trainer.max_tokens_per_gpu=40"]),
-    "dp2": ("qwen3", True, [], ["trainer.max_tokens_per_gpu=48"]),
+    # DP: gradients summed (not averaged) over ranks, qk-norm, an untied LM head
+    "dp2": ("qwen3", False, [], ["trainer.max_tokens_per_gpu=48"]),
 }
 
 
