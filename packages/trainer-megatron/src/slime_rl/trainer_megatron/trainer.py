@@ -78,49 +78,13 @@ class MegatronTrainer(PolicyTrainer):
                 " (slime_rl.cli.builtin_model.resolve_model_path; slime-cli does it)"
             )
         self.cfg, self.role = cfg, role
-        self.device_type = dev.resolve_device(cfg.cluster.device)
-        if self.device_type == "cpu":
-            dev.redirect_megatron_to_cpu()
-        dev.init_distributed(self.device_type)
-        self.device = dev.current_device(self.device_type)
-        tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-        world = dist.get_world_size()
-        if world % (tp * pp):
-            raise ValueError(f"parallel: TP * PP = {tp * pp} must divide the {world} trainer ranks")
-        self._init_parallel_state(tp, pp)
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.is_last_stage = parallel_state.is_pipeline_last_stage()
-        self._set_seed(cfg.trainer.seed)
-
+        self._setup_parallel()
         self.dtype = self._resolve_dtype(cfg.model.dtype)
         self.hf_config = read_hf_config(cfg.model.path)
         self.shape = hf_model_shape(self.hf_config)
-        check_parallel_fits(self.shape, tp, pp)
-        self.tconfig = transformer_config(
-            self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=cfg.trainer.recompute,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-        )
-        self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=role == "critic")
-        if self.device_type == "cuda":
-            self.model.cuda()
-        # bf16: Float16Module also casts the torch norms' fp32 weights, so every parameter has its
-        # final dtype before weights are loaded or snapshotted.
-        module = Float16Module(self.tconfig, self.model) if self.dtype != torch.float32 else self.model
-
-        # Reference weights: HF ref_path (or the initial weights) kept in host memory, swapped in on demand.
-        self._ref_weights: dict[str, torch.Tensor] | None = None
+        module = self._build_model()
+        self._ref_weights = self._load_weights()  # host copy of the reference, when one is needed
         self._swap_spare: dict[str, torch.Tensor] = {}
-        algo = cfg.algorithm
-        needs_ref = role == "actor" and (algo.use_kl_loss or algo.kl_coef != 0 or cfg.model.ref_path is not None)
-        ref_path = cfg.model.ref_path or cfg.model.path
-        if needs_ref and ref_path != cfg.model.path:
-            convert.load_hf(self.model, ref_path, self.shape)
-            self._ref_weights = self._snapshot_to_host()
-        convert.load_hf(self.model, cfg.model.path, self.shape)
-        if needs_ref and self._ref_weights is None:
-            self._ref_weights = self._snapshot_to_host()
-
         self.ddp = DistributedDataParallel(
             config=self.tconfig,
             ddp_config=DistributedDataParallelConfig(
@@ -130,10 +94,70 @@ class MegatronTrainer(PolicyTrainer):
         )
         self.tconfig.no_sync_func = self.ddp.no_sync
         self.tconfig.finalize_model_grads_func = _finalize_grads_without_token_scaling
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.step_count = 0
+        self._forward_backward = get_forward_backward_func()
 
-        t = cfg.trainer
-        lr = (t.critic_lr or t.lr) if role == "critic" else t.lr
-        self.optimizer = get_megatron_optimizer(
+    # ---------------------------------------------------------------- setup helpers
+
+    def _setup_parallel(self) -> None:
+        """Device, process group and Megatron's TP/PP/DP groups; seeds."""
+        cfg = self.cfg
+        self.device_type = dev.resolve_device(cfg.cluster.device)
+        if self.device_type == "cpu":
+            dev.redirect_megatron_to_cpu()
+        dev.init_distributed(self.device_type)
+        self.device = dev.current_device(self.device_type)
+        tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+        world = dist.get_world_size()
+        if world % (tp * pp):
+            raise ValueError(f"parallel: TP * PP = {tp * pp} must divide the {world} trainer ranks")
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        elif (parallel_state.get_tensor_model_parallel_world_size(),
+              parallel_state.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            raise RuntimeError("parallel: this process already initialised Megatron with another TP/PP layout")
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        # Same seed on every rank: dropout masks (if any) depend only on the seed, not on the layout.
+        torch.manual_seed(cfg.trainer.seed)
+        model_parallel_cuda_manual_seed(cfg.trainer.seed)
+
+    def _build_model(self) -> torch.nn.Module:
+        """This rank's stage of the model, on its device; returns the module DDP wraps."""
+        p = self.cfg.parallel
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        check_parallel_fits(self.shape, tp, pp)
+        self.tconfig = transformer_config(
+            self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=self.cfg.trainer.recompute,
+            sequence_parallel=p.sequence_parallel,
+        )
+        self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic")
+        if self.device_type == "cuda":
+            self.model.cuda()
+        # bf16: Float16Module also casts the torch norms' fp32 weights, so every parameter has its
+        # final dtype before weights are loaded or snapshotted.
+        return Float16Module(self.tconfig, self.model) if self.dtype != torch.float32 else self.model
+
+    def _load_weights(self) -> dict[str, torch.Tensor] | None:
+        """The HF weights into the model; returns a host copy of the reference weights (model.ref_path,
+        else the initial ones) when a KL term or an explicit reference asks for them."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        needs_ref = self.role == "actor" and (algo.use_kl_loss or algo.kl_coef != 0 or cfg.model.ref_path is not None)
+        ref = None
+        if needs_ref and cfg.model.ref_path not in (None, cfg.model.path):
+            convert.load_hf(self.model, cfg.model.ref_path, self.shape)
+            ref = self._snapshot_to_host()
+        convert.load_hf(self.model, cfg.model.path, self.shape)
+        if needs_ref and ref is None:
+            ref = self._snapshot_to_host()
+        return ref
+
+    def _build_optimizer(self) -> tuple[Any, OptimizerParamScheduler]:
+        t = self.cfg.trainer
+        lr = (t.critic_lr or t.lr) if self.role == "critic" else t.lr
+        optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
                 adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
@@ -144,26 +168,10 @@ class MegatronTrainer(PolicyTrainer):
         )
         if self.device_type == "cpu":
             # torch's fused CPU Adam: one pass over each tensor instead of a chain of elementwise ops.
-            for inner in _torch_optimizers(self.optimizer):
+            for inner in _torch_optimizers(optimizer):
                 for group in inner.param_groups:
                     group["fused"] = True
-        self.scheduler = self._make_scheduler(lr)
-        self.step_count = 0
-        self._forward_backward = get_forward_backward_func()
-
-    # ---------------------------------------------------------------- setup helpers
-
-    def _init_parallel_state(self, tp: int, pp: int) -> None:
-        if parallel_state.model_parallel_is_initialized():
-            if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (tp, pp):
-                raise RuntimeError("parallel: this process already initialised Megatron with another TP/PP layout")
-            return
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-
-    def _set_seed(self, seed: int) -> None:
-        # Same on every rank: dropout masks (if any) depend only on the seed, not on the layout.
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
+        return optimizer, self._make_scheduler(optimizer, lr)
 
     def _resolve_dtype(self, name: str) -> torch.dtype:
         if name == "auto":
@@ -172,7 +180,7 @@ class MegatronTrainer(PolicyTrainer):
             raise ValueError("model.dtype: float16 on the CPU is not supported; use float32, bfloat16 or auto")
         return _DTYPES[name]
 
-    def _make_scheduler(self, lr: float) -> OptimizerParamScheduler:
+    def _make_scheduler(self, optimizer, lr: float) -> OptimizerParamScheduler:
         t, d = self.cfg.trainer, self.cfg.data
         warmup = t.lr_warmup_steps
         if t.lr_decay_style == "constant":
@@ -187,7 +195,7 @@ class MegatronTrainer(PolicyTrainer):
             if total <= warmup:
                 raise ValueError(f"trainer.lr_warmup_steps: {warmup} must be below the {total} optimizer steps")
         return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=t.min_lr,
+            optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=t.min_lr,
             lr_warmup_steps=warmup, lr_decay_steps=total, lr_decay_style=t.lr_decay_style,
             start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=total, wd_incr_style="constant",
         )
@@ -520,8 +528,10 @@ class MegatronTrainer(PolicyTrainer):
         """Weights, gradients and optimizer state to host memory (CUDA; a no-op on the CPU)."""
         if self.device_type != "cuda":
             return
+        # Gradient buffers stay: after megatron's offload_grad_buffers/restore_grad_buffers the
+        # backward pass no longer reached them on the H200 (grad norm 0 every step, see
+        # docs/gpu-results.md), so weights and optimizer state move and the grads are kept.
         self.optimizer.offload_to_cpu()
-        self.ddp.offload_grad_buffers()
         for param in self.model.parameters():
             if param.is_cuda:
                 param.data = _host_copy(param.data, non_blocking=True)
@@ -535,7 +545,6 @@ class MegatronTrainer(PolicyTrainer):
         for param in self.model.parameters():
             if not param.is_cuda:
                 param.data = param.data.to(self.device, non_blocking=True)
-        self.ddp.restore_grad_buffers()
         self.optimizer.restore_from_cpu()
         torch.cuda.synchronize()
 
