@@ -260,6 +260,9 @@ def _install_cpu_rng_tracker() -> None:
 
     mpu_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recomputation saves and restores "the CUDA generator": here that is the CPU's.
+    mpu_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mpu_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
 def init_distributed(device: Device, timeout_minutes: int = 30) -> None:
