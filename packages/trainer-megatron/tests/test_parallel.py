@@ -50,3 +50,20 @@ def test_two_ranks_match_one(layout, tmp_path):
     # resume after step 1: steps 2 and 3 replay bit for bit
     assert multi["resumed_metrics"] == multi["metrics"][1:]
     assert all(torch.equal(t, multi["resumed_final"][n]) for n, t in multi["final"].items())
+
+
+@pytest.mark.slow
+def test_tp2_pp2_on_four_ranks_matches_one(tmp_path):
+    model = make_hf_model(tmp_path / "model", "qwen2", tie=True, vocab=256)
+    spec = dict(model=str(model), num_samples=8, vocab=256, ref=True, steps=3)
+    overrides = COMMON + ["trainer.max_tokens_per_gpu=40"]
+    ensure_single_rank_group()
+    single = run_scenario({**spec, "overrides": overrides})
+    multi = launch(4, {**spec, "overrides": overrides + ["parallel.tensor_model_parallel_size=2",
+                                                        "parallel.pipeline_model_parallel_size=2",
+                                                        "cluster.actor_num_gpus_per_node=4"],
+                       "save_after": 1, "ckpt": str(tmp_path / "ckpt")}, tmp_path)
+    assert multi["roundtrip_exact"]
+    for one, four in zip(single["metrics"], multi["metrics"], strict=True):
+        assert abs(one["loss"] - four["loss"]) <= 1e-5 and abs(one["grad_norm"] - four["grad_norm"]) <= 1e-5
+    assert multi["resumed_metrics"] == multi["metrics"][1:]

@@ -78,7 +78,8 @@ def hf_model_shape(hf_config) -> HFModelShape:
         raise ValueError("model.path: mlp_bias=true is not supported")
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("model.path: use_sliding_window=true is not supported; set it to false in config.json")
-    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    # transformers 5: rope_parameters holds theta and scaling; 4.x: rope_theta and rope_scaling
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     heads = hf_config.num_attention_heads
