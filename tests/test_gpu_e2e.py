@@ -78,7 +78,8 @@ def test_b_logprob_parity_sglang_vs_megatron(gpu_model, tmp_path, monkeypatch):
     assert diffs.mean() < 0.02  # bf16 kernels differ; slime's CI bound on this gap is 0.1
 
 
-def test_f_colocated_grpo_through_slime_cli(gpu_model, tmp_path):
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "no-offload"])
+def test_f_colocated_grpo_through_slime_cli(offload, gpu_model, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     lines = ["def main(", "import os\n", "class Foo:", "for i in range(", "return self.", "x = [", "print("]
     prompts.write_text("".join(json.dumps({"input": p, "label": ""}) + "\n" for p in lines * 40))
@@ -88,8 +89,8 @@ def test_f_colocated_grpo_through_slime_cli(gpu_model, tmp_path):
                  "num_rollout": 20},
         "rollout": {"engine": "sglang", "engine_args": ENGINE_ARGS, "max_response_len": 16,
                     "reward": "toy_rewards:digit_token_fraction", "check_weight_update": True},
-        "trainer": {"backend": "megatron", "lr": 3e-3},
-        "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1},
+        "trainer": {"backend": "megatron", "lr": 1e-2},
+        "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1, "offload": offload},
         "logging": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
@@ -102,6 +103,8 @@ def test_f_colocated_grpo_through_slime_cli(gpu_model, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["rollout/reward_mean"] for r in rows]
     print("[grpo] reward per step:", " ".join(f"{r:.3f}" for r in rewards))
+    print("[grpo] grad norm per step:", " ".join(f"{r.get('train/grad_norm', float('nan')):.3g}" for r in rows))
+    print("[grpo] loss per step:", " ".join(f"{r.get('train/loss', float('nan')):.3g}" for r in rows))
     print("[grpo] step time split:", {k: round(v, 3) for k, v in rows[-1].items() if k.startswith("time/")})
     assert len(rewards) == 20
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2

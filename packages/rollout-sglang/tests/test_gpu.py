@@ -139,8 +139,9 @@ def test_a_token_in_token_out_with_log_probs_through_the_router(engine, tiny_lla
           f"mean {diffs.mean():.5f}, max {diffs.max():.5f}")
     assert diffs.mean() < 0.05
     stop_at = greedy[0].token_ids[5]
+    # not ignore_eos: SGLang's ignore_eos switches off stop_token_ids as well
     stopped = asyncio.run(engine.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=16,
-                                                                     stop_token_ids=[stop_at], ignore_eos=True)))
+                                                                     stop_token_ids=[stop_at])))
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_at
 
 

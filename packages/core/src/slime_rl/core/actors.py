@@ -23,8 +23,14 @@ from slime_rl.core.tensor_transport import HostArrays, from_host_arrays, to_host
 
 
 def _set_threads(cfg: Config) -> None:
-    threads = int(os.environ.get("SLIME_RL_TORCH_THREADS", "0")) or None
-    if threads:
+    """Ray starts actors with OMP_NUM_THREADS=1 (their num_cpus is 0); on the CPU the phases of a
+    synchronous step run one at a time, so each may use every core. SLIME_RL_TORCH_THREADS
+    overrides (tests use 1). torch's setting is per thread: async actors call this again from
+    their event-loop thread."""
+    threads = int(os.environ.get("SLIME_RL_TORCH_THREADS", "0"))
+    if not threads and cfg.cluster.device == "cpu":
+        threads = os.cpu_count() or 1
+    if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
 
@@ -110,6 +116,7 @@ class RolloutManager:
 
     async def generate(self) -> tuple[list[Sample], dict[str, float], bool]:
         """Roll out one step's groups, store them durably, and hand out one training batch."""
+        _set_threads(self.cfg)
         result = await self.runner.rollout(self.data_source, self.buffer)
         if result.groups:
             self.buffer.add(result.groups)
@@ -118,6 +125,7 @@ class RolloutManager:
         return [s for g in groups for s in g], result.metrics, result.exhausted
 
     async def evaluate(self) -> dict[str, float]:
+        _set_threads(self.cfg)
         return await self.runner.evaluate(self.eval_sets)
 
     async def update_weights(self, buckets: list[HostArrays], version: int) -> None:

@@ -145,7 +145,7 @@ class ClusterConfig(_Section):
     num_gpus_per_node: int | None = Field(None, ge=1)  # node size, for placement; default max(8, actor's per node)
     colocate: bool = True
     async_train: bool = Field(False, alias="async")  # one-step-off: generate k+1 while training k
-    offload: bool | None = None  # colocated: hand the GPUs back and forth between phases; default on CUDA
+    offload: bool = False  # colocated: hand the GPUs back and forth between phases (see docs/gpu-results.md)
     num_cpus: int | None = None  # for the local Ray instance
 
 

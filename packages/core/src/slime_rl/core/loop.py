@@ -133,8 +133,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     # One step per rollout and on-policy: the trainer's own log-probs before the update are
     # the old policy's, so it computes them in the training forward instead of a second pass.
     # Colocated on GPUs, trainer and engines take turns with the memory (slime's --offload).
-    offload = cfg.cluster.offload if cfg.cluster.offload is not None else (
-        cfg.cluster.colocate and resolve_device(cfg) == "cuda")
+    offload = cfg.cluster.offload and cfg.cluster.colocate and resolve_device(cfg) == "cuda"
     separate_old_pass = cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs
     summary: dict[str, Any] = {"log_dir": str(log_dir), "checkpoint_dir": str(save_dir)}
 

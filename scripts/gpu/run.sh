@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU runs recorded in docs/gpu-results.md. On the H200 machine, from the repo root:
+#   bash scripts/gpu/run.sh STAGE...
+# Stages: check, sglang (issue 7 a,c,d,e + disk), megatron (issue 5 bf16 TP=2, parity),
+# e2e (issue 7 b,f), bench-trainer, bench-rollout. Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
+source "$(dirname "$0")/setup.sh"
+logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
+status=0
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%FT%TZ)"
+  case $stage in
+    check) cmd=(bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, sglang, megatron.core, ray, sglang_router, transformers; print(torch.__version__, torch.cuda.device_count(), sglang.__version__, megatron.core.__version__, ray.__version__, transformers.__version__)"') ;;
+    sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_gpu.py -p no:cacheprovider) ;;
+    megatron) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_gpu.py -p no:cacheprovider) ;;
+    e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
+    bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py) ;;
+    bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py) ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  "${cmd[@]}" > "$logs/$stage.log" 2>&1; rc=$?
+  grep -E "PASS|FAIL|Error|error|\[|passed|failed|\|" "$logs/$stage.log" | tail -n 60
+  echo "=== $stage exit $rc"; [ $rc = 0 ] || status=1
+done
+exit $status
