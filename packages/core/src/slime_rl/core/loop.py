@@ -130,10 +130,10 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     algo = cfg.algorithm
     needs_ref = algo.use_kl_loss or algo.kl_coef != 0
     needs_critic = algo.advantage_estimator == "ppo"
-    # One step per rollout and on-policy: the trainer's own log-probs before the update are
-    # the old policy's, so it computes them in the training forward instead of a second pass.
     # Colocated on GPUs, trainer and engines take turns with the memory (slime's --offload).
     offload = cfg.cluster.offload and cfg.cluster.colocate and resolve_device(cfg) == "cuda"
+    # One step per rollout and on-policy: the trainer's own log-probs before the update are
+    # the old policy's, so it computes them in the training forward instead of a second pass.
     separate_old_pass = cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs
     summary: dict[str, Any] = {"log_dir": str(log_dir), "checkpoint_dir": str(save_dir)}
 
@@ -227,9 +227,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                     actor.call("offload")
             step += 1
             timings["time/step"] = time.perf_counter() - step_start
-            tokens = sum(len(s.tokens) for s in samples)
-            metrics.update(timings)
-            metrics["perf/tokens_per_s"] = tokens / timings["time/step"]
+            metrics["perf/tokens_per_s"] = sum(len(s.tokens) for s in samples) / timings["time/step"]
             if cfg.eval.prompt_data and cfg.eval.interval and step % cfg.eval.interval == 0:
                 last_eval = (step, ray.get(manager.evaluate.remote()))
                 metrics.update(last_eval[1])
@@ -238,6 +236,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 with phase(timings, "save"):
                     _save(cfg, save_dir, step, actor, critic, manager)
                 last_save = step
+            metrics.update(timings)
             logger.log(step, metrics)
             notify("step", {"step": step, "metrics": metrics})
             if exhausted:
