@@ -166,11 +166,12 @@ class MegatronTrainer(PolicyTrainer):
             ),
             [self.ddp],
         )
-        if self.device_type == "cpu":
-            # torch's fused CPU Adam: one pass over each tensor instead of a chain of elementwise ops.
-            for inner in _torch_optimizers(optimizer):
+        # Without TransformerEngine/Apex, Megatron builds torch's AdamW; its fused kernel (CPU and
+        # CUDA) makes one pass over each tensor instead of a chain of elementwise ops.
+        for inner in _torch_optimizers(optimizer):
+            if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
                 for group in inner.param_groups:
-                    group["fused"] = True
+                    group["fused"], group["foreach"] = True, False
         return optimizer, self._make_scheduler(optimizer, lr)
 
     def _resolve_dtype(self, name: str) -> torch.dtype:
