@@ -339,14 +339,15 @@ class MegatronTrainer(PolicyTrainer):
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """Optimizer steps over ``samples``, ``global_batch_size`` samples each (one step when they
         fit; the loop hands over a whole rollout, ``num_steps_per_rollout`` steps' worth). Metrics are
-        averaged over the steps; ``lr`` is the last step's."""
+        averaged over the steps (``*_max``/``*_min``: the extreme); ``lr`` is the last step's."""
         if not samples:
             raise ValueError("train_step: got no samples")
         size = self.cfg.global_batch_size
         steps = [self._optimizer_step(samples[k : k + size]) for k in range(0, len(samples), size)]
         if len(steps) == 1:
             return steps[0]
-        out = {name: sum(m[name] for m in steps) / len(steps) for name in steps[0]}
+        combine = {"max": max, "min": min, "sum": lambda xs: sum(xs) / len(xs)}
+        out = {name: combine[losses.metric_reduction(name)]([m[name] for m in steps]) for name in steps[0]}
         out.update(lr=steps[-1]["lr"], optimizer_steps=float(len(steps)))
         return out
 
