@@ -10,8 +10,8 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
     check) cmd=(bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, sglang, megatron.core, ray, sglang_router, transformers; print(torch.__version__, torch.cuda.device_count(), sglang.__version__, megatron.core.__version__, ray.__version__, transformers.__version__)"') ;;
-    sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_gpu.py -p no:cacheprovider) ;;
-    megatron) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_gpu.py -p no:cacheprovider) ;;
+    sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -p no:cacheprovider) ;;
+    megatron) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -p no:cacheprovider) ;;
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
     bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py) ;;
     bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py) ;;

@@ -1,7 +1,7 @@
 """GPU acceptance for SGLangEngine with a real SGLang 0.5.17 server (the H200 machine; see
 ../shared/gpu/README.md for the bundle). A tiny random Llama is made on the spot.
 
-    python -m pytest packages/rollout-sglang/tests/test_gpu.py -m gpu -s
+    python -m pytest packages/rollout-sglang/tests/test_sglang_gpu.py -m gpu -s
 
 Items (issue 7): (a) token-in/token-out with log-probs through the router; (c) colocated
 sync by CUDA IPC tensors, after which the engine's weights equal the trainer's and the

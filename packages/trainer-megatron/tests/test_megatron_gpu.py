@@ -3,7 +3,7 @@ transformers, and offload/onload for colocation. Every case runs in fresh proces
 rank), so it does not matter what else the pytest process ran. The figures printed here go to
 docs/gpu-results.md:
 
-    python -m pytest packages/trainer-megatron/tests/test_gpu.py -m gpu -s
+    python -m pytest packages/trainer-megatron/tests/test_megatron_gpu.py -m gpu -s
 """
 
 from __future__ import annotations
