@@ -109,6 +109,8 @@ def hf_model_shape(hf_config) -> HFModelShape:
 
 
 def check_parallel_fits(shape: HFModelShape, tp: int, pp: int) -> None:
+    if shape.num_heads % tp:
+        raise ValueError(f"parallel.tensor_model_parallel_size: {tp} must divide the model's {shape.num_heads} heads")
     if shape.num_kv_heads % tp:
         raise ValueError(
             f"parallel.tensor_model_parallel_size: {tp} must divide the model's {shape.num_kv_heads} KV heads"
