@@ -2,9 +2,11 @@
 
 CPU (checked here, tiny or SmolLM2-shaped random models):
     python benchmarks/trainer_throughput.py --device cpu --shape smollm2-135m --threads 1 2
-GPU (the H200 machine):
+GPU (the H200 machine): equal lengths, padded (like for like), then RL-like lengths packed:
     python benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16 \\
-        --prompt-len 512 --response-len 512 --memory-tokens 16384
+        --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384
+    python benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 32 \\
+        --prompt-len 256 --response-len 512 --jitter 240 --max-tokens-per-gpu 16384 --skip-memory
 
 Table 1: one GRPO update as the loop runs it: ``compute_log_probs`` (old policy) then
 ``train_step`` (forward, backward, Adam), next to transformers doing the same work on
@@ -13,7 +15,9 @@ the same token-level loss, fused AdamW; SDPA attention, bf16 autocast when the t
 runs bf16: always on CUDA, with --dtype bfloat16 on the CPU, whose AMX units make bf16
 matmuls ~4x faster than fp32).
 Tokens/s counts every token of the batch per train step; MFU uses the standard
-6 * params + 12 * layers * hidden * seq FLOPs per token against --peak-tflops.
+6 * params + 12 * layers * hidden * seq FLOPs per token against --peak-tflops for both
+(the trainer skips the LM head on prompt tokens and packs instead of padding: work the
+formula counts that it never does, which is the point).
 
 Table 2: peak memory the log-prob pass adds beyond the weights, at --memory-tokens
 tokens: the trainer's chunked, fused head next to a naive full-logits pass
