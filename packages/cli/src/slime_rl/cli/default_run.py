@@ -36,13 +36,15 @@ async def addition_reward(sample: Sample) -> float:
 
 def default_config(workdir: Path) -> dict:
     return {
-        "model": {"path": "builtin:smollm2-135m-instruct"},
+        # bf16: this CPU's AMX units run bf16 matmuls ~4x faster than fp32 (trainer keeps fp32 masters)
+        "model": {"path": "builtin:smollm2-135m-instruct", "dtype": "bfloat16"},
         "data": {"prompt_data": str(workdir / "train.jsonl"), "rollout_batch_size": 4, "n_samples_per_prompt": 8,
                  "num_rollout": 30, "seed": 0},
         "rollout": {"engine": "hf", "temperature": 1.0, "max_response_len": 6,
                     "reward": "slime_rl.cli.default_run:addition_reward"},
         "algorithm": {"advantage_estimator": "grpo", "eps_clip": 0.2},
-        "trainer": {"backend": "megatron", "lr": 1e-5, "adam_beta2": 0.999, "clip_grad": 1.0},
+        "trainer": {"backend": "megatron", "lr": 1e-5, "adam_beta2": 0.999, "clip_grad": 1.0,
+                    "max_tokens_per_gpu": 4096},  # the whole 32-sample batch in one micro-batch
         "cluster": {"device": "cpu"},
         "eval": {"prompt_data": {"addition": str(workdir / "eval.jsonl")}, "temperature": 0.0, "interval": 10},
         "checkpoint": {"save_dir": str(workdir / "checkpoints"), "save_interval": 10, "keep_last": 2},

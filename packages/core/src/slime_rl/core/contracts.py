@@ -135,7 +135,8 @@ class PolicyTrainer(ABC):
 
     @abstractmethod
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step over ``samples`` (which carry ``advantages``,
+        """Train on one rollout: an optimizer step per ``global_batch_size`` samples (so
+        ``num_steps_per_rollout`` steps), over ``samples`` (which carry ``advantages``,
         ``old_log_probs`` and, with a KL loss, ``ref_log_probs``); returns metrics
         (loss, grad_norm, clip_frac, kl, entropy, lr, ...)."""
 
