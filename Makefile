@@ -29,6 +29,7 @@ demo: $(STAMP)
 	$(VENV)/bin/slime-cli train
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu"
 
 lint: $(STAMP)
