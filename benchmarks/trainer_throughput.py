@@ -61,8 +61,10 @@ def make_model(shape: str, folder: Path) -> Path:
                      max_position_embeddings=32768, rms_norm_eps=1e-6)
     config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1.5B is slow on a CPU
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
+    del model
     return folder
 
 
