@@ -215,7 +215,27 @@ def step_table(args, model_dir: Path) -> list[dict]:
                              total_s=lp_s + tr_s, train_tok_s=tokens / tr_s,
                              mfu=flops / tr_s / (args.peak_tflops * 1e12) if args.peak_tflops else None,
                              wall_train_s=statistics.median(t[0] for t in train_times)))
+    if args.profile:
+        profile_updates(args, samples, trainer, baseline)
     return rows
+
+
+def profile_updates(args, samples, trainer, baseline) -> None:
+    """Where one update's time goes: the top ops of each contender by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    sort_by = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    old_log_probs = baseline.log_probs(samples)  # the trainer's samples carry theirs already
+    for name in ("megatron", "transformers"):
+        with profile(activities=activities) as prof:
+            if name == "megatron":
+                trainer.train_step(samples)
+            else:
+                baseline.train_step(samples, old_log_probs)
+            sync(args.device)
+        print(f"\n## profile: one {name} train step, top {args.profile} ops by self {args.device} time")
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))
 
 
 # ---------------------------------------------------------------- table 2
@@ -305,6 +325,7 @@ def main() -> None:
     p.add_argument("--memory-tokens", type=int, default=8192)
     p.add_argument("--memory-samples", type=int, default=4)
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print each contender's top N ops")
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--probe", choices=["megatron", "naive"], default=None, help=argparse.SUPPRESS)
     args, _ = p.parse_known_args()

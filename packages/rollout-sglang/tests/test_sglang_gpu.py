@@ -209,10 +209,13 @@ def test_disk_sync(engine, tiny_llama):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_d_nccl_sync_across_two_gpus(tiny_llama, tmp_path):
+def test_d_nccl_sync_across_two_gpus(tiny_llama, tmp_path, monkeypatch):
     """Trainer tensors on GPU 0, the engine on GPU 1 (disaggregated placement)."""
-    engine = SGLangEngine.from_config(gpu_config(tiny_llama, tmp_path, colocate=False,
-                                                 update_weight_transport="nccl"))
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")  # both sides: a stuck rendezvous shows where in the log
+    monkeypatch.setenv("NCCL_DEBUG_SUBSYS", "INIT,P2P,NET")
+    # short timeouts: fail with the step's name (and the server log below) instead of waiting out the defaults
+    engine = SGLangEngine.from_config(gpu_config(tiny_llama, tmp_path, colocate=False, update_weight_transport="nccl",
+                                                 engine_startup_timeout=300, weight_sync_timeout=120))
     try:
         assert engine.servers[0].gpu_ids == [1]
         engine.verify_weights = True
@@ -231,5 +234,8 @@ def test_d_nccl_sync_across_two_gpus(tiny_llama, tmp_path):
         assert torch.equal(q, dict(changed)["model.layers.1.self_attn.q_proj.weight"].float().cpu()[:100])
         asyncio.run(engine.update_weights(trainer, version=2, last=True))  # the group is reused
         assert [o.token_ids for o in generate_all(engine, PROMPTS[:4], GREEDY)] == [o.token_ids for o in before]
+    except BaseException:
+        print(f"\n(d) server log tail:\n{engine.servers[0].process.log_tail(120)}")
+        raise
     finally:
         asyncio.run(engine.shutdown())

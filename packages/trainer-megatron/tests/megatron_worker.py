@@ -36,7 +36,7 @@ def run_scenario(spec: dict) -> dict:
     exact = sorted(exported) == sorted(reader.weight_map) and all(
         torch.equal(exported[n], reader.get(n)) for n in exported
     )
-    everywhere = torch.tensor(int(exact))
+    everywhere = torch.tensor(int(exact), device=trainer.device)  # NCCL reduces CUDA tensors only
     torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN)
     result["roundtrip_exact"] = bool(everywhere)
 
@@ -101,8 +101,12 @@ def run_offload(spec: dict) -> dict:
     offloaded = torch.cuda.memory_allocated()
     trainer.onload()
     after = trainer.compute_log_probs(samples)
-    trainer.train_step(samples)
-    return {"held": held, "offloaded": offloaded, "same_log_probs": before == after}
+    for s, lp in zip(samples, after, strict=True):
+        s.old_log_probs = list(lp)
+    metrics = trainer.train_step(samples)  # gradients must still reach Megatron's grad buffers
+    trained = trainer.compute_log_probs(samples)
+    return {"held": held, "offloaded": offloaded, "same_log_probs": before == after,
+            "grad_norm_after_onload": metrics["grad_norm"], "step_changed_log_probs": trained != after}
 
 
 SCENARIOS = {"train": run_scenario, "hf_parity": run_hf_parity, "offload": run_offload}

@@ -77,6 +77,8 @@ class RolloutConfig(_Section):
     engine_python: str | None = None  # interpreter to launch servers with (SGLang in its own env)
     engine_args: dict[str, Any] = Field(default_factory=dict)  # passed through to the engine (e.g. SGLang server flags)
     router_policy: str = "round_robin"
+    engine_startup_timeout: float = Field(900.0, gt=0)  # seconds for a launched server to answer /health
+    weight_sync_timeout: float = Field(600.0, gt=0)  # seconds per weight-sync step (a bucket, a pause, a flush)
     update_weight_transport: Literal["auto", "tensor", "nccl", "disk"] = "auto"
     update_weight_buffer_mb: int = Field(512, ge=1)
     check_weight_update: bool = False  # after each sync, compare engine weights with the trainer's (slow)

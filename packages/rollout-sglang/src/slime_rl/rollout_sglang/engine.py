@@ -119,7 +119,8 @@ class SGLangEngine(RolloutEngine):
         if r.engine_urls:
             return cls.attach(r.engine_urls, work_dir=Path(cfg.logging.dir) / "sglang", policy=r.router_policy,
                               max_concurrency=r.max_concurrency, transport=r.update_weight_transport,
-                              colocated=c.colocate)
+                              colocated=c.colocate, startup_timeout=r.engine_startup_timeout,
+                              sync_timeout=r.weight_sync_timeout)
         model_path = cfg.model.path
         if model_path.startswith("builtin:"):
             raise ValueError(f"model.path: SGLang needs a local HF model folder, not {model_path!r}")
@@ -137,7 +138,8 @@ class SGLangEngine(RolloutEngine):
                           engine_args=engine_args, python=r.engine_python, gpu_ids=gpu_ids,
                           work_dir=Path(cfg.logging.dir) / "sglang", policy=r.router_policy,
                           max_concurrency=r.max_concurrency, transport=r.update_weight_transport,
-                          colocated=c.colocate)
+                          colocated=c.colocate, startup_timeout=r.engine_startup_timeout,
+                          sync_timeout=r.weight_sync_timeout)
 
     @classmethod
     def launch(cls, model_path: str, *, num_engines: int = 1, tp_size: int = 1, engine_args: dict | None = None,

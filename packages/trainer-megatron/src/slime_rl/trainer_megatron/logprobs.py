@@ -15,12 +15,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-CHUNK_BYTES = 128 << 20  # fp32 logits per chunk (a few such buffers are live at once)
+# fp32 logits per chunk (a few such buffers are live at once). The CPU wants them cache-sized;
+# a GPU wants long chunks: each chunk's backward adds a [V, h] weight-gradient part in fp32, and
+# matmuls over a few hundred rows leave tensor cores idle (1 GiB is ~1,700 tokens of a 151,936 vocab).
+CHUNK_BYTES = {"cpu": 128 << 20, "cuda": 1 << 30}
 
 
-def chunk_tokens(vocab_local: int, chunk_bytes: int | None = None) -> int:
-    """Tokens per chunk so that one chunk's fp32 logits take about ``chunk_bytes``."""
-    return max(1, (chunk_bytes or CHUNK_BYTES) // (4 * vocab_local))
+def chunk_tokens(vocab_local: int, chunk_bytes: int | None = None, device_type: str = "cpu") -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take about ``chunk_bytes``
+    (by default the budget of ``device_type``)."""
+    budget = chunk_bytes or CHUNK_BYTES.get(device_type, CHUNK_BYTES["cpu"])
+    return max(1, budget // (4 * vocab_local))
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -129,7 +134,7 @@ def token_log_probs(
     if tp > 1:
         # identity forward, all-reduce of the hidden-state gradient backward
         hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    chunk = chunk or chunk_tokens(weight.shape[0])
+    chunk = chunk or chunk_tokens(weight.shape[0], device_type=weight.device.type)
     return _FusedLogProbs.apply(hidden, weight, targets, float(temperature), chunk, group, with_entropy)
 
 

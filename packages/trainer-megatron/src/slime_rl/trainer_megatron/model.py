@@ -124,17 +124,20 @@ def check_parallel_fits(shape: HFModelShape, tp: int, pp: int) -> None:
 
 
 def transformer_config(
-    shape: HFModelShape, *, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False, sequence_parallel: bool = False
+    shape: HFModelShape, *, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False,
+    sequence_parallel: bool = False, compiled_fusions: bool = False,
 ) -> TransformerConfig:
-    """The TransformerConfig for ``shape``: RMSNorm, SwiGLU, RoPE, GQA, no biases but Qwen's QKV."""
+    """The TransformerConfig for ``shape``: RMSNorm, SwiGLU, RoPE, GQA, no biases but Qwen's QKV.
+    ``compiled_fusions``: Megatron's torch.compile'd SwiGLU (one kernel each way, and backward
+    keeps only the MLP's input); for CUDA, where inductor's Triton kernels pay."""
     if sequence_parallel:
         raise ValueError(
             "parallel.sequence_parallel: needs TransformerEngine or Apex norms, which the local spec does not use;"
             " set it to false"
         )
-    extra = {}
+    extra = {"bias_activation_fusion": compiled_fusions}
     if recompute:
-        extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="full scope is deprecated")  # a default we do not use
         config = _make_transformer_config(shape, tp, pp, dtype, extra)
@@ -171,11 +174,10 @@ def _make_transformer_config(shape: HFModelShape, tp: int, pp: int, dtype: torch
         # Weights come from the HF checkpoint: skip random init (and the time it takes).
         use_cpu_initialization=True,
         perform_initialization=False,
-        # The fused paths need TransformerEngine or Apex.
+        # These fused paths need TransformerEngine or Apex.
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         masked_softmax_fusion=False,
-        bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         # Losses arrive already normalised by the global token/sequence counts (see trainer.py).

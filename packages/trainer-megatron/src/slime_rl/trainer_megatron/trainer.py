@@ -51,6 +51,7 @@ from slime_rl.trainer_megatron.model import (
     read_hf_config,
     transformer_config,
 )
+from slime_rl.trainer_megatron.offload import OffloadedStorage, offload_storages, onload_storages
 
 _TRAINER_INFO = "slime_rl_trainer.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,6 +98,7 @@ class MegatronTrainer(PolicyTrainer):
         self.optimizer, self.scheduler = self._build_optimizer()
         self.step_count = 0
         self._forward_backward = get_forward_backward_func()
+        self._offloaded: list[OffloadedStorage] = []
 
     # ---------------------------------------------------------------- setup helpers
 
@@ -131,7 +133,7 @@ class MegatronTrainer(PolicyTrainer):
         check_parallel_fits(self.shape, tp, pp)
         self.tconfig = transformer_config(
             self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=self.cfg.trainer.recompute,
-            sequence_parallel=p.sequence_parallel,
+            sequence_parallel=p.sequence_parallel, compiled_fusions=self.device_type == "cuda",
         )
         self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic")
         if self.device_type == "cuda":
@@ -527,28 +529,20 @@ class MegatronTrainer(PolicyTrainer):
     # ---------------------------------------------------------------- colocation
 
     def offload(self) -> None:
-        """Weights, gradients and optimizer state to host memory (CUDA; a no-op on the CPU)."""
-        if self.device_type != "cuda":
+        """Weights, optimizer state and gradient buffers off the GPU (CUDA; a no-op on the CPU).
+        Storages move, not tensors (see offload.py): Megatron's gradient hooks stay attached."""
+        if self.device_type != "cuda" or self._offloaded:
             return
-        # Gradient buffers stay: after megatron's offload_grad_buffers/restore_grad_buffers the
-        # backward pass no longer reached them on the H200 (grad norm 0 every step, see
-        # docs/gpu-results.md), so weights and optimizer state move and the grads are kept.
-        self.optimizer.offload_to_cpu()
-        for param in self.model.parameters():
-            if param.is_cuda:
-                param.data = _host_copy(param.data, non_blocking=True)
-        torch.cuda.synchronize()
+        keep = [*self.model.parameters(), *_optimizer_tensors(self.optimizer)]
+        grads = [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
+        keep = [t for t in keep if t.is_cuda]
+        self._offloaded = offload_storages(keep) + offload_storages([g for g in grads if g.is_cuda], keep=False)
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
         """Bring back what ``offload`` moved."""
-        if self.device_type != "cuda":
-            return
-        for param in self.model.parameters():
-            if not param.is_cuda:
-                param.data = param.data.to(self.device, non_blocking=True)
-        self.optimizer.restore_from_cpu()
-        torch.cuda.synchronize()
+        onload_storages(self._offloaded)
+        self._offloaded = []
 
 
 def _host_copy(t: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
@@ -556,6 +550,15 @@ def _host_copy(t: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
     out.copy_(t, non_blocking=non_blocking)
     return out
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """The parameters the torch optimizers step (fp32 main copies under bf16) and their state."""
+    tensors = []
+    for inner in _torch_optimizers(optimizer):
+        tensors += [p for group in inner.param_groups for p in group["params"]]
+        tensors += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
 
 
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
