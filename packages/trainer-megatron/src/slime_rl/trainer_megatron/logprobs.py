@@ -3,8 +3,8 @@
 ``hidden [N, h] @ weight[V/tp, h].T`` is computed a chunk of tokens at a time: the
 vocab-parallel log-softmax reduces max, sum-exp and the target logit over the TP
 group, and the backward pass recomputes each chunk's logits instead of keeping
-them. Peak memory is a few ``chunk x V/tp`` fp32 buffers, never ``N x V``
-(16k tokens x 151,936 vocab in fp32 would be 9.7 GB).
+them. Peak memory is a few ``chunk x V/tp`` buffers, never ``N x V`` (16k tokens x
+151,936 vocab in fp32 would be 9.7 GB).
 
 The rollout temperature is applied as ``logits / temperature``, as the engines do.
 """
@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-# fp32 logits per chunk (a few such buffers are live at once). The CPU wants them cache-sized;
-# a GPU wants long chunks: each chunk's backward adds a [V, h] weight-gradient part in fp32, and
-# matmuls over a few hundred rows leave tensor cores idle (1 GiB is ~1,700 tokens of a 151,936 vocab).
+# Logits per chunk, counted as fp32 (the budget a chunk may take). The CPU wants chunks
+# cache-sized; a GPU wants long ones: each chunk's backward adds a [V, h] weight-gradient part
+# in fp32, and matmuls over a few hundred rows leave tensor cores idle (1 GiB is ~1,700 tokens
+# of a 151,936 vocab).
 CHUNK_BYTES = {"cpu": 128 << 20, "cuda": 1 << 30}
 
 
@@ -34,6 +35,55 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
+# ---------------------------------------------------------------- per-chunk math
+# Three passes over a chunk's logits ``z`` ([c, V/tp], the matmul's dtype), each a pure
+# function: on CUDA torch.compile fuses each into one kernel that reads z once and keeps the
+# fp32 math in registers (eager, they would be ~10 passes over fp32 temporaries). The max has
+# to be reduced over TP before the exponentials, hence two forward passes.
+
+
+def _max_and_target(z, local_t, in_range, temperature: float):
+    """Row max of z / T, and the target's z / T (0 where the target lies on another TP rank)."""
+    zf = z.float() / temperature
+    target = zf.gather(1, local_t[:, None]).squeeze(1)
+    return zf.amax(dim=-1), torch.where(in_range, target, 0.0)
+
+
+def _exp_sums(z, m, temperature: float, with_entropy: bool):
+    """sum_k exp(z_k/T - m) and, for the entropy, sum_k exp(z_k/T - m) * (z_k/T - m)."""
+    shifted = z.float() / temperature - m[:, None]
+    p = shifted.exp()
+    if with_entropy:
+        return p.sum(-1), (p * shifted).sum(-1)
+    return p.sum(-1), None
+
+
+def _logit_grad(z, lse, local_t, in_range, grad_logp, entropy, grad_entropy, temperature: float):
+    """d(loss)/dz for one chunk, in z's dtype: d logp_t/dz_k = (1[k=t] - p_k) / T and
+    dH/dz_k = -p_k (log p_k + H) / T."""
+    logp = z.float() / temperature - lse[:, None]
+    p = logp.exp()
+    coef = grad_logp[:, None]
+    if grad_entropy is not None:
+        coef = coef + (logp + entropy[:, None]) * grad_entropy[:, None]
+    cols = torch.arange(z.shape[1], device=z.device)
+    hit = (cols[None, :] == local_t[:, None]) & in_range[:, None]
+    grad = torch.where(hit, grad_logp[:, None], 0.0) - p * coef
+    return (grad / temperature).to(z.dtype)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _kernel(fn, z: torch.Tensor):
+    """``fn`` itself on the CPU; compiled once (dynamic shapes: chunks and batches vary) on CUDA."""
+    if z.device.type != "cuda":
+        return fn
+    if fn.__name__ not in _compiled:
+        _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
+    return _compiled[fn.__name__]
+
+
 class _FusedLogProbs(torch.autograd.Function):
     """(hidden, weight) -> log p(target), entropy; chunked forward and recomputing backward."""
 
@@ -47,24 +97,20 @@ class _FusedLogProbs(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
+        max_and_target, exp_sums = _kernel(_max_and_target, hidden), _kernel(_exp_sums, hidden)
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            z = _logits(hidden[s:e], weight, temperature)
-            m = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            z.sub_(m[:, None])  # shifted logits from here on
-            target = torch.where(in_range[s:e], z.gather(1, local_t[s:e, None]).squeeze(1), 0.0)
-            if with_entropy:
-                p = z.exp()
-                # sum_k p_k z_k as a batched dot product (no [chunk, V] temporary)
-                stats = [p.sum(-1), target, torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1)]
-            else:
-                stats = [z.exp_().sum(-1), target]
+            z = _logits(hidden[s:e], weight)
+            m, target = max_and_target(z, local_t[s:e], in_range[s:e], temperature)
+            m = _all_reduce(m, dist.ReduceOp.MAX, group)
+            sum_p, sum_pz = exp_sums(z, m, temperature, with_entropy)
+            stats = [sum_p, target] + ([sum_pz] if with_entropy else [])
             stats = _all_reduce(torch.stack(stats), dist.ReduceOp.SUM, group)
             log_z = stats[0].log()
             lse[s:e] = m + log_z
-            logp[s:e] = stats[1] - log_z
+            logp[s:e] = stats[1] - lse[s:e]
             if with_entropy:
-                # H = log Z - sum(p z) / Z with shifted logits
+                # H = log Z - sum(p z') / Z with shifted logits z' = z/T - m
                 entropy[s:e] = log_z - stats[2] / stats[0]
         ctx.save_for_backward(hidden, weight, local_t, in_range, lse, entropy if with_entropy else lse)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
@@ -76,26 +122,17 @@ class _FusedLogProbs(torch.autograd.Function):
         hidden, weight, local_t, in_range, lse, entropy = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
-        n, chunk, temperature = hidden.shape[0], ctx.chunk, ctx.temperature
+        n, chunk = hidden.shape[0], ctx.chunk
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        logit_grad = _kernel(_logit_grad, hidden)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
-            g = grad_logp[s:e, None].float() if grad_logp is not None else None
-            # d logp_t / dz_k = 1[k=t] - p_k;   dH / dz_k = -p_k (log p_k + H)
-            grad_z = _logits(hidden[s:e], weight, temperature).sub_(lse[s:e, None])  # log p, in place
-            if grad_entropy is not None:
-                coef = (grad_z + entropy[s:e, None]).mul_(grad_entropy[s:e, None].float())
-                if g is not None:
-                    coef.add_(g)
-                grad_z = grad_z.exp_().mul_(coef).neg_()
-            else:
-                grad_z = grad_z.exp_().mul_(g).neg_()
-            if g is not None:
-                grad_z.scatter_add_(1, local_t[s:e, None], torch.where(in_range[s:e, None], g, 0.0))
-            if temperature != 1.0:
-                grad_z.div_(temperature)
-            grad_z = grad_z.to(weight.dtype)
+            grad_z = logit_grad(_logits(hidden[s:e], weight), lse[s:e], local_t[s:e], in_range[s:e],
+                                grad_logp[s:e].float(), entropy[s:e],
+                                grad_entropy[s:e].float() if grad_entropy is not None else None, ctx.temperature)
             if grad_hidden is not None:
                 grad_hidden[s:e] = grad_z @ weight
             if ctx.needs_input_grad[1]:
@@ -109,11 +146,9 @@ class _FusedLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = (hidden.to(weight.dtype) @ weight.t()).float()
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z
+def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One chunk's logits in the weights' dtype (the per-chunk kernels upcast as they read)."""
+    return hidden.to(weight.dtype) @ weight.t()
 
 
 def token_log_probs(
