@@ -6,7 +6,8 @@ GPU (the H200 machine): equal lengths, padded (like for like), then RL-like leng
     python benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16 \\
         --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384
     python benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 32 \\
-        --prompt-len 256 --response-len 512 --jitter 240 --max-tokens-per-gpu 16384 --skip-memory
+        --prompt-len 256 --response-len 512 --jitter 240 --max-tokens-per-gpu 16384 \\
+        --baseline-micro-batch-size 16 --skip-memory
 
 Table 1: one GRPO update as the loop runs it: ``compute_log_probs`` (old policy) then
 ``train_step`` (forward, backward, Adam), next to transformers doing the same work on
@@ -133,16 +134,21 @@ def megatron_trainer(model_dir: Path, args):
 
 
 class TransformersBaseline:
-    """Plain transformers training of the same batch: padded, SDPA, fp32 weights with bf16 autocast
-    (or plain fp32), fused AdamW."""
+    """Plain transformers training of the same batch: padded micro-batches of ``micro_batch_size``
+    samples (gradients accumulated, the loss averaged over all response tokens), SDPA, fp32
+    weights with bf16 autocast (or plain fp32), fused AdamW."""
 
-    def __init__(self, model_dir: Path, device: str, autocast: bool):
+    def __init__(self, model_dir: Path, device: str, autocast: bool, micro_batch_size: int):
         import transformers
 
-        self.device, self.autocast = device, autocast
+        self.device, self.autocast, self.micro_batch_size = device, autocast, micro_batch_size
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=torch.float32, attn_implementation="sdpa").to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, betas=(0.9, 0.99), fused=True)
+
+    def _micro_batches(self, samples):
+        for i in range(0, len(samples), self.micro_batch_size):
+            yield self._batch(samples[i : i + self.micro_batch_size])
 
     def _batch(self, samples):
         longest = max(len(s.tokens) for s in samples)
@@ -161,17 +167,16 @@ class TransformersBaseline:
             logits = self.model(ids).logits
         return torch.log_softmax(logits.float(), -1)[:, :-1].gather(2, ids[:, 1:, None]).squeeze(-1)
 
-    def log_probs(self, samples):
-        ids, mask, _ = self._batch(samples)
+    def log_probs(self, samples) -> list[torch.Tensor]:
+        """Per micro-batch, ``[b, longest - 1]`` log-probs of each next token."""
         with torch.no_grad():
-            return self._token_log_probs(ids)
+            return [self._token_log_probs(ids) for ids, _, _ in self._micro_batches(samples)]
 
-    def train_step(self, samples, old):
-        ids, mask, adv = self._batch(samples)
-        logp = self._token_log_probs(ids)
-        ratio = torch.exp(logp - old)
-        loss = -(adv * ratio * mask).sum() / mask.sum()
-        loss.backward()
+    def train_step(self, samples, old: list[torch.Tensor]):
+        total = sum(s.response_length for s in samples)
+        for (ids, mask, adv), old_mb in zip(self._micro_batches(samples), old, strict=True):
+            ratio = torch.exp(self._token_log_probs(ids) - old_mb)
+            (-(adv * ratio * mask).sum() / total).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -189,7 +194,8 @@ def step_table(args, model_dir: Path) -> list[dict]:
     rows = []
     holder: dict = {}  # the timed lambdas leave the log-probs here; each iteration overwrites them
     trainer = megatron_trainer(model_dir, args)
-    baseline = TransformersBaseline(model_dir, args.device, autocast=args.dtype == "bfloat16")
+    baseline = TransformersBaseline(model_dir, args.device, autocast=args.dtype == "bfloat16",
+                                    micro_batch_size=args.baseline_micro_batch_size or args.micro_batch_size)
     for threads in args.threads if args.device == "cpu" else [None]:
         if threads:
             torch.set_num_threads(threads)
@@ -270,7 +276,7 @@ def memory_probe(args, model_dir: Path, variant: str) -> int:
                                                                      "max_tokens_per_gpu": None}))
         run = lambda: trainer.compute_log_probs(samples)  # noqa: E731
     else:
-        baseline = TransformersBaseline(model_dir, args.device, autocast=False)
+        baseline = TransformersBaseline(model_dir, args.device, autocast=False, micro_batch_size=args.memory_samples)
         if args.dtype == "bfloat16":
             baseline.model.to(torch.bfloat16)  # weights like the trainer's, so only the pass differs
         run = lambda: baseline.log_probs(samples)  # noqa: E731
@@ -318,6 +324,8 @@ def main() -> None:
     p.add_argument("--jitter", type=int, default=3, help="+- tokens of length variation per sample")
     p.add_argument("--micro-batch-size", type=int, default=32)
     p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="packed dynamic micro-batches")
+    p.add_argument("--baseline-micro-batch-size", type=int, default=None,
+                   help="samples per transformers micro-batch (default: --micro-batch-size)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)

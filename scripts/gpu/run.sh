@@ -21,7 +21,7 @@ for stage in "$@"; do
                         --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384 --profile 25) ;;
     bench-trainer-packed) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b
                                --samples 32 --prompt-len 256 --response-len 512 --jitter 240
-                               --max-tokens-per-gpu 16384 --skip-memory) ;;
+                               --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
     bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -51,25 +51,30 @@ def _max_and_target(z, local_t, in_range, temperature: float):
 
 def _exp_sums(z, m, temperature: float, with_entropy: bool):
     """sum_k exp(z_k/T - m) and, for the entropy, sum_k exp(z_k/T - m) * (z_k/T - m)."""
-    shifted = z.float() / temperature - m[:, None]
+    # In-place steps on fresh temporaries only: eager (CPU) they keep two [c, V] buffers live
+    # at most; compiled, they fuse all the same.
+    shifted = z.float() / temperature
+    shifted.sub_(m[:, None])
+    if not with_entropy:
+        return shifted.exp_().sum(-1), None
     p = shifted.exp()
-    if with_entropy:
-        return p.sum(-1), (p * shifted).sum(-1)
-    return p.sum(-1), None
+    sum_p = p.sum(-1)
+    return sum_p, p.mul_(shifted).sum(-1)
 
 
 def _logit_grad(z, lse, local_t, in_range, grad_logp, entropy, grad_entropy, temperature: float):
     """d(loss)/dz for one chunk, in z's dtype: d logp_t/dz_k = (1[k=t] - p_k) / T and
     dH/dz_k = -p_k (log p_k + H) / T."""
-    logp = z.float() / temperature - lse[:, None]
-    p = logp.exp()
-    coef = grad_logp[:, None]
-    if grad_entropy is not None:
-        coef = coef + (logp + entropy[:, None]) * grad_entropy[:, None]
-    cols = torch.arange(z.shape[1], device=z.device)
-    hit = (cols[None, :] == local_t[:, None]) & in_range[:, None]
-    grad = torch.where(hit, grad_logp[:, None], 0.0) - p * coef
-    return (grad / temperature).to(z.dtype)
+    logp = z.float() / temperature
+    logp.sub_(lse[:, None])
+    grad = logp.exp()  # p
+    if grad_entropy is None:
+        grad.mul_(grad_logp[:, None].neg())
+    else:  # -p * (g + (log p + H) * gH), reusing logp's buffer for the bracket
+        coef = logp.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None])
+        grad.mul_(coef).neg_()
+    grad.scatter_add_(1, local_t[:, None], torch.where(in_range, grad_logp, 0.0)[:, None])
+    return grad.div_(temperature).to(z.dtype)
 
 
 _compiled: dict[str, object] = {}
