@@ -172,3 +172,31 @@ def test_core_attention_padded_and_packed_match_reference(dtype, tmp_path):
     for p in (params, per_sequence):
         out = attn(*packed, None, packed_seq_params=p)
         assert torch.allclose(out.double(), torch.cat(expected), atol=tol)
+
+
+def test_compiled_rope_takes_transformer_engines_place_with_the_same_values(tmp_path):
+    """compiled_fusions (on for CUDA) routes Megatron's RoPE through fused_rope's compiled kernel;
+    compiled here on the CPU, it must give what Megatron's unfused RoPE gives, padded and packed."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from slime_rl.trainer_megatron import fused_rope
+    from slime_rl.trainer_megatron.model import hf_model_shape, read_hf_config, transformer_config
+
+    model_dir = make_hf_model(tmp_path / "m", "qwen2", vocab=VOCAB, hidden=64, heads=4, kv_heads=2)
+    trainer_for(model_dir)
+    shape = hf_model_shape(read_hf_config(model_dir))
+    plain = transformer_config(shape, tp=1, pp=1, dtype=torch.float32)
+    fused = transformer_config(shape, tp=1, pp=1, dtype=torch.float32, compiled_fusions=True)
+    assert fused.apply_rope_fusion and rope_utils.fused_apply_rotary_pos_emb is fused_rope.rope_bshd
+    g = torch.Generator().manual_seed(0)
+    freqs = torch.randn(9, 1, 1, 16, generator=g)
+    cp = parallel_state.get_context_parallel_group()
+    t = torch.randn(9, 3, 4, 16, generator=g)  # [s, b, heads, dim]
+    expected = rope_utils.apply_rotary_pos_emb(t, freqs, config=plain, cp_group=cp)
+    assert torch.allclose(rope_utils.apply_rotary_pos_emb(t, freqs, config=fused, cp_group=cp), expected, atol=1e-6)
+    packed = torch.randn(12, 4, 16, generator=g)  # sequences of 5, 3 and 4 tokens
+    cu = torch.tensor([0, 5, 8, 12], dtype=torch.int32)
+    expected = rope_utils.apply_rotary_pos_emb(packed, freqs, config=plain, cu_seqlens=cu, cp_group=cp)
+    got = rope_utils.apply_rotary_pos_emb(packed, freqs, config=fused, cu_seqlens=cu, cp_group=cp)
+    assert torch.allclose(got, expected, atol=1e-6)

@@ -24,6 +24,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from slime_rl.trainer_megatron import fused_rope
+
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
@@ -129,13 +131,16 @@ def transformer_config(
 ) -> TransformerConfig:
     """The TransformerConfig for ``shape``: RMSNorm, SwiGLU, RoPE, GQA, no biases but Qwen's QKV.
     ``compiled_fusions``: Megatron's torch.compile'd SwiGLU (one kernel each way, and backward
-    keeps only the MLP's input); for CUDA, where inductor's Triton kernels pay."""
+    keeps only the MLP's input) and a compiled RoPE in TransformerEngine's place (fused_rope.py);
+    for CUDA, where inductor's Triton kernels pay."""
     if sequence_parallel:
         raise ValueError(
             "parallel.sequence_parallel: needs TransformerEngine or Apex norms, which the local spec does not use;"
             " set it to false"
         )
-    extra = {"bias_activation_fusion": compiled_fusions}
+    if compiled_fusions:
+        fused_rope.install()  # before the config: its checks look for the fused RoPE functions
+    extra = {"bias_activation_fusion": compiled_fusions, "apply_rope_fusion": compiled_fusions}
     if recompute:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     with warnings.catch_warnings():
@@ -179,7 +184,6 @@ def _make_transformer_config(shape: HFModelShape, tp: int, pp: int, dtype: torch
         persist_layer_norm=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
         # Losses arrive already normalised by the global token/sequence counts (see trainer.py).
         calculate_per_token_loss=True,
         **extra,

@@ -1,0 +1,65 @@
+"""RoPE as one compiled kernel per call, where Megatron would use TransformerEngine's.
+
+With ``apply_rope_fusion`` Megatron calls ``rope_utils.fused_apply_rotary_pos_emb`` (and its
+``_thd`` twin for packed sequences), which exist only with TransformerEngine. Without it the
+unfused path costs ~6 kernels and two concatenations per call (12.5 ms of `cat` alone in an
+H200 step of the Qwen2.5-1.5B shape, docs/gpu-results.md). `install` fills those two slots,
+when TransformerEngine has not, with the same math compiled by torch.compile: one kernel
+reading the tensor once. Non-interleaved rotary (Llama, Qwen) only; CUDA only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_compiled_rope = None
+
+
+def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Megatron's unfused ``_apply_rotary_pos_emb_bshd`` (mscale 1, not interleaved), op for op."""
+    rot = freqs.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    cos, sin = freqs.cos().to(t.dtype), freqs.sin().to(t.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
+
+
+def _kernel():
+    global _compiled_rope
+    if _compiled_rope is None:
+        _compiled_rope = torch.compile(_rope, dynamic=True)
+    return _compiled_rope
+
+
+def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+              interleaved: bool = False) -> torch.Tensor:
+    """``t [s, b, heads, dim]``, ``freqs [s, 1, 1, rot]``: TransformerEngine's signature."""
+    if interleaved:
+        raise ValueError("rotary_interleaved: the compiled RoPE does not do interleaved rotary")
+    return _kernel()(t, freqs)
+
+
+def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0,
+             interleaved: bool = False) -> torch.Tensor:
+    """Packed ``t [tokens, heads, dim]``: positions restart at every sequence of ``cu_seqlens``."""
+    if cp_size != 1:
+        raise ValueError("parallel: context parallelism is not supported with the compiled RoPE")
+    if interleaved:
+        raise ValueError("rotary_interleaved: the compiled RoPE does not do interleaved rotary")
+    bounds = cu_seqlens.tolist()  # slime-rl keeps cu_seqlens on the host (model.packed_seq_params)
+    out = torch.empty_like(t)
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        out[a:b] = _kernel()(t[a:b].unsqueeze(1), freqs[: b - a]).squeeze(1)
+    return out
+
+
+def install() -> bool:
+    """Put the compiled RoPE where Megatron looks for TransformerEngine's; True when Megatron
+    will use it (False: TransformerEngine's kernels are there already)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb not in (None, rope_bshd):
+        return False
+    rope_utils.fused_apply_rotary_pos_emb = rope_bshd
+    rope_utils.fused_apply_rotary_pos_emb_thd = rope_thd
+    return True
