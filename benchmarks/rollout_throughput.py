@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine-args", type=json.loads, default=None,
                    help="JSON dict of SGLang server flags, replacing the GPU defaults")
     p.add_argument("--startup-timeout", type=float, default=1200)
+    p.add_argument("--logs-to", type=Path, default=None, help="copy the server and router logs here at the end")
     args = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="rollout-throughput-"))
@@ -153,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         if engine is not None:
             asyncio.run(engine.shutdown())
         server.process.stop()
+        if args.logs_to:  # the server's and the router's logs, for a run on a machine that goes away
+            args.logs_to.mkdir(parents=True, exist_ok=True)
+            for log in work.rglob("*.log"):
+                shutil.copy(log, args.logs_to / log.name)
 
     def median_rate(rows: list[tuple[int, float]]) -> tuple[int, float, float]:
         secs = statistics.median(s for _, s in rows)

@@ -22,7 +22,8 @@ for stage in "$@"; do
     bench-trainer-packed) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b
                                --samples 32 --prompt-len 256 --response-len 512 --jitter 240
                                --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
-    bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py) ;;
+    bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py --logs-to "$logs/rollout-logs") ;;
+    bench-rollout-one-wave) cmd=(python3 benchmarks/rollout_throughput.py --requests 256 --rounds 3 --logs-to "$logs/rollout-logs") ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   "${cmd[@]}" > "$logs/$stage.log" 2>&1; rc=$?
