@@ -11,7 +11,7 @@ status=0
 for stage in "$@"; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
-    check) cmd=(bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, sglang, megatron.core, ray, sglang_router, transformers; print(torch.__version__, torch.cuda.device_count(), sglang.__version__, megatron.core.__version__, ray.__version__, transformers.__version__)"') ;;
+    check) cmd=(bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, sglang, megatron.core, sglang_router, transformers; from importlib.metadata import version; print(torch.__version__, torch.cuda.device_count(), sglang.__version__, megatron.core.__version__, version(\"ray\"), transformers.__version__)"') ;;
     sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -p no:cacheprovider) ;;
     megatron) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -p no:cacheprovider) ;;
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
