@@ -9,9 +9,10 @@ Memory: a thread sums the RSS of this process and all its descendants every 0.2 
 GCS and raylet are children of this process, the trainer and engine actors the raylet's
 children; checked against Ray's actor table at the start) and reports the peak over the
 whole run (startup, evals, the final checkpoint save) and over the measured steps. RSS counts
-shared pages once per process (forked checkpoint writers count their parent's pages again),
-so the PSS sum (each shared page split among its users) is printed next to it. The machine is shared: the CPU the other processes used meanwhile is
-printed too, since it slows the steps.
+shared pages once per process (the libraries every Python process maps, the object-store pages
+both the trainer and the engine touch during weight sync), so the PSS sum (each shared page split
+among its users) is printed next to it. The machine is shared: the CPU the other processes used
+meanwhile is printed too, since it slows the steps.
 
     .venv/bin/python benchmarks/cpu_grpo_step.py [--steps 8] [--warmup 2]
 

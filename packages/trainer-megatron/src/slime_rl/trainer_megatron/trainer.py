@@ -26,6 +26,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -61,6 +67,35 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     """Megatron's grad finalisation (DP all-reduce, tied-embedding sync) minus the division by
     the token count: our losses are already normalised by the global counts."""
     return finalize_model_grads(model, None, **kwargs)
+
+
+class InProcessTorchDistSave(SaveShardedStrategy):
+    """Megatron's ``torch_dist`` checkpoint format, written by the calling process.
+
+    Megatron's own torch_dist writer forks one process per file and starts a multiprocessing
+    Manager (a spawned interpreter that stays for the rest of the run) to collect their results;
+    on the CPU each fork counts the trainer's whole memory again while it writes. This writes
+    the same files (torch.distributed.checkpoint's format with Megatron's planner, one file per
+    rank) with torch's synchronous FileSystemWriter, so ``dist_checkpointing.load`` reads them
+    as it reads any torch_dist checkpoint."""
+
+    def __init__(self):
+        super().__init__("torch_dist", 1)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint import save as dcp_save
+
+        sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+        dcp_save(
+            mcore_to_pyt_state_dict(sharded_state_dict, False),
+            storage_writer=FileSystemWriter(checkpoint_dir, thread_count=1, single_file_per_rank=True),
+            planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
+        )
 
 
 class MegatronTrainer(PolicyTrainer):
@@ -498,7 +533,7 @@ class MegatronTrainer(PolicyTrainer):
         """Model, optimizer, LR scheduler and RNG with Megatron's distributed checkpointing (collective)."""
         Path(path).mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state(), path)
+        dist_checkpointing.save(self._sharded_state(), path, sharded_strategy=InProcessTorchDistSave())
         if dist.get_rank() == 0:
             info = {"role": self.role, "step": self.step_count, "architecture": self.shape.architecture,
                     "world_size": dist.get_world_size()}
