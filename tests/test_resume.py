@@ -42,14 +42,14 @@ def test_driver_sigkill_then_resume_skips_and_repeats_no_prompt(tiny_model_dir, 
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
-        while len(run_rows(run_dir / "metrics.jsonl")) < 5:
+        while len(run_rows(run_dir / "metrics.jsonl")) < 3:  # past the step-2 checkpoint
             assert first.poll() is None, "the first run ended before it could be killed"
             assert time.time() < deadline, "the first run made no progress"
-            time.sleep(0.2)
-        os.kill(first.pid, signal.SIGKILL)  # the driver only, mid-run, between checkpoints
-        first.wait()
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)  # the driver only, mid-run; steps are fast, so where
+        first.wait()  # exactly it stops varies: the resume must hold from whichever checkpoint
         folder, meta = checkpoint.latest(run_dir / "checkpoints")
-        assert meta["step"] == 4
+        assert 2 <= meta["step"] < 8
 
         second = subprocess.run([sys.executable, "-c", TRAIN, *overrides, "checkpoint.resume=true"], env=env,
                                 capture_output=True, text=True, timeout=600)
