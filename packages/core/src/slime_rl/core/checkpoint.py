@@ -17,6 +17,15 @@ def step_dir(save_dir: str | Path, step: int) -> Path:
     return Path(save_dir) / f"step_{step:06d}"
 
 
+def prepare(save_dir: str | Path, step: int) -> Path:
+    """The folder to write step ``step`` into. One left by an earlier run in the same save_dir
+    loses its ``meta.json`` first: until this run commits it, it is not a checkpoint."""
+    folder = step_dir(save_dir, step)
+    (folder / "meta.json").unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
@@ -35,10 +44,20 @@ def commit(save_dir: str | Path, step: int, meta: dict[str, Any], keep_last: int
     tmp.write_text(folder.name)
     os.replace(tmp, latest)
     if keep_last:
-        done = sorted(p for p in Path(save_dir).glob("step_*") if (p / "meta.json").exists())
+        # Only this run's past: a folder may still hold later steps of an earlier run (a fresh
+        # start in the same save_dir), and pruning by name would delete what was just written.
+        done = sorted(p for p in Path(save_dir).glob("step_*")
+                      if (p / "meta.json").exists() and _step_of(p) is not None and _step_of(p) <= step)
         for old in done[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def _step_of(folder: Path) -> int | None:
+    try:
+        return int(folder.name.removeprefix("step_"))
+    except ValueError:
+        return None
 
 
 def latest(save_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:

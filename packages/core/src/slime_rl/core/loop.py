@@ -261,8 +261,7 @@ def _save(cfg: Config, save_dir: Path, step: int, actor: TrainerGroup, critic: T
           manager: Any) -> None:
     import ray
 
-    folder = checkpoint.step_dir(save_dir, step)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = checkpoint.prepare(save_dir, step)
     actor.call("save", str(folder / "actor"))
     if critic is not None:
         critic.call("save", str(folder / "critic"))
