@@ -194,6 +194,23 @@ def test_train_without_config_uses_the_cpu_default(tmp_path, custom_config, fake
     assert seen == [tmp_path / "wd"] and fake_loop.calls[0].rollout.temperature == 0.9
 
 
+def test_a_plain_rerun_of_the_cpu_default_starts_afresh_and_resume_keeps_the_run(tmp_path, custom_config, fake_loop,
+                                                                                 monkeypatch):
+    from slime_rl.cli import default_run
+    from slime_rl.core import checkpoint
+
+    workdir = tmp_path / "wd"
+    monkeypatch.setattr(default_run, "prepare_default", lambda wd: custom_config)
+    checkpoint.step_dir(workdir / "checkpoints", 30).mkdir(parents=True)
+    checkpoint.commit(workdir / "checkpoints", 30, {})
+    kept = run("train", "--resume", "--workdir", workdir)
+    assert kept.exit_code == 0, kept.output
+    assert checkpoint.latest(workdir / "checkpoints") is not None
+    fresh = run("train", "--workdir", workdir)
+    assert fresh.exit_code == 0, fresh.output
+    assert "starts afresh" in fresh.output and checkpoint.latest(workdir / "checkpoints") is None
+
+
 def test_train_refuses_bad_config_before_the_loop(custom_config, fake_loop):
     assert_user_error(run("train", custom_config, "data.rollout_batch_size=0"), "data.rollout_batch_size")
     assert_user_error(run("train", custom_config, "rollout.temprature=1"), "rollout.temprature")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from slime_rl.core import checkpoint
 
 
@@ -35,3 +37,15 @@ def test_a_step_folder_being_rewritten_is_not_a_checkpoint_until_committed(tmp_p
     assert checkpoint.latest(tmp_path) is None  # a crash now must not resume from half-written files
     checkpoint.commit(tmp_path, 20, {"run": "new"}, keep_last=2)
     assert checkpoint.latest(tmp_path) == (folder, {"step": 20, "run": "new"})
+
+
+def test_a_fresh_run_refuses_a_save_dir_holding_an_earlier_run(tmp_path):
+    from slime_rl.core.config import ConfigError, load_config
+    from slime_rl.core.loop import train
+
+    _save(tmp_path / "ckpt", 4)
+    cfg = load_config(None, [f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'run'}"],
+                      check=False)
+    with pytest.raises(ConfigError, match=r"checkpoint.save_dir: .* step 4\); continue it with --resume"):
+        train(cfg)  # before Ray or any backend starts
+    assert checkpoint.latest(tmp_path / "ckpt")[1]["step"] == 4

@@ -8,6 +8,7 @@ usage; 1 a failure at run time. A user's mistake is one line on stderr,
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
@@ -175,6 +176,12 @@ def train(
             if err.name != "slime_rl.cli.default_run":
                 raise
             fail("the built-in CPU example (slime_rl.cli.default_run) is not in this slime-rl-cli; give a CONFIG", 1)
+        if not resume and (Path(workdir) / "checkpoints" / "latest").is_file():
+            # The built-in example's own folder: a plain re-run starts it afresh (a user config
+            # refuses instead, see core.loop.train).
+            shutil.rmtree(workdir)
+            _console().print(f"slime-cli train: the built-in example starts afresh in {workdir} (the earlier run there"
+                             " is removed; --resume continues it instead)")
         config = prepare_default(workdir)
     cfg = _load(config, overrides)
     try:

@@ -21,7 +21,7 @@ from typing import Any
 from slime_rl.core import checkpoint
 from slime_rl.core.actors import RolloutManager, TrainerWorker
 from slime_rl.core.advantages import compute_advantages
-from slime_rl.core.config import Config
+from slime_rl.core.config import Config, ConfigError
 from slime_rl.core.metrics import MetricsLogger
 from slime_rl.core.ray_cluster import free_port, local_ray, resolve_device
 from slime_rl.core.sample import Sample
@@ -136,6 +136,13 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     # the old policy's, so it computes them in the training forward instead of a second pass.
     separate_old_pass = cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs
     summary: dict[str, Any] = {"log_dir": str(log_dir), "checkpoint_dir": str(save_dir)}
+    previous = checkpoint.latest(save_dir)
+    if previous is not None and not cfg.checkpoint.resume:  # before anything starts: nothing gets overwritten
+        raise ConfigError(
+            "checkpoint.save_dir",
+            f"{save_dir} holds the checkpoints of an earlier run (latest: step {previous[1]['step']}); continue"
+            " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
+        )
 
     with local_ray(cfg):
         started = time.perf_counter()
