@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 
 from slime_rl.cli.progress import show_progress, summary_table
+from slime_rl.core import checkpoint
 from slime_rl.core.config import Config, ConfigError, load_config
 from slime_rl.core.plugins import PluginError, load_attr, load_plugin
 
@@ -171,12 +172,12 @@ def train(
     overrides = args + (["checkpoint.resume=true"] if resume else [])
     if config is None:
         try:
-            from slime_rl.cli.default_run import prepare_default
+            from slime_rl.cli.default_run import default_config, prepare_default
         except ModuleNotFoundError as err:
             if err.name != "slime_rl.cli.default_run":
                 raise
             fail("the built-in CPU example (slime_rl.cli.default_run) is not in this slime-rl-cli; give a CONFIG", 1)
-        if not resume and (Path(workdir) / "checkpoints" / "latest").is_file():
+        if not resume and checkpoint.latest(default_config(Path(workdir))["checkpoint"]["save_dir"]) is not None:
             # The built-in example's own folder: a plain re-run starts it afresh (a user config
             # refuses instead, see core.loop.train).
             shutil.rmtree(workdir)

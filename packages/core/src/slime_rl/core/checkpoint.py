@@ -47,7 +47,7 @@ def commit(save_dir: str | Path, step: int, meta: dict[str, Any], keep_last: int
         # Only this run's past: a folder may still hold later steps of an earlier run (a fresh
         # start in the same save_dir), and pruning by name would delete what was just written.
         done = sorted(p for p in Path(save_dir).glob("step_*")
-                      if (p / "meta.json").exists() and _step_of(p) is not None and _step_of(p) <= step)
+                      if (p / "meta.json").exists() and (k := _step_of(p)) is not None and k <= step)
         for old in done[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return folder

@@ -156,7 +156,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                                config=cfg.to_dict())
 
         start_step = 0
-        resumed = checkpoint.latest(save_dir) if cfg.checkpoint.resume else None
+        resumed = previous if cfg.checkpoint.resume else None
         if resumed is not None:
             folder, meta = resumed
             actor.call("load", str(folder / "actor"))

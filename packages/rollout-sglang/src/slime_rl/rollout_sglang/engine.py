@@ -116,11 +116,11 @@ class SGLangEngine(RolloutEngine):
         """Launch ``cfg.num_engines`` servers of ``rollout_num_gpus_per_engine`` GPUs each (or attach
         to ``rollout.engine_urls``), start the router and register them."""
         r, c = cfg.rollout, cfg.cluster
+        common = dict(work_dir=Path(cfg.logging.dir) / "sglang", policy=r.router_policy,
+                      max_concurrency=r.max_concurrency, transport=r.update_weight_transport, colocated=c.colocate,
+                      startup_timeout=r.engine_startup_timeout, sync_timeout=r.weight_sync_timeout)
         if r.engine_urls:
-            return cls.attach(r.engine_urls, work_dir=Path(cfg.logging.dir) / "sglang", policy=r.router_policy,
-                              max_concurrency=r.max_concurrency, transport=r.update_weight_transport,
-                              colocated=c.colocate, startup_timeout=r.engine_startup_timeout,
-                              sync_timeout=r.weight_sync_timeout)
+            return cls.attach(r.engine_urls, **common)
         model_path = cfg.model.path
         if model_path.startswith("builtin:"):
             raise ValueError(f"model.path: SGLang needs a local HF model folder, not {model_path!r}")
@@ -135,11 +135,7 @@ class SGLangEngine(RolloutEngine):
             engine_args.setdefault("skip_tokenizer_init", True)
         gpu_ids = None if c.device == "cpu" else _engine_gpu_ids(cfg)
         return cls.launch(model_path, num_engines=cfg.num_engines, tp_size=c.rollout_num_gpus_per_engine,
-                          engine_args=engine_args, python=r.engine_python, gpu_ids=gpu_ids,
-                          work_dir=Path(cfg.logging.dir) / "sglang", policy=r.router_policy,
-                          max_concurrency=r.max_concurrency, transport=r.update_weight_transport,
-                          colocated=c.colocate, startup_timeout=r.engine_startup_timeout,
-                          sync_timeout=r.weight_sync_timeout)
+                          engine_args=engine_args, python=r.engine_python, gpu_ids=gpu_ids, **common)
 
     @classmethod
     def launch(cls, model_path: str, *, num_engines: int = 1, tp_size: int = 1, engine_args: dict | None = None,

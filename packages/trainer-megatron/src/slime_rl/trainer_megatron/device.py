@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import functools
 import importlib
 import os
 import types
@@ -282,3 +283,9 @@ def init_distributed(device: Device, timeout_minutes: int = 30) -> None:
 
 def current_device(device: Device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else _CPU
+
+
+@functools.cache
+def compiled(fn):
+    """``fn`` through torch.compile with dynamic shapes (chunk and batch sizes vary), built once."""
+    return torch.compile(fn, dynamic=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-_compiled_rope = None
+from slime_rl.trainer_megatron.device import compiled
 
 
 def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -24,19 +24,12 @@ def _rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
 
 
-def _kernel():
-    global _compiled_rope
-    if _compiled_rope is None:
-        _compiled_rope = torch.compile(_rope, dynamic=True)
-    return _compiled_rope
-
-
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
               interleaved: bool = False) -> torch.Tensor:
     """``t [s, b, heads, dim]``, ``freqs [s, 1, 1, rot]``: TransformerEngine's signature."""
     if interleaved:
         raise ValueError("rotary_interleaved: the compiled RoPE does not do interleaved rotary")
-    return _kernel()(t, freqs)
+    return compiled(_rope)(t, freqs)
 
 
 def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0,
@@ -49,17 +42,15 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
     bounds = cu_seqlens.tolist()  # slime-rl keeps cu_seqlens on the host (model.packed_seq_params)
     out = torch.empty_like(t)
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        out[a:b] = _kernel()(t[a:b].unsqueeze(1), freqs[: b - a]).squeeze(1)
+        out[a:b] = compiled(_rope)(t[a:b].unsqueeze(1), freqs[: b - a]).squeeze(1)
     return out
 
 
-def install() -> bool:
-    """Put the compiled RoPE where Megatron looks for TransformerEngine's; True when Megatron
-    will use it (False: TransformerEngine's kernels are there already)."""
+def install() -> None:
+    """Put the compiled RoPE where Megatron looks for TransformerEngine's, unless TransformerEngine's
+    kernels are there already."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    if rope_utils.fused_apply_rotary_pos_emb not in (None, rope_bshd):
-        return False
-    rope_utils.fused_apply_rotary_pos_emb = rope_bshd
-    rope_utils.fused_apply_rotary_pos_emb_thd = rope_thd
-    return True
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = rope_bshd
+        rope_utils.fused_apply_rotary_pos_emb_thd = rope_thd

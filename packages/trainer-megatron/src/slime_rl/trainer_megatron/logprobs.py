@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from slime_rl.trainer_megatron.device import compiled
+
 # Logits per chunk, counted as fp32 (the budget a chunk may take). The CPU wants chunks
 # cache-sized; a GPU wants long ones: each chunk's backward adds a [V, h] weight-gradient part
 # in fp32, and matmuls over a few hundred rows leave tensor cores idle (1 GiB is ~1,700 tokens
@@ -77,16 +79,9 @@ def _logit_grad(z, lse, local_t, in_range, grad_logp, entropy, grad_entropy, tem
     return grad.div_(temperature).to(z.dtype)
 
 
-_compiled: dict[str, object] = {}
-
-
 def _kernel(fn, z: torch.Tensor):
-    """``fn`` itself on the CPU; compiled once (dynamic shapes: chunks and batches vary) on CUDA."""
-    if z.device.type != "cuda":
-        return fn
-    if fn.__name__ not in _compiled:
-        _compiled[fn.__name__] = torch.compile(fn, dynamic=True)
-    return _compiled[fn.__name__]
+    """``fn`` itself on the CPU; compiled on CUDA."""
+    return compiled(fn) if z.device.type == "cuda" else fn
 
 
 class _FusedLogProbs(torch.autograd.Function):

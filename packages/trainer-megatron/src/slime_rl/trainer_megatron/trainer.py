@@ -568,10 +568,9 @@ class MegatronTrainer(PolicyTrainer):
         Storages move, not tensors (see offload.py): Megatron's gradient hooks stay attached."""
         if self.device_type != "cuda" or self._offloaded:
             return
-        keep = [*self.model.parameters(), *_optimizer_tensors(self.optimizer)]
-        grads = [p.main_grad for p in self.model.parameters() if getattr(p, "main_grad", None) is not None]
-        keep = [t for t in keep if t.is_cuda]
-        self._offloaded = offload_storages(keep) + offload_storages([g for g in grads if g.is_cuda], keep=False)
+        kept = [t for t in (*self.model.parameters(), *_optimizer_tensors(self.optimizer)) if t.is_cuda]
+        grads = [g for p in self.model.parameters() if (g := getattr(p, "main_grad", None)) is not None and g.is_cuda]
+        self._offloaded = offload_storages(kept) + offload_storages(grads, keep=False)
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
@@ -580,10 +579,10 @@ class MegatronTrainer(PolicyTrainer):
         self._offloaded = []
 
 
-def _host_copy(t: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
-    """A host copy of ``t``, in pinned memory when ``t`` is on the GPU (fast, asynchronous transfers)."""
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t``, in pinned memory when ``t`` is on the GPU (fast transfers back)."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-    out.copy_(t, non_blocking=non_blocking)
+    out.copy_(t)
     return out
 
 
