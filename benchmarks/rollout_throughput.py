@@ -6,8 +6,9 @@
 
 Defaults follow the issue: a random Qwen2.5-0.5B-shaped model (bf16, made on the spot),
 128-token prompts, 256 new tokens (ignore_eos), log-probs returned, 256 requests in flight,
-CUDA graphs on. Each round sends the same prompts through both paths (the prefix cache
-is flushed before each), alternating which goes first; the table reports the median.
+CUDA graphs on. Each round sends the same prompts through each path (SGLang alone, plain
+HTTP through the router, slime-rl; the prefix cache is flushed before each), rotating which
+goes first; the table reports the median.
 Target: ratio >= 0.95.
 """
 
@@ -139,18 +140,20 @@ def main(argv: list[str] | None = None) -> None:
         timed(lambda: sglang_alone(server.url, warm, params, args.concurrency))
         timed(lambda: slime_rl_path(engine, warm, params))
 
-        results: dict[str, list[tuple[int, float]]] = {"alone": [], "slime": []}
+        # "router": the baseline's plain HTTP client through the router, which splits the gap between
+        # the router hop and SGLangEngine's own client.
+        paths = {"alone": lambda b: sglang_alone(server.url, b, params, args.concurrency),
+                 "router": lambda b: sglang_alone(engine.router.url, b, params, args.concurrency),
+                 "slime": lambda b: slime_rl_path(engine, b, params)}
+        results: dict[str, list[tuple[int, float]]] = {name: [] for name in paths}
         for r in range(args.rounds):
             batch = prompts()
-            order = ["alone", "slime"] if r % 2 == 0 else ["slime", "alone"]
-            for which in order:
+            for which in list(paths)[r % 3:] + list(paths)[:r % 3]:  # each path takes each turn
                 flush()
-                if which == "alone":
-                    results[which].append(timed(lambda b=batch: sglang_alone(server.url, b, params, args.concurrency)))
-                else:
-                    results[which].append(timed(lambda b=batch: slime_rl_path(engine, b, params)))
+                results[which].append(timed(lambda b=batch, fn=paths[which]: fn(b)))
                 tokens, secs = results[which][-1]
-                print(f"round {r} {which:>5}: {tokens} tokens in {secs:.2f} s = {tokens / secs:,.0f} tok/s", flush=True)
+                print(f"round {r} {which:>6}: {tokens} tokens in {secs:.2f} s = {tokens / secs:,.0f} tok/s", flush=True)
+        print(f"SGLangEngine client retries: {engine.client.retries}")
     finally:
         if engine is not None:
             asyncio.run(engine.shutdown())
@@ -166,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         return tokens, secs, tokens / secs
 
     a_tok, a_s, a_rate = median_rate(results["alone"])
+    r_tok, r_s, r_rate = median_rate(results["router"])
     s_tok, s_s, s_rate = median_rate(results["slime"])
     print()
     print(f"{args.requests} requests, {args.concurrency} in flight, {args.prompt_len}-token prompts + "
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"| {'path':<44} | {'new tokens':>10} | {'seconds':>8} | {'tokens/s':>10} |")
     print(f"|{'-' * 46}|{'-' * 12}|{'-' * 10}|{'-' * 12}|")
     print(f"| {'SGLang alone (concurrent HTTP to the server)':<44} | {a_tok:>10} | {a_s:>8.2f} | {a_rate:>10,.0f} |")
+    print(f"| {'plain HTTP through sglang-router':<44} | {r_tok:>10} | {r_s:>8.2f} | {r_rate:>10,.0f} |")
     print(f"| {'slime-rl (sglang-router + SGLangEngine)':<44} | {s_tok:>10} | {s_s:>8.2f} | {s_rate:>10,.0f} |")
     print(f"ratio slime-rl / SGLang alone: {s_rate / a_rate:.3f} (target >= 0.95)")
 

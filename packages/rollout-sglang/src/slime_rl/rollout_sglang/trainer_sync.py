@@ -16,8 +16,6 @@ from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, WeightSender
 from slime_rl.rollout_sglang import weight_sync as ws
 
-SYNC_TIMEOUT_S = 600.0  # one step of a transfer: one bucket into every engine
-
 
 def _with_last(buckets: Iterator[NamedTensors]) -> Iterator[tuple[int, NamedTensors, bool]]:
     """(index, bucket, is_last): the version travels with the last bucket only."""
@@ -47,10 +45,11 @@ class SGLangWeightSender(WeightSender):
                 pass
             return
         targets = list(handle)
+        timeout = self.cfg.rollout.weight_sync_timeout  # one step of a transfer: one bucket into every engine
         if transport == "nccl" and self.group_targets != targets:
             if self.group is not None:  # an engine was restarted: its side of the group is gone
-                ws.destroy_nccl_group(self.group, self.group_targets or [], timeout=SYNC_TIMEOUT_S)
-            self.group = ws.init_nccl_group(targets, timeout=SYNC_TIMEOUT_S)
+                ws.destroy_nccl_group(self.group, self.group_targets or [], timeout=timeout)
+            self.group = ws.init_nccl_group(targets, timeout=timeout)
             self.group_targets = targets
         folder = Path(self.cfg.logging.dir) / "weights" / f"v{version}"
         expected = {}  # first rows of each bucket's first and last tensor, for check_weight_update
@@ -61,9 +60,9 @@ class SGLangWeightSender(WeightSender):
             step = f"weight sync v{version} bucket {index} ({transport})"
             tag = version if last else None
             if transport == "tensor":
-                ws.push_tensor_bucket(targets, bucket, version=tag, timeout=SYNC_TIMEOUT_S, step=step)
+                ws.push_tensor_bucket(targets, bucket, version=tag, timeout=timeout, step=step)
             elif transport == "nccl":
-                ws.broadcast_bucket(self.group, targets, bucket, version=tag, timeout=SYNC_TIMEOUT_S, step=step)
+                ws.broadcast_bucket(self.group, targets, bucket, version=tag, timeout=timeout, step=step)
             elif transport == "disk":
                 ws.write_shard(folder, index, bucket)
             else:
@@ -71,7 +70,7 @@ class SGLangWeightSender(WeightSender):
         if transport == "disk":
             ws.finish_hf_folder(folder, self.cfg.model.path)
             for target in targets:
-                ws.update_from_disk(target, folder, version=version, timeout=SYNC_TIMEOUT_S,
+                ws.update_from_disk(target, folder, version=version, timeout=timeout,
                                     step=f"weight sync v{version} (disk)")
         for target in targets if expected else []:
-            ws.check_weights(target, expected, timeout=SYNC_TIMEOUT_S, step=f"weight sync v{version} ({transport})")
+            ws.check_weights(target, expected, timeout=timeout, step=f"weight sync v{version} ({transport})")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
+import os
 import pickle
 import shutil
 import socket
@@ -35,6 +37,8 @@ import httpx
 import torch
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+logger = logging.getLogger(__name__)
+
 GROUP_NAME = "slime_rl_weight_sync"
 
 
@@ -253,6 +257,17 @@ def _wait_with_posts(work: Any, futures: list[tuple[Target, Future]], *, timeout
         time.sleep(0.005)
 
 
+def _match_engine_nccl_memory() -> None:
+    """SGLang's servers run NCCL with cuMem allocations off (NCCL_CUMEM_ENABLE=0); a peer with them
+    on never completes the first broadcast. NCCL reads the variable at its first communicator, so
+    trainer processes set it at start (`trainer_megatron.device.init_distributed`); this covers a
+    process that syncs without having used NCCL before."""
+    value = os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+    if value != "0":
+        logger.warning("NCCL_CUMEM_ENABLE=%s in the trainer, but SGLang's engines run with 0: the weight-update "
+                       "broadcast may hang; unset it or set it to 0", value)
+
+
 def init_nccl_group(targets: list[Target], *, timeout: float, backend: str = "nccl", group_name: str = GROUP_NAME,
                     master_addr: str | None = None, master_port: int | None = None):
     """Trainer side: create the weight-update group (trainer = rank 0, engine TP ranks after it).
@@ -260,6 +275,7 @@ def init_nccl_group(targets: list[Target], *, timeout: float, backend: str = "nc
     go out in threads while this process joins."""
     from slime_rl.rollout_sglang.process import free_port
 
+    _match_engine_nccl_memory()
     master_addr = master_addr or local_address_for(targets[0].url)
     master_port = master_port or free_port("0.0.0.0" if master_addr != "127.0.0.1" else master_addr)
     world_size = 1 + sum(t.tp_size for t in targets)

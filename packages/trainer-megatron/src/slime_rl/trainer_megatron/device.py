@@ -275,6 +275,9 @@ def init_distributed(device: Device, timeout_minutes: int = 30) -> None:
         )
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Rollout engines (SGLang, vLLM) run NCCL with cuMem off; a weight-update group whose sides
+        # disagree hangs at its first broadcast, and NCCL reads this once, at the first communicator.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend="nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes)
