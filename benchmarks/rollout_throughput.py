@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 from slime_rl.core.contracts import SamplingParams
@@ -67,15 +68,17 @@ def make_qwen_shaped_model(out: Path) -> Path:
 
 
 async def sglang_alone(url: str, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> int:
-    """The baseline: the same /generate bodies, straight to the server, ``concurrency`` at a time."""
+    """The baseline: the same /generate bodies, straight to the server, ``concurrency`` at a time,
+    over aiohttp (as SGLang's own bench_serving does)."""
     semaphore = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=3600) as http:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
+                                     timeout=aiohttp.ClientTimeout(total=3600)) as http:
         async def one(i: int, prompt: list[int]) -> int:
             async with semaphore:
-                resp = await http.post(f"{url}/generate", json=build_payload(prompt, params, f"base-{i}-{time.time_ns()}"))
-                resp.raise_for_status()
-                body = resp.json()
+                payload = build_payload(prompt, params, f"base-{i}-{time.time_ns()}")
+                async with http.post(f"{url}/generate", json=payload) as resp:
+                    resp.raise_for_status()
+                    body = await resp.json()
                 assert len(body["meta_info"]["output_token_logprobs"]) == len(body["output_ids"])
                 return len(body["output_ids"])
 

@@ -4,18 +4,23 @@ connection drops or the router has no live worker (an engine died or is restarti
 
 The router rebuilds the body from its own schema and silently drops unknown fields
 (notes/sglang-router.md), so the payload holds only fields it passes on.
+
+Generation goes through aiohttp, not httpx (which the control calls use): httpx's connection
+pool costs O(connections x waiting requests) per event, and with 256 requests in flight it
+fed an H200 only ~50 requests a second (docs/gpu-results.md, benchmarks/rollout_throughput.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+import aiohttp
 
 from slime_rl.core.contracts import GenerateOutput, SamplingParams
 
@@ -88,21 +93,23 @@ class GenerateClient:
         self.request_timeout = request_timeout  # one generation, start to end
         self.retry_timeout = retry_timeout  # how long to keep retrying a request no worker can take
         self._max_concurrency = max_concurrency
-        self._http: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.retries = 0  # attempts beyond the first, over the client's life (a metric)
 
-    def _bind(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+    def _bind(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         """The pool and the semaphore of the running event loop (made on first use in each loop)."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            limits = httpx.Limits(max_connections=self._max_concurrency,
-                                  max_keepalive_connections=self._max_concurrency)
-            self._http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.request_timeout, connect=10.0))
+            if self._session is not None:
+                _abandon(self._session)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_concurrency),
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout, connect=10.0))
             self._semaphore = asyncio.Semaphore(self._max_concurrency)
             self._loop = loop
-        return self._http, self._semaphore
+        return self._session, self._semaphore
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid_prefix: str, *,
                        default_version: int = 0, should_stop: Callable[[], bool] | None = None) -> GenerateOutput:
@@ -110,7 +117,7 @@ class GenerateClient:
         fresh rid (``{rid_prefix}.{attempt}``) until ``retry_timeout``. An abort of
         ``rid_prefix`` reaches every attempt (SGLang matches aborts by rid prefix).
         ``should_stop()`` true when a slot frees up or before a retry: an empty abort result."""
-        http, semaphore = self._bind()
+        session, semaphore = self._bind()
         deadline = time.monotonic() + self.retry_timeout
         attempt, backoff = 0, 0.05
         async with semaphore:
@@ -119,19 +126,20 @@ class GenerateClient:
                     return GenerateOutput([], [], "abort", default_version)
                 payload = build_payload(input_ids, params, f"{rid_prefix}.{attempt}")
                 try:
-                    resp = await http.post(f"{self.router_url}/generate", json=payload)
-                except httpx.ReadTimeout:
+                    async with session.post(f"{self.router_url}/generate", json=payload) as resp:
+                        if resp.status == 200:
+                            return parse_response(await resp.json(), default_version=default_version)
+                        text = await resp.text()
+                except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:  # incl. connect timeouts
+                    problem = f"{type(err).__name__}: {err}"
+                except TimeoutError:
                     raise GenerateError(f"request {rid_prefix}: no answer from the router at {self.router_url} "
                                         f"within {self.request_timeout:g} s") from None
-                except httpx.TransportError as err:
-                    problem = f"{type(err).__name__}: {err}"
                 else:
-                    if resp.status_code == 200:
-                        return parse_response(resp.json(), default_version=default_version)
-                    if resp.status_code not in _RETRY_STATUS:
-                        raise GenerateError(f"request {rid_prefix}: the router answered HTTP {resp.status_code}: "
-                                            f"{resp.text[:500]}")
-                    problem = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                    if resp.status not in _RETRY_STATUS:
+                        raise GenerateError(f"request {rid_prefix}: the router answered HTTP {resp.status}: "
+                                            f"{text[:500]}")
+                    problem = f"HTTP {resp.status}: {text[:200]}"
                 if time.monotonic() + backoff > deadline:
                     raise GenerateError(f"request {rid_prefix}: gave up after {attempt + 1} attempts over "
                                         f"{self.retry_timeout:g} s; last: {problem}")
@@ -142,6 +150,19 @@ class GenerateClient:
                 self.retries += 1
 
     async def aclose(self) -> None:
-        if self._http is not None and self._loop is asyncio.get_running_loop():
-            await self._http.aclose()
-        self._http = self._semaphore = self._loop = None
+        if self._session is not None:
+            if self._loop is asyncio.get_running_loop():
+                await self._session.close()
+            else:
+                _abandon(self._session)
+        self._session = self._semaphore = self._loop = None
+
+
+def _abandon(session: aiohttp.ClientSession) -> None:
+    """Drop a session whose event loop has ended (callers may use one ``asyncio.run`` per call):
+    it cannot be closed the normal way, so detach it and close what sockets can be closed."""
+    connector = session.connector
+    session.detach()
+    if connector is not None:
+        with contextlib.suppress(Exception):
+            connector._close()  # the synchronous part of close(); the awaitable needs the dead loop

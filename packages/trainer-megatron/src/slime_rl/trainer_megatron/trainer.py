@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
@@ -69,7 +69,7 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     return finalize_model_grads(model, None, **kwargs)
 
 
-class InProcessTorchDistSave(SaveShardedStrategy):
+class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
     """Megatron's ``torch_dist`` checkpoint format, written by the calling process.
 
     Megatron's own torch_dist writer forks one process per file and starts a multiprocessing
@@ -77,7 +77,8 @@ class InProcessTorchDistSave(SaveShardedStrategy):
     on the CPU each fork counts the trainer's whole memory again while it writes. This writes
     the same files (torch.distributed.checkpoint's format with Megatron's planner, one file per
     rank) with torch's synchronous FileSystemWriter, so ``dist_checkpointing.load`` reads them
-    as it reads any torch_dist checkpoint."""
+    as it reads any torch_dist checkpoint. (A subclass of Megatron's strategy: megatron-core
+    0.19 replaces any other save strategy with its own.)"""
 
     def __init__(self):
         super().__init__("torch_dist", 1)
