@@ -14,7 +14,7 @@ both the trainer and the engine touch during weight sync), so the PSS sum (each 
 among its users) is printed next to it. The machine is shared: the CPU the other processes used
 meanwhile is printed too, since it slows the steps.
 
-    .venv/bin/python benchmarks/cpu_grpo_step.py [--steps 8] [--warmup 2]
+    .venv/bin/python benchmarks/cpu_grpo_step.py [--steps 8] [--warmup 2] [key=value ...]
 
 Targets on the 2-core CPU machine: median time/step <= 4.5 s, peak RSS sum <= 5 GiB.
 """
@@ -131,13 +131,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="training steps to run (data.num_rollout)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder, removed after")
+    parser.add_argument("overrides", nargs="*", help="key=value changes to the demo configuration, as slime-cli takes")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
 
     with tempfile.TemporaryDirectory(prefix="cpu_grpo_step-") as tmp:
         workdir = args.workdir or Path(tmp)
-        cfg = load_config(prepare_default(workdir), [f"data.num_rollout={args.steps}"])
+        cfg = load_config(prepare_default(workdir), [*args.overrides, f"data.num_rollout={args.steps}"])
         wire(cfg)
         resolve_builtin_models(cfg)  # converts the GGUF once; a no-op after that
 

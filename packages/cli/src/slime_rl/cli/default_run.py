@@ -40,11 +40,13 @@ def default_config(workdir: Path) -> dict:
         "model": {"path": "builtin:smollm2-135m-instruct", "dtype": "bfloat16"},
         "data": {"prompt_data": str(workdir / "train.jsonl"), "rollout_batch_size": 4, "n_samples_per_prompt": 8,
                  "num_rollout": 30, "seed": 0},
-        "rollout": {"engine": "hf", "temperature": 1.0, "max_response_len": 6,
+        # 64 MiB weight-sync buckets and full recompute keep every process together under 5 GiB
+        # (benchmarks/cpu_grpo_step.py): recompute costs ~0.5 s a step and saves ~0.9 GiB
+        "rollout": {"engine": "hf", "temperature": 1.0, "max_response_len": 6, "update_weight_buffer_mb": 64,
                     "reward": "slime_rl.cli.default_run:addition_reward"},
         "algorithm": {"advantage_estimator": "grpo", "eps_clip": 0.2},
         "trainer": {"backend": "megatron", "lr": 2e-5, "adam_beta2": 0.999, "clip_grad": 1.0,
-                    "max_tokens_per_gpu": 4096},  # the whole 32-sample batch in one micro-batch
+                    "max_tokens_per_gpu": 4096, "recompute": True},  # the whole 32-sample batch in one micro-batch
         "cluster": {"device": "cpu"},
         "eval": {"prompt_data": {"addition": str(workdir / "eval.jsonl")}, "temperature": 0.0, "interval": 10},
         "checkpoint": {"save_dir": str(workdir / "checkpoints"), "save_interval": 10, "keep_last": 2},

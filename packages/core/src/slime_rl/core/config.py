@@ -128,7 +128,8 @@ class TrainerConfig(_Section):
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     seed: int = 1234
-    recompute: bool = False
+    # true: full activation recompute; a list: Megatron's selective recompute of those modules
+    recompute: bool | list[Literal["core_attn", "layernorm", "mlp"]] = False
     critic_lr: float | None = None  # PPO critic; defaults to lr
 
 

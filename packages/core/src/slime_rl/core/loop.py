@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from slime_rl.core.config import Config, ConfigError
 from slime_rl.core.metrics import MetricsLogger
 from slime_rl.core.ray_cluster import free_port, local_ray, resolve_device
 from slime_rl.core.sample import Sample
+from slime_rl.core.tensor_transport import shared_memory_dir
 
 Callback = Callable[[str, dict[str, Any]], None]  # (event, payload): "start", "step", "eval", "done"
 
@@ -85,15 +87,21 @@ def sync_weights(cfg: Config, actor: TrainerGroup, manager: Any, *, version: int
     """Send the trainer's weights to the engines as ``version``.
 
     Engines with a trainer-side `weight_sender` (SGLang) get them straight from the trainer
-    ranks; otherwise rank 0's buckets go to the rollout process by object reference (the
-    driver never holds them)."""
+    ranks; otherwise rank 0's buckets go to the rollout process (the driver never holds them):
+    as shared-memory files the engine deletes when both run on one machine, else through the
+    object store (tensor_transport says why files are preferred)."""
     import ray
 
     bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
     sender = ray.get(manager.weight_sender.remote())
     if sender is None:
-        refs = actor.call_async("weight_buckets", bucket_bytes)
-        ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
+        same_node = len(set(ray.get([manager.node_id.remote(), actor.workers[0].node_id.remote()]))) == 1
+        with contextlib.ExitStack() as stack:
+            folder = (stack.enter_context(tempfile.TemporaryDirectory(prefix="slime-rl-weights-",
+                                                                      dir=shared_memory_dir()))
+                      if same_node else None)
+            refs = actor.call_async("weight_buckets", bucket_bytes, folder)
+            ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
         return
     transport = weight_transport(cfg)
     handle = ray.get(manager.begin_weight_sync.remote(version, transport))

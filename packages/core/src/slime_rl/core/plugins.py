@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import entry_points
+import importlib.util
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 GROUPS = ("slime_rl.rollout_engines", "slime_rl.trainers", "slime_rl.buffers", "slime_rl.data_sources")
@@ -45,10 +46,7 @@ def load_attr(spec: str, *, what: str = "object") -> Any:
     return obj
 
 
-def load_plugin(group: str, name: str) -> Any:
-    """A backend by entry-point name (``"sglang"``) or a user's own by ``module:attr``."""
-    if ":" in name:
-        return load_attr(name, what=group.rsplit(".", 1)[-1].rstrip("s"))
+def _entry_point(group: str, name: str) -> EntryPoint:
     available = installed(group)
     if name not in available:
         provider = KNOWN_PROVIDERS.get((group, name))
@@ -56,12 +54,41 @@ def load_plugin(group: str, name: str) -> Any:
         names = ", ".join(sorted(available)) or "none"
         raise PluginError(f"no {group} named {name!r} (installed: {names}){hint}; or give `module:attr`")
     (ep,) = [ep for ep in entry_points(group=group) if ep.name == name]
+    return ep
+
+
+def _does_not_load(group: str, name: str, ep: EntryPoint, err: object) -> PluginError:
+    # Installed but broken (a missing optional dependency, a renamed class): say which and why.
+    dist = f" from {ep.dist.name}" if ep.dist is not None else ""
+    return PluginError(f"{group} {name!r} ({ep.value}{dist}) is installed but does not load: {err}")
+
+
+def load_plugin(group: str, name: str) -> Any:
+    """A backend by entry-point name (``"sglang"``) or a user's own by ``module:attr``."""
+    if ":" in name:
+        return load_attr(name, what=group.rsplit(".", 1)[-1].rstrip("s"))
+    ep = _entry_point(group, name)
     try:
         return ep.load()
     except (ImportError, AttributeError) as err:
-        # Installed but broken (a missing optional dependency, a renamed class): say which and why.
-        dist = f" from {ep.dist.name}" if ep.dist is not None else ""
-        raise PluginError(f"{group} {name!r} ({ep.value}{dist}) is installed but does not load: {err}") from None
+        raise _does_not_load(group, name, ep, err) from None
+
+
+def check_plugin(group: str, name: str) -> None:
+    """`load_plugin`'s checks without importing an installed backend: the name is installed and
+    its module is there. For a process that only starts others (slime-cli's driver), which
+    then need not hold megatron or transformers; an error inside the module shows where it loads."""
+    if ":" in name:
+        load_plugin(group, name)  # the user's own code: import it now
+        return
+    ep = _entry_point(group, name)
+    module = ep.value.partition(":")[0].strip()
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise _does_not_load(group, name, ep, f"No module named {module!r}")
 
 
 def load_function(spec: str, builtins: dict[str, Any], *, what: str) -> Any:

@@ -1,11 +1,22 @@
-"""Named tensors through Ray's object store without pickling their bytes.
+"""Named tensors from one process to another: through Ray's object store without
+pickling their bytes, or, between actors on one machine, through a shared-memory file.
 
 Ray stores numpy arrays out of band (one copy in, zero-copy views out), while a
 torch tensor is pickled byte by byte. bf16 has no numpy dtype, so such tensors
 travel as their int16 bit pattern and are viewed back: exact, no conversion.
+
+The object store's pages stay mapped in every process that wrote or read them, so a
+weight sync through it leaves the weights' size resident in both the trainer and the
+engine for the rest of the run. A file in /dev/shm is gone, pages and all, once the
+reader deletes it (`write_bucket_file`, `read_bucket_file`).
 """
 
 from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,3 +46,29 @@ def from_host_arrays(arrays: HostArrays) -> NamedTensors:
         tensor = torch.from_numpy(np.asarray(array))
         out.append((name, tensor.view(dtype) if dtype in _BIT_VIEWS else tensor))
     return out
+
+
+def shared_memory_dir() -> str:
+    """/dev/shm where the machine has it (RAM-backed), else the temporary folder."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def write_bucket_file(named_tensors: NamedTensors, folder: str | Path) -> str:
+    """One bucket as a safetensors file in ``folder``; returns its path."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / f"bucket-{uuid.uuid4().hex}.safetensors"
+    save_file({name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}, str(path))
+    return str(path)
+
+
+def read_bucket_file(path: str | Path) -> NamedTensors:
+    """The bucket `write_bucket_file` wrote (its tensors copied out); the file is deleted."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as bucket:
+            return [(name, bucket.get_tensor(name)) for name in bucket.keys()]  # noqa: SIM118 (not a dict)
+    finally:
+        Path(path).unlink(missing_ok=True)

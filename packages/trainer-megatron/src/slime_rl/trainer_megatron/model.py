@@ -126,13 +126,14 @@ def check_parallel_fits(shape: HFModelShape, tp: int, pp: int) -> None:
 
 
 def transformer_config(
-    shape: HFModelShape, *, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False,
+    shape: HFModelShape, *, tp: int, pp: int, dtype: torch.dtype, recompute: bool | list[str] = False,
     sequence_parallel: bool = False, compiled_fusions: bool = False,
 ) -> TransformerConfig:
     """The TransformerConfig for ``shape``: RMSNorm, SwiGLU, RoPE, GQA, no biases but Qwen's QKV.
     ``compiled_fusions``: Megatron's torch.compile'd SwiGLU (one kernel each way, and backward
     keeps only the MLP's input) and a compiled RoPE in TransformerEngine's place (fused_rope.py);
-    for CUDA, where inductor's Triton kernels pay."""
+    for CUDA, where inductor's Triton kernels pay. ``recompute``: True for full recompute,
+    or Megatron's selective recompute of the modules named (e.g. ``["layernorm", "mlp"]``)."""
     if sequence_parallel:
         raise ValueError(
             "parallel.sequence_parallel: needs TransformerEngine or Apex norms, which the local spec does not use;"
@@ -141,8 +142,10 @@ def transformer_config(
     if compiled_fusions:
         fused_rope.install()  # before the config: its checks look for the fused RoPE functions
     extra = {"bias_activation_fusion": compiled_fusions, "apply_rope_fusion": compiled_fusions}
-    if recompute:
+    if recompute is True:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute:
+        extra.update(recompute_granularity="selective", recompute_modules=list(recompute))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="full scope is deprecated")  # a default we do not use
         config = _make_transformer_config(shape, tp, pp, dtype, extra)
