@@ -227,3 +227,12 @@ def test_engines_must_not_straddle_nodes(prompts):
 def test_check_false_skips_cross_field_checks():
     cfg = load_config(None, ["trainer.global_batch_size=3"], check=False)
     assert isinstance(cfg, Config) and cfg.trainer.global_batch_size == 3
+
+
+def test_recompute_is_full_or_a_list_of_megatron_modules(prompts):
+    assert load_config(None, [f"data.prompt_data={prompts}", "trainer.recompute=true"]).trainer.recompute is True
+    cfg = load_config(None, [f"data.prompt_data={prompts}", "trainer.recompute=[mlp, core_attn]"])
+    assert cfg.trainer.recompute == ["mlp", "core_attn"]
+    # megatron-core's layernorm recompute needs TransformerEngine, which the local spec does not use
+    err = refused(None, [f"data.prompt_data={prompts}", "trainer.recompute=[layernorm]"])
+    assert "trainer.recompute" in str(err)

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from slime_rl.core import plugins
-from slime_rl.core.plugins import PluginError, installed, load_attr, load_function, load_plugin
+from slime_rl.core.plugins import PluginError, check_plugin, installed, load_attr, load_function, load_plugin
 
 GROUP = "slime_rl.rollout_engines"
 
@@ -14,6 +14,7 @@ GROUP = "slime_rl.rollout_engines"
 @pytest.fixture
 def fake_dist(tmp_path, monkeypatch):
     """A distribution `slime-rl-fake` with engines `fake` (works) and `broken` (its module is missing)."""
+    (tmp_path / "heavy_engines.py").write_text("raise ImportError('imported: the driver would hold it')\n")
     (tmp_path / "fake_engines.py").write_text(textwrap.dedent("""
         class FakeEngine:
             name = "fake"
@@ -31,6 +32,7 @@ def fake_dist(tmp_path, monkeypatch):
         fake = fake_engines:FakeEngine
         broken = fake_engines_gone:Engine
         noattr = fake_engines:Missing
+        heavy = heavy_engines:Engine
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
@@ -73,6 +75,20 @@ def test_installed_but_broken_entry_point(fake_dist):
     assert "'broken'" in msg and "slime-rl-fake" in msg and "fake_engines_gone" in msg and "does not load" in msg
     with pytest.raises(PluginError, match="does not load"):
         load_plugin(GROUP, "noattr")
+
+
+def test_check_plugin_finds_a_backend_without_importing_it(fake_dist):
+    """slime-cli train's driver checks backends this way, so it never holds megatron or transformers."""
+    check_plugin(GROUP, "heavy")  # its module raises on import: passing shows it was not imported
+    with pytest.raises(PluginError, match="does not load"):
+        load_plugin(GROUP, "heavy")
+    with pytest.raises(PluginError) as info:
+        check_plugin(GROUP, "broken")
+    assert "does not load: No module named 'fake_engines_gone'" in str(info.value)
+    with pytest.raises(PluginError, match="installed: .*fake"):
+        check_plugin(GROUP, "vllm")
+    with pytest.raises(PluginError, match="cannot import module"):
+        check_plugin(GROUP, "fake_engines_gone:Engine")  # the user's own code is imported
 
 
 def test_load_attr_errors(fake_dist):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -112,6 +112,9 @@ class AlgorithmConfig(_Section):
     use_rollout_logprobs: bool = False  # use the engine's log-probs as the old policy
 
 
+SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp")  # Megatron's recompute_modules the local spec supports
+
+
 class TrainerConfig(_Section):
     backend: str = "megatron"  # trainer plugin name or module:attr
     global_batch_size: int | None = Field(None, ge=1)  # samples per optimizer step; derived when unset
@@ -129,8 +132,20 @@ class TrainerConfig(_Section):
     clip_grad: float = 1.0
     seed: int = 1234
     # true: full activation recompute; a list: Megatron's selective recompute of those modules
-    recompute: bool | list[Literal["core_attn", "layernorm", "mlp"]] = False
+    recompute: bool | list[str] = False
     critic_lr: float | None = None  # PPO critic; defaults to lr
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_modules(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            unknown = [m for m in value if m not in SELECTIVE_RECOMPUTE_MODULES]
+            if unknown or not value:
+                raise ValueError(
+                    f"{unknown or value!r}: give true (full recompute) or a list of {', '.join(SELECTIVE_RECOMPUTE_MODULES)}"
+                    " (Megatron's layernorm recompute needs TransformerEngine, which the local spec does not use)")
+            return list(value)
+        return value
 
 
 class ParallelConfig(_Section):

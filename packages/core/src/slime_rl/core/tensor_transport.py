@@ -13,6 +13,7 @@ reader deletes it (`write_bucket_file`, `read_bucket_file`).
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import uuid
@@ -59,7 +60,9 @@ def write_bucket_file(named_tensors: NamedTensors, folder: str | Path) -> str:
     from safetensors.torch import save_file
 
     path = Path(folder) / f"bucket-{uuid.uuid4().hex}.safetensors"
-    save_file({name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}, str(path))
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
+    # safetensors sorts its entries; the order the trainer sent travels in the metadata
+    save_file(tensors, str(path), metadata={"order": json.dumps(list(tensors))})
     return str(path)
 
 
@@ -69,6 +72,6 @@ def read_bucket_file(path: str | Path) -> NamedTensors:
 
     try:
         with safe_open(str(path), framework="pt") as bucket:
-            return [(name, bucket.get_tensor(name)) for name in bucket.keys()]  # noqa: SIM118 (not a dict)
+            return [(name, bucket.get_tensor(name)) for name in json.loads(bucket.metadata()["order"])]
     finally:
         Path(path).unlink(missing_ok=True)
