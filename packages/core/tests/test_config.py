@@ -236,3 +236,12 @@ def test_recompute_is_full_or_a_list_of_megatron_modules(prompts):
     # megatron-core's layernorm recompute needs TransformerEngine, which the local spec does not use
     err = refused(None, [f"data.prompt_data={prompts}", "trainer.recompute=[layernorm]"])
     assert "trainer.recompute" in str(err)
+
+
+def test_colocated_runs_offload_unless_told_not_to(prompts):
+    """slime's --colocate turns on --offload; cluster.offload=false keeps both on the GPU."""
+    base = [f"data.prompt_data={prompts}"]
+    assert load_config(None, base).offload is True
+    assert load_config(None, [*base, "cluster.offload=false"]).offload is False
+    disaggregated = load_config(None, [*base, "cluster.colocate=false", "cluster.offload=true"])
+    assert disaggregated.offload is False

@@ -163,7 +163,7 @@ class ClusterConfig(_Section):
     num_gpus_per_node: int | None = Field(None, ge=1)  # node size, for placement; default max(8, actor's per node)
     colocate: bool = True
     async_train: bool = Field(False, alias="async")  # one-step-off: generate k+1 while training k
-    offload: bool = False  # colocated: hand the GPUs back and forth between phases (see docs/gpu-results.md)
+    offload: bool | None = None  # colocated: hand the GPUs back and forth between phases; unset: on when colocated
     num_cpus: int | None = None  # for the local Ray instance
 
 
@@ -232,6 +232,12 @@ class Config(_Section):
     def num_gpus_per_node(self) -> int:
         c = self.cluster
         return c.num_gpus_per_node if c.num_gpus_per_node is not None else max(8, c.actor_num_gpus_per_node)
+
+    @property
+    def offload(self) -> bool:
+        """Colocated phases hand the GPUs back and forth; on unless cluster.offload says no
+        (slime: --colocate turns on --offload). Disaggregated runs never offload."""
+        return self.cluster.colocate and self.cluster.offload is not False
 
     @property
     def num_engines(self) -> int:

@@ -139,7 +139,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     needs_ref = algo.use_kl_loss or algo.kl_coef != 0
     needs_critic = algo.advantage_estimator == "ppo"
     # Colocated on GPUs, trainer and engines take turns with the memory (slime's --offload).
-    offload = cfg.cluster.offload and cfg.cluster.colocate and resolve_device(cfg) == "cuda"
+    offload = cfg.offload and resolve_device(cfg) == "cuda"
     # One step per rollout and on-policy: the trainer's own log-probs before the update are
     # the old policy's, so it computes them in the training forward instead of a second pass.
     separate_old_pass = cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs
