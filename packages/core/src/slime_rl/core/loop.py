@@ -96,10 +96,9 @@ def sync_weights(cfg: Config, actor: TrainerGroup, manager: Any, *, version: int
     sender = ray.get(manager.weight_sender.remote())
     if sender is None:
         same_node = len(set(ray.get([manager.node_id.remote(), actor.workers[0].node_id.remote()]))) == 1
-        with contextlib.ExitStack() as stack:
-            folder = (stack.enter_context(tempfile.TemporaryDirectory(prefix="slime-rl-weights-",
-                                                                      dir=shared_memory_dir()))
-                      if same_node else None)
+        files = (tempfile.TemporaryDirectory(prefix="slime-rl-weights-", dir=shared_memory_dir()) if same_node
+                 else contextlib.nullcontext())
+        with files as folder:  # None: through the object store
             refs = actor.call_async("weight_buckets", bucket_bytes, folder)
             ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
         return

@@ -7,8 +7,8 @@ travel as their int16 bit pattern and are viewed back: exact, no conversion.
 
 The object store's pages stay mapped in every process that wrote or read them, so a
 weight sync through it leaves the weights' size resident in both the trainer and the
-engine for the rest of the run. A file in /dev/shm is gone, pages and all, once the
-reader deletes it (`write_bucket_file`, `read_bucket_file`).
+engine for the rest of the run. A file in /dev/shm that the reader deletes is gone, pages
+and all, once the tensors read from it are freed (`write_bucket_file`, `read_bucket_file`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def write_bucket_file(named_tensors: NamedTensors, folder: str | Path) -> str:
 
 
 def read_bucket_file(path: str | Path) -> NamedTensors:
-    """The bucket `write_bucket_file` wrote (its tensors copied out); the file is deleted."""
+    """The bucket `write_bucket_file` wrote, in its order. The file is deleted at once; its
+    tensors map it, so its memory goes when they are freed (copy them in, then drop them)."""
     from safetensors import safe_open
 
     try:

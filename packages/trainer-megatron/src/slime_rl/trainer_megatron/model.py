@@ -133,7 +133,7 @@ def transformer_config(
     ``compiled_fusions``: Megatron's torch.compile'd SwiGLU (one kernel each way, and backward
     keeps only the MLP's input) and a compiled RoPE in TransformerEngine's place (fused_rope.py);
     for CUDA, where inductor's Triton kernels pay. ``recompute``: True for full recompute,
-    or Megatron's selective recompute of the modules named (e.g. ``["layernorm", "mlp"]``)."""
+    or Megatron's selective recompute of the modules named (e.g. ``["core_attn", "mlp"]``)."""
     if sequence_parallel:
         raise ValueError(
             "parallel.sequence_parallel: needs TransformerEngine or Apex norms, which the local spec does not use;"
