@@ -83,3 +83,10 @@ def test_logs_from_before_run_ids_are_a_resumed_runs_own_and_an_earlier_run_to_a
     assert len(notes) == 1 and not (tmp_path / "metrics.jsonl").exists()
     (aside,) = (tmp_path / "earlier_runs").iterdir()
     assert aside.name.startswith("unknown-") and (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_an_unreadable_owner_file_counts_as_no_owner(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "run.json").write_text("{torn")
+    assert len(claim_logging_dir(tmp_path, new_run_id(), resuming=False)) == 1
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"]

@@ -41,7 +41,7 @@ def claim_logging_dir(log_dir: str | Path, run_id: str, *, resuming: bool) -> li
     """Make ``log_dir``'s logs this run's (see the module docstring); returns what was moved, as messages."""
     log_dir = Path(log_dir)
     owner_file = log_dir / OWNER_FILE
-    owner = json.loads(owner_file.read_text()).get("run_id") if owner_file.is_file() else None
+    owner = _owner(owner_file)
     notes: list[str] = []
     if owner != run_id and not (owner is None and resuming):
         found = log_artifacts(log_dir)
@@ -63,6 +63,15 @@ def claim_logging_dir(log_dir: str | Path, run_id: str, *, resuming: bool) -> li
     tmp.write_text(json.dumps({"run_id": run_id}) + "\n")
     os.replace(tmp, owner_file)
     return notes
+
+
+def _owner(owner_file: Path) -> str | None:
+    """The run id in ``run.json``; None when there is none or it cannot be read (then the logs have no owner)."""
+    try:
+        owner = json.loads(owner_file.read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) and owner and "/" not in owner else None
 
 
 def _move(files: list[Path], src: Path, dst: Path) -> None:
