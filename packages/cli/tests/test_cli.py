@@ -194,21 +194,93 @@ def test_train_without_config_uses_the_cpu_default(tmp_path, custom_config, fake
     assert seen == [tmp_path / "wd"] and fake_loop.calls[0].rollout.temperature == 0.9
 
 
-def test_a_plain_rerun_of_the_cpu_default_starts_afresh_and_resume_keeps_the_run(tmp_path, custom_config, fake_loop,
-                                                                                 monkeypatch):
-    from slime_rl.cli import default_run
-    from slime_rl.core import checkpoint
+UNRELATED = ("notes.txt", "mine/data.jsonl", "checkpoints/README.txt", "rollout_state/keep.txt", "rollouts/keep.txt",
+             "tensorboard/keep.txt", "earlier_runs/keep.txt")
 
+
+def put_unrelated_files(folder):
+    """Files a user keeps in the folder, some in the subfolders a run writes to; returns name -> content."""
+    for name in UNRELATED:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(f"the user's {name}\n")
+    return {name: f"the user's {name}\n" for name in UNRELATED}
+
+
+def contents(folder, names):
+    return {name: (folder / name).read_text() if (folder / name).is_file() else None for name in names}
+
+
+@pytest.fixture
+def example_on_custom_config(monkeypatch, custom_config):
+    """The built-in example writes its folder as usual but trains from custom_config (a fake backend)."""
+    from slime_rl.cli import default_run
+
+    real = default_run.prepare_default
+
+    def prepare_default(workdir):
+        real(workdir)
+        return custom_config
+
+    monkeypatch.setattr(default_run, "prepare_default", prepare_default)
+
+
+def write_earlier_example_run(workdir):
+    """What a run of the example leaves in its folder (its logging.dir and checkpoint.save_dir)."""
+    save_dir = workdir / "checkpoints"
+    checkpoint.step_dir(save_dir, 30).mkdir(parents=True)
+    checkpoint.commit(save_dir, 30, {})
+    for name in ("metrics.jsonl", "run.json", "rollouts/step_000001.jsonl", "rollout_state/20260101-000000-abcdef/"
+                 "buffer.sqlite", "rollout_state/buffer.sqlite", "tensorboard/events.out.tfevents.1.host",
+                 "earlier_runs/x/metrics.jsonl"):
+        (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+        (workdir / name).write_text("run output\n")
+
+
+def test_a_plain_rerun_of_the_cpu_default_starts_afresh_and_resume_keeps_the_run(tmp_path, fake_loop,
+                                                                                 example_on_custom_config):
     workdir = tmp_path / "wd"
-    monkeypatch.setattr(default_run, "prepare_default", lambda wd: custom_config)
-    checkpoint.step_dir(workdir / "checkpoints", 30).mkdir(parents=True)
-    checkpoint.commit(workdir / "checkpoints", 30, {})
+    workdir.mkdir()
+    unrelated = put_unrelated_files(workdir)
+    first = run("train", "--workdir", workdir)
+    assert first.exit_code == 0, first.output
+    assert "starts afresh" not in first.output  # not the example's folder before: nothing removed
+    write_earlier_example_run(workdir)
+
     kept = run("train", "--resume", "--workdir", workdir)
     assert kept.exit_code == 0, kept.output
-    assert checkpoint.latest(workdir / "checkpoints") is not None
+    assert checkpoint.latest(workdir / "checkpoints") is not None and (workdir / "metrics.jsonl").is_file()
+    typo = run("train", "--workdir", workdir, "rollout.temprature=0.5")
+    assert_user_error(typo, "rollout.temprature")
+    assert checkpoint.latest(workdir / "checkpoints") is not None  # a config that fails removes nothing
+
     fresh = run("train", "--workdir", workdir)
     assert fresh.exit_code == 0, fresh.output
     assert "starts afresh" in fresh.output and checkpoint.latest(workdir / "checkpoints") is None
+    assert not (workdir / "checkpoints" / "step_000030").exists() and not (workdir / "metrics.jsonl").exists()
+    assert not (workdir / "rollout_state" / "buffer.sqlite").exists() and not (workdir / "earlier_runs" / "x").exists()
+    assert not list((workdir / "tensorboard").glob("events.*"))
+    assert contents(workdir, unrelated) == unrelated  # everything else is as the user left it
+    assert {p.name for p in workdir.iterdir()} == {"notes.txt", "mine", "checkpoints", "rollout_state", "rollouts",
+                                                    "tensorboard", "earlier_runs", "train.jsonl", "eval.jsonl",
+                                                    "config.yaml", ".slime-example.json"}
+
+
+def test_the_cpu_default_refuses_to_overwrite_files_it_did_not_write(tmp_path, fake_loop, example_on_custom_config):
+    workdir = tmp_path / "project"
+    workdir.mkdir()
+    (workdir / "config.yaml").write_text("model: {path: mine}\n")
+    save_dir = workdir / "checkpoints"  # another run's checkpoints, not the example's
+    checkpoint.step_dir(save_dir, 5).mkdir(parents=True)
+    checkpoint.commit(save_dir, 5, {})
+    line = assert_user_error(run("train", "--workdir", workdir), "--workdir")
+    assert "config.yaml" in line and "new or empty --workdir" in line
+    assert (workdir / "config.yaml").read_text() == "model: {path: mine}\n"
+    assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", "config.yaml"]
+
+    (workdir / "config.yaml").unlink()  # now the example may write its files, but the checkpoints stay the run's
+    result = run("train", "--workdir", workdir)
+    assert result.exit_code == 0, result.output
+    assert "starts afresh" not in result.output and checkpoint.step_dir(save_dir, 5).is_dir()
 
 
 def test_train_refuses_bad_config_before_the_loop(custom_config, fake_loop):

@@ -8,7 +8,6 @@ usage; 1 a failure at run time. A user's mistake is one line on stderr,
 from __future__ import annotations
 
 import os
-import shutil
 import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
@@ -19,7 +18,6 @@ import typer
 from rich.console import Console
 
 from slime_rl.cli.progress import show_progress, summary_table
-from slime_rl.core import checkpoint
 from slime_rl.core.config import Config, ConfigError, load_config
 from slime_rl.core.plugins import PluginError, check_plugin, load_attr
 
@@ -170,26 +168,31 @@ def train(
     if args and ("=" not in args[0] or Path(args[0]).is_file()):  # the first argument may be the config
         config = Path(args.pop(0))
     overrides = args + (["checkpoint.resume=true"] if resume else [])
+    example_dir: Path | None = None  # the built-in example's folder, when it wrote it before
     if config is None:
         try:
-            from slime_rl.cli.default_run import default_config, prepare_default
+            from slime_rl.cli import default_run
         except ModuleNotFoundError as err:
             if err.name != "slime_rl.cli.default_run":
                 raise
             fail("the built-in CPU example (slime_rl.cli.default_run) is not in this slime-rl-cli; give a CONFIG", 1)
-        if not resume and checkpoint.latest(default_config(Path(workdir))["checkpoint"]["save_dir"]) is not None:
-            # The built-in example's own folder: a plain re-run starts it afresh (a user config
-            # refuses instead, see core.loop.train).
-            shutil.rmtree(workdir)
-            _console().print(f"slime-cli train: the built-in example starts afresh in {workdir} (the earlier run there"
-                             " is removed; --resume continues it instead)")
-        config = prepare_default(workdir)
+        if foreign := default_run.foreign_files(workdir):
+            fail(f"--workdir: {workdir} holds {', '.join(foreign)}, which the built-in example did not write and"
+                 " would overwrite; give a new or empty --workdir", 2)
+        example_dir = workdir if default_run.owns_workdir(workdir) else None
+        config = default_run.prepare_default(workdir)
     cfg = _load(config, overrides)
     try:
         wire(cfg)
         resolve_builtin_models(cfg)
     except ConfigError as err:
         fail(str(err), 2)
+    if example_dir is not None and not cfg.checkpoint.resume:
+        # A plain re-run of the built-in example starts it afresh, now that the config checked out:
+        # only what its earlier runs wrote goes (a user config refuses instead, see core.loop.train).
+        if default_run.remove_earlier_run(example_dir):
+            _console().print(f"slime-cli train: the built-in example starts afresh in {workdir} (the earlier run's"
+                             " checkpoints, logs and rollout state there are removed; --resume continues it instead)")
     try:
         from slime_rl.core.loop import train as run_training
     except ModuleNotFoundError as err:

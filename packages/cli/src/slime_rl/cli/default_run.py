@@ -3,20 +3,34 @@
 ``slime-cli train`` with no config writes generated data and a config into a work
 folder and trains on it. The reward is a plain user function loaded by
 ``module:attr``, the same way a user plugs in their own.
+
+The work folder may hold other files: the example writes only the files below and its
+runs' logs, checkpoints and rollout state, and a fresh start removes only those
+(`remove_earlier_run`), never anything else, and only in a folder it wrote before.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import yaml
 
+from slime_rl.core.run_dir import EARLIER_RUNS, LOG_ARTIFACTS, OWNER_FILE
 from slime_rl.core.sample import Sample
 
 PROMPT = "Question: What is {a} + {b}?\nAnswer:"
 NUM_EVAL = 64
+MARKER = ".slime-example.json"  # this folder is the built-in example's
+PREPARED_FILES = ("train.jsonl", "eval.jsonl", "config.yaml")  # what prepare_default (over)writes
+# What the example's runs write into the work folder (its logging.dir and checkpoint.save_dir),
+# as globs: files, then whole folders.
+RUN_FILES = (OWNER_FILE, "metrics.tmp", "checkpoints/latest", "checkpoints/latest.tmp",
+             "rollout_state/buffer.sqlite*", "rollout_state/*/buffer.sqlite*",
+             *LOG_ARTIFACTS, *(f"{EARLIER_RUNS}/*/{pattern}" for pattern in LOG_ARTIFACTS))
+RUN_FOLDERS = ("checkpoints/step_[0-9]*",)
 
 
 def addition_problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -54,10 +68,53 @@ def default_config(workdir: Path) -> dict:
     }
 
 
+def owns_workdir(workdir: Path) -> bool:
+    """Whether the example wrote ``workdir`` before: its marker, or (from before the marker) its exact config."""
+    workdir = Path(workdir).resolve()
+    if (workdir / MARKER).is_file():
+        return True
+    try:
+        return yaml.safe_load((workdir / "config.yaml").read_text()) == default_config(workdir)
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+
+
+def foreign_files(workdir: Path) -> list[str]:
+    """Files prepare_default would overwrite in a folder the example did not write."""
+    if owns_workdir(workdir):
+        return []
+    return [name for name in PREPARED_FILES if (Path(workdir) / name).exists()]
+
+
+def remove_earlier_run(workdir: Path) -> list[str]:
+    """Remove what the example's earlier runs wrote in ``workdir`` (checkpoints, logs, rollout state)
+    and nothing else; returns the paths removed, relative to ``workdir``. Only for a folder it owns."""
+    workdir = Path(workdir).resolve()
+    removed = []
+    for pattern in RUN_FOLDERS:
+        for folder in sorted(workdir.glob(pattern)):
+            if folder.is_dir() and not folder.is_symlink():
+                shutil.rmtree(folder)
+                removed.append(folder)
+    for pattern in RUN_FILES:
+        for path in sorted(workdir.glob(pattern)):
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+                removed.append(path)
+    for path in removed:  # the folders this emptied (a folder holding anything else stays)
+        folder = path.parent
+        while folder != workdir and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
+    return [str(p.relative_to(workdir)) for p in removed]
+
+
 def prepare_default(workdir: Path) -> Path:
     """Write the data and the config of the CPU default run; returns the config's path."""
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / MARKER).write_text(json.dumps({"written_by": "slime-cli train (the built-in example)",
+                                              "files": list(PREPARED_FILES)}) + "\n")
     train_rows, eval_rows = addition_problems()
     for name, rows in (("train.jsonl", train_rows), ("eval.jsonl", eval_rows)):
         (workdir / name).write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from slime_rl.core.advantages import compute_advantages
 from slime_rl.core.config import Config, ConfigError
 from slime_rl.core.metrics import MetricsLogger
 from slime_rl.core.ray_cluster import free_port, local_ray, resolve_device
+from slime_rl.core.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
 from slime_rl.core.sample import Sample
 from slime_rl.core.tensor_transport import shared_memory_dir
 
@@ -150,20 +152,25 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             f"{save_dir} holds the checkpoints of an earlier run (latest: step {previous[1]['step']}); continue"
             " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
         )
+    resumed = previous if cfg.checkpoint.resume else None
+    # A run's buffer, rollout state and logs are its own (run_dir.py): a fresh run neither
+    # consumes nor mixes with an earlier one's; a resumed run continues its own.
+    run_id = (resumed[1].get("run_id") if resumed is not None else None) or new_run_id()
+    for note in claim_logging_dir(log_dir, run_id, resuming=resumed is not None):
+        print(f"slime-rl: {note}", file=sys.stderr, flush=True)
 
     with local_ray(cfg):
         started = time.perf_counter()
         placement = gpu_placement_group(cfg)
         actor = TrainerGroup(cfg, "actor", placement)
         critic = TrainerGroup(cfg, "critic", placement) if needs_critic else None  # on the actor's GPUs
-        manager = ray.remote(num_cpus=0)(RolloutManager).remote(cfg.to_dict(), str(log_dir / "rollout_state"))
+        manager = ray.remote(num_cpus=0)(RolloutManager).remote(cfg.to_dict(), str(rollout_state_dir(log_dir, run_id)))
         ray.get(manager.ping.remote())
         actor.call("ready")  # every rank built: a broken backend fails here, before any rollout
         logger = MetricsLogger(log_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
-                               config=cfg.to_dict())
+                               config=cfg.to_dict(), resume_step=resumed[1]["step"] if resumed is not None else None)
 
         start_step = 0
-        resumed = previous if cfg.checkpoint.resume else None
         if resumed is not None:
             folder, meta = resumed
             actor.call("load", str(folder / "actor"))
@@ -248,7 +255,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 notify("eval", {"step": step, "metrics": last_eval[1]})
             if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                 with phase(timings, "save"):
-                    _save(cfg, save_dir, step, actor, critic, manager)
+                    _save(cfg, save_dir, step, actor, critic, manager, run_id)
                 last_save = step
             metrics.update(timings)
             logger.log(step, metrics)
@@ -263,7 +270,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
         if last_eval is not None:
             summary["eval_after"] = last_eval[1]
         if (cfg.checkpoint.save_interval or cfg.checkpoint.save_dir) and last_save != step:
-            _save(cfg, save_dir, step, actor, critic, manager)
+            _save(cfg, save_dir, step, actor, critic, manager, run_id)
         logger.close()
         ray.get(manager.shutdown.remote())
         summary.update(steps=step, elapsed_s=time.perf_counter() - started, metrics_file=str(logger.jsonl_path))
@@ -272,7 +279,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
 
 
 def _save(cfg: Config, save_dir: Path, step: int, actor: TrainerGroup, critic: TrainerGroup | None,
-          manager: Any) -> None:
+          manager: Any, run_id: str) -> None:
     import ray
 
     folder = checkpoint.prepare(save_dir, step)
@@ -280,4 +287,4 @@ def _save(cfg: Config, save_dir: Path, step: int, actor: TrainerGroup, critic: T
     if critic is not None:
         critic.call("save", str(folder / "critic"))
     state = ray.get(manager.state_dict.remote())
-    checkpoint.commit(save_dir, step, {"rollout_state": state}, keep_last=cfg.checkpoint.keep_last)
+    checkpoint.commit(save_dir, step, {"rollout_state": state, "run_id": run_id}, keep_last=cfg.checkpoint.keep_last)

@@ -1,8 +1,14 @@
-"""Per-step metrics to JSONL, TensorBoard (when installed) and wandb (when configured)."""
+"""Per-step metrics to JSONL, TensorBoard (when installed) and wandb (when configured).
+
+metrics.jsonl holds one row per step: a second `log` for the step just written (the eval that
+closes a run) merges into its row, and a run resumed from step k first drops the rows its dead
+run wrote after step k (the resumed run writes them again).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -10,11 +16,15 @@ from typing import Any
 
 class MetricsLogger:
     def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, resume_step: int | None = None):
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.dir / "metrics.jsonl"
-        self._jsonl = self.jsonl_path.open("a", buffering=1)
+        # (step, byte offset, row) of the file's last row: a later log of that step rewrites it
+        self._last: tuple[int, int, dict[str, Any]] | None = None
+        if resume_step is not None:
+            self._last = keep_rows_up_to(self.jsonl_path, resume_step)
+        self._jsonl = self.jsonl_path.open("ab", buffering=0)
         self._tb = None
         if tensorboard:
             try:
@@ -31,7 +41,14 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
+        if self._last is not None and self._last[0] == step:
+            offset = self._last[1]
+            record = {**self._last[2], **record}
+            self._jsonl.truncate(offset)  # appends go to the new end
+        else:
+            offset = self._jsonl.seek(0, os.SEEK_END)
+        self._jsonl.write((json.dumps(record) + "\n").encode())
+        self._last = (step, offset, record)
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, float(value), step)
@@ -44,3 +61,29 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def keep_rows_up_to(path: Path, step: int) -> tuple[int, int, dict[str, Any]] | None:
+    """Rewrite ``path`` (atomically) with its rows of steps <= ``step``, one row per step (rows of
+    one step merged; a torn last line dropped). Returns (step, byte offset, row) of the last row."""
+    if not path.is_file():
+        return None
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            rows[row["step"]] = {**rows.get(row["step"], {}), **row}
+    lines = [(json.dumps(rows[k]) + "\n").encode() for k in sorted(rows)]
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("wb") as f:
+        f.write(b"".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if not rows:
+        return None
+    last = max(rows)
+    return last, sum(len(line) for line in lines[:-1]), rows[last]
