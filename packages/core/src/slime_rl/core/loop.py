@@ -25,7 +25,9 @@ from slime_rl.core.actors import RolloutManager, TrainerWorker
 from slime_rl.core.advantages import compute_advantages
 from slime_rl.core.config import Config, ConfigError
 from slime_rl.core.metrics import MetricsLogger
-from slime_rl.core.ray_cluster import free_port, local_ray, resolve_device
+from slime_rl.core.placement import plan_placement, resolve_device
+from slime_rl.core.ray_cluster import free_port, local_ray
+from slime_rl.core.ray_placement import Reservation, reserve
 from slime_rl.core.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
 from slime_rl.core.sample import Sample
 from slime_rl.core.tensor_transport import shared_memory_dir
@@ -36,20 +38,18 @@ Callback = Callable[[str, dict[str, Any]], None]  # (event, payload): "start", "
 class TrainerGroup:
     """The trainer's ranks as Ray actors; each method runs on all ranks and returns rank 0's answer."""
 
-    def __init__(self, cfg: Config, role: str = "actor", placement: Any = None):
+    def __init__(self, cfg: Config, role: str = "actor", reservation: Reservation | None = None):
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        reservation = reservation or Reservation(plan_placement(cfg))
         world = cfg.actor_num_gpus
-        port = free_port()
-        self.workers = []
-        for rank in range(world):
-            options: dict[str, Any] = {"num_cpus": 0}
-            if placement is not None:  # rank i on GPU bundle i; a colocated engine shares it (slime: 0.4)
-                options.update(num_gpus=0.4 if cfg.cluster.colocate else 1.0,
-                               scheduling_strategy=PlacementGroupSchedulingStrategy(placement, rank))
-            self.workers.append(ray.remote(**options)(TrainerWorker).remote(
-                cfg.to_dict(), rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, role=role))
+        master_addr, master_port = _rendezvous_address(reservation)
+        self.workers = [
+            ray.remote(**reservation.trainer_options(rank, colocate=cfg.cluster.colocate))(TrainerWorker).remote(
+                cfg.to_dict(), rank=rank, world_size=world, master_addr=master_addr, master_port=master_port,
+                role=role)
+            for rank in range(world)
+        ]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         import ray
@@ -60,22 +60,21 @@ class TrainerGroup:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
 
-def gpu_placement_group(cfg: Config, timeout_s: float = 120.0) -> Any:
-    """One {GPU: 1} bundle per GPU the run uses (slime's rule: colocated runs need the larger of
-    the trainer's and the engines' counts, disaggregated ones both); None on the CPU."""
+def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
+    """Where trainer rank 0 listens for the others: loopback when every rank shares a node, else
+    rank 0's node address; the port is one found free on rank 0's node."""
     import ray
-    from ray.util.placement_group import placement_group
 
-    if resolve_device(cfg) != "cuda":
-        return None
-    count = (max(cfg.actor_num_gpus, cfg.rollout_num_gpus) if cfg.cluster.colocate
-             else cfg.actor_num_gpus + cfg.rollout_num_gpus)
-    group = placement_group([{"GPU": 1, "CPU": 1}] * count, strategy="PACK")
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
-        raise RuntimeError(f"Ray could not reserve {count} GPUs in {timeout_s:.0f} s (it sees "
-                           f"{ray.cluster_resources().get('GPU', 0):g}); check cluster.* GPU counts")
-    return group
+    if reservation.group is None:
+        return "127.0.0.1", free_port()
+    one_node = len({r.node for r in reservation.plan.trainer}) == 1
+
+    def address() -> tuple[str, int]:
+        return ("127.0.0.1" if one_node else ray.util.get_node_ip_address()), free_port()
+
+    options = reservation.trainer_options(0, colocate=False)
+    options.pop("num_gpus", None)  # a lookup: it needs the node, not the GPU
+    return ray.get(ray.remote(**options)(address).remote())
 
 
 def weight_transport(cfg: Config) -> str:
@@ -85,13 +84,14 @@ def weight_transport(cfg: Config) -> str:
     return "tensor" if cfg.cluster.colocate else "nccl"
 
 
-def sync_weights(cfg: Config, actor: TrainerGroup, manager: Any, *, version: int) -> None:
+def sync_weights(cfg: Config, actor: TrainerGroup, manager: Any, *, version: int) -> str:
     """Send the trainer's weights to the engines as ``version``.
 
     Engines with a trainer-side `weight_sender` (SGLang) get them straight from the trainer
     ranks; otherwise rank 0's buckets go to the rollout process (the driver never holds them):
     as shared-memory files the engine deletes when both run on one machine, else through the
-    object store (tensor_transport says why files are preferred)."""
+    object store (tensor_transport says why files are preferred). Returns which path it took:
+    ``engine`` (the engine's own sender), ``files`` or ``object_store``."""
     import ray
 
     bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
@@ -103,11 +103,12 @@ def sync_weights(cfg: Config, actor: TrainerGroup, manager: Any, *, version: int
         with files as folder:  # None: through the object store
             refs = actor.call_async("weight_buckets", bucket_bytes, folder)
             ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
-        return
+        return "files" if same_node else "object_store"
     transport = weight_transport(cfg)
     handle = ray.get(manager.begin_weight_sync.remote(version, transport))
     ray.get(actor.call_async("push_weights", sender, handle, bucket_bytes, version, transport))
     ray.get(manager.end_weight_sync.remote(version))
+    return "engine"
 
 
 def save_rollouts(path: Path, samples: list[Sample]) -> None:
@@ -161,12 +162,15 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
 
     with local_ray(cfg):
         started = time.perf_counter()
-        placement = gpu_placement_group(cfg)
-        actor = TrainerGroup(cfg, "actor", placement)
-        critic = TrainerGroup(cfg, "critic", placement) if needs_critic else None  # on the actor's GPUs
-        manager = ray.remote(num_cpus=0)(RolloutManager).remote(cfg.to_dict(), str(rollout_state_dir(log_dir, run_id)))
+        reservation = reserve(cfg)
+        actor = TrainerGroup(cfg, "actor", reservation)
+        critic = TrainerGroup(cfg, "critic", reservation) if needs_critic else None  # on the actor's GPUs
+        manager = ray.remote(**reservation.rollout_options())(RolloutManager).remote(
+            cfg.to_dict(), str(rollout_state_dir(log_dir, run_id)))
         ray.get(manager.ping.remote())
         actor.call("ready")  # every rank built: a broken backend fails here, before any rollout
+        summary["nodes"] = {"trainer": sorted(set(ray.get([w.node_id.remote() for w in actor.workers]))),
+                            "rollout": ray.get(manager.node_id.remote())}
         logger = MetricsLogger(log_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
                                config=cfg.to_dict(), resume_step=resumed[1]["step"] if resumed is not None else None)
 
@@ -242,7 +246,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 with phase(timings, "onload_rollout"):
                     ray.get(manager.resume_memory.remote())
             with phase(timings, "weight_sync"):
-                sync_weights(cfg, actor, manager, version=step + 1)
+                summary["weight_sync"] = sync_weights(cfg, actor, manager, version=step + 1)
             if offload:
                 with phase(timings, "offload_train"):
                     actor.call("offload")
