@@ -478,6 +478,7 @@ def auth_middleware(server: StandinServer):
                                server.args.api_key, server.args.admin_api_key)
         if status is not None:
             server.record("refused", path=request.path, status=status)
+            print(f"[standin-sglang] refused {request.method} {request.path}: HTTP {status}", flush=True)
             return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
         return await handler(request)
 
