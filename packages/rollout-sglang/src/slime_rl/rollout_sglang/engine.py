@@ -573,7 +573,7 @@ class SGLangEngine(RolloutEngine):
         await self.client.aclose()
         if self._nccl_group is not None:
             try:
-                torch.distributed.destroy_process_group(self._nccl_group)
+                ws.close_group(self._nccl_group)
             except Exception:  # the engines are about to go anyway
                 pass
             self._nccl_group = None

@@ -335,7 +335,14 @@ def destroy_nccl_group(group, targets: list[Target], *, timeout: float, group_na
         except WeightSyncError:
             pass  # a dead engine has no group left to destroy
     if group is not None:
+        close_group(group)
+
+
+def close_group(group) -> None:
+    """This side of the group, and the store's listening socket when this process hosts it."""
+    try:
         torch.distributed.destroy_process_group(group)
+    finally:
         _, listen_sock = _GROUP_SOCKETS.pop(group, (None, None))
         if listen_sock is not None:
             listen_sock.close()
