@@ -295,3 +295,34 @@ def test_keys_refuse_strangers_and_admit_the_engine(engine, tiny_llama):
     listening = sorted({f"{p.name()}: {c.laddr.ip}:{c.laddr.port}" for p in procs
                         for c in p.net_connections("tcp") if c.status == "LISTEN"})
     print("(keys) listening: " + "; ".join(listening))
+
+
+def test_standin_key_rules_match_this_sglang():
+    """The CPU tests' stand-in enforces keys with a copy of SGLang's rules: the same decision as
+    ``sglang.srt.utils.auth.decide_request_auth`` and the same admin endpoints as this SGLang's
+    http_server.py, so a new SGLang that changes them shows here."""
+    import importlib.util
+    import itertools
+    import re
+
+    import standin_sglang
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    source = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    text = (source / "srt" / "entrypoints" / "http_server.py").read_text()
+    admin = set()
+    for block in re.split(r"\n(?=@app\.)", text):
+        if "AuthLevel.ADMIN_OPTIONAL" in block.split("def ", 1)[0]:
+            admin |= {p for p in re.findall(r'"(/[^"]*)"', block.split("def ", 1)[0]) if "{" not in p}
+    assert admin == {p for p in standin_sglang.ADMIN_OPTIONAL}, admin ^ standin_sglang.ADMIN_OPTIONAL
+    keys = [None, "k-api", "k-admin"]
+    for path, header, api, adm in itertools.product(["/generate", "/update_weights_from_disk", "/health",
+                                                     "/metrics", "/server_info", "/abort_request"],
+                                                    [None, "Bearer k-api", "Bearer k-admin", "Bearer x", "k-api"],
+                                                    keys, keys):
+        level = AuthLevel.ADMIN_OPTIONAL if path in admin else AuthLevel.NORMAL
+        real = decide_request_auth(method="POST", path=path, authorization_header=header, api_key=api,
+                                   admin_api_key=adm, auth_level=level)
+        ours = standin_sglang.auth_decision("POST", path, header, api, adm)
+        assert (ours is None) == real.allowed and (ours is None or ours == real.error_status_code), \
+            (path, header, api, adm)
