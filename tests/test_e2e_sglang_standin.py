@@ -54,3 +54,8 @@ def test_loop_through_sglang_router_with_trainer_side_weight_sync(transport, tin
     assert all(r["rollout/tokens"] > 0 for r in rows)
     logs = (tmp_path / "run" / "sglang" / "logs")
     assert any(logs.iterdir()), "the servers' logs are kept next to the run"
+    # The servers ran with the run's keys (from a private --config file, never on the command line)
+    # and refused none of the loop's calls, the trainer's weight pushes included.
+    server_logs = [p.read_text() for p in logs.glob("sglang-engine-*.log")]
+    assert server_logs and all("--config" in text and "--api-key" not in text for text in server_logs)
+    assert not any("refused" in text for text in server_logs)

@@ -11,7 +11,10 @@ endpoints, read back by /get_weights_by_name); the NCCL path joins a real
 torch.distributed group (gloo on CPU).
 
 Run as ``python standin_sglang.py --model-path DIR --host H --port P [SGLang flags]``;
-unknown SGLang flags are accepted and reported in /server_info like SGLang does.
+unknown SGLang flags are accepted and reported in /server_info like SGLang does. ``--config
+FILE.yaml`` is merged into the flags as SGLang does. ``--api-key`` and ``--admin-api-key`` are
+enforced with SGLang's rules (`auth_decision`, a copy of ``srt/utils/auth.py``'s
+``decide_request_auth`` with the endpoint levels of ``srt/entrypoints/http_server.py``).
 Stand-in-only flags start with ``--standin-``. ``GET /standin/state`` reports what the
 server saw (requests, weight updates, pauses, flushes) so tests can check it.
 """
@@ -29,6 +32,7 @@ import hashlib
 import io
 import json
 import pickle
+import secrets
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -39,7 +43,25 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 
+def merge_config(argv: list[str]) -> list[str]:
+    """SGLang's ``--config FILE.yaml``: its keys become flags placed before the command line's."""
+    if "--config" not in argv:
+        return argv
+    import yaml
+
+    i = argv.index("--config")
+    config = yaml.safe_load(open(argv[i + 1])) or {}
+    flags: list[str] = []
+    for key, value in config.items():
+        if value is True:
+            flags.append(f"--{key}")
+        elif value is not False:
+            flags += [f"--{key}", str(value)]
+    return flags + argv[:i] + argv[i + 2:]
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = merge_config(argv)
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
     p.add_argument("--tokenizer-path", default=None)
@@ -47,6 +69,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", "--tp", type=int, default=1)
     p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--admin-api-key", default=None)
     p.add_argument("--standin-startup-delay", type=float, default=0.0)  # /health answers 503 this long
     p.add_argument("--standin-never-healthy", action="store_true")  # /health always 503
     p.add_argument("--standin-crash-on-start", action="store_true")  # exit 1 after logging an error
@@ -211,6 +235,8 @@ class StandinServer:
         return {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
                 "host": self.args.host, "port": self.args.port, "tp_size": self.args.tp_size, "dp_size": 1,
                 "skip_tokenizer_init": False, "enable_memory_saver": self.args.enable_memory_saver,
+                # SGLang's /server_info returns its whole ServerArgs, both keys included.
+                "api_key": self.args.api_key, "admin_api_key": self.args.admin_api_key,
                 "standin_extra_flags": self.extra_flags}
 
     async def handle_server_info(self, request: web.Request) -> web.Response:
@@ -406,6 +432,59 @@ def _receive_broadcast(group, body: dict) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
+# SGLang 0.5.17's endpoints marked @auth_level(AuthLevel.ADMIN_OPTIONAL) (http_server.py); every other
+# endpoint is NORMAL. With an admin key set, these take only the admin key.
+ADMIN_OPTIONAL = {
+    "/set_internal_state", "/flush_cache", "/add_external_corpus", "/remove_external_corpus",
+    "/list_external_corpora", "/clear_hicache_storage_backend", "/hicache/storage-backend/clear",
+    "/hicache/storage-backend", "/start_profile", "/stop_profile", "/freeze_gc",
+    "/start_expert_distribution_record", "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record", "/update_weights_from_disk",
+    "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
+    "/get_remote_instance_transfer_engine_info", "/remote_instance_transfer_engine_info",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_tensor",
+    "/update_weights_from_distributed", "/update_weights_from_ipc", "/update_weight_version",
+    "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker",
+    "/slow_down", "/load_lora_adapter", "/unload_lora_adapter", "/configure_logging", "/abort_request",
+    "/pause_generation", "/continue_generation",
+}
+
+
+def auth_decision(method: str, path: str, authorization: str | None, api_key: str | None,
+                  admin_api_key: str | None) -> int | None:
+    """None if allowed, else the HTTP status (SGLang's decide_request_auth: /health* and /metrics
+    always open; admin endpoints take the admin key when one is set, else the api key; the others
+    take the api key when one is set)."""
+    if method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics"):
+        return None
+    if path.startswith("/standin/"):  # the test double's own inspection endpoint, not SGLang's
+        return None
+
+    def matches(expected: str) -> bool:
+        parts = (authorization or "").split(" ", 1)
+        return len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1], expected)
+
+    if path in ADMIN_OPTIONAL or path.startswith("/dumper/"):
+        expected = admin_api_key or api_key
+    else:
+        expected = api_key
+    return None if expected is None or matches(expected) else 401
+
+
+def auth_middleware(server: StandinServer):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        status = auth_decision(request.method, request.path, request.headers.get("Authorization"),
+                               server.args.api_key, server.args.admin_api_key)
+        if status is not None:
+            server.record("refused", path=request.path, status=status)
+            print(f"[standin-sglang] refused {request.method} {request.path}: HTTP {status}", flush=True)
+            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
+        return await handler(request)
+
+    return check
+
+
 async def _json_or_empty(request: web.Request) -> dict:
     raw = await request.read()
     return json.loads(raw) if raw.strip() else {}
@@ -416,7 +495,9 @@ def _error(message: str, status: int = 400) -> web.Response:
 
 
 def build_app(server: StandinServer) -> web.Application:
-    app = web.Application(client_max_size=1 << 30)
+    # Like SGLang, the key check is only there when a key is set.
+    keyed = server.args.api_key or server.args.admin_api_key
+    app = web.Application(client_max_size=1 << 30, middlewares=[auth_middleware(server)] if keyed else [])
     r = app.router
     for path in ("/health", "/health_generate"):
         r.add_get(path, server.handle_health)

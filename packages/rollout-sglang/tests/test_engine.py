@@ -18,6 +18,7 @@ from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.plugins import load_plugin
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.engine import SGLangEngine
+from slime_rl.rollout_sglang.keys import bearer
 from slime_rl.rollout_sglang.weight_sync import WeightSyncError
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -158,7 +159,7 @@ def test_weight_sync_changes_generations_and_reports_the_version(make_engine, ti
     assert after.token_ids != before.token_ids  # the engines really generate from the new weights
     for url in engine.engine_urls:
         engine_lm_head = torch.tensor(httpx.post(f"{url}/get_weights_by_name", json={"name": "lm_head.weight"},
-                                                 timeout=10).json())
+                                                 headers=bearer(engine.keys.admin_key), timeout=10).json())
         assert torch.equal(engine_lm_head, dict(weights)["lm_head.weight"].float()[:100])
         kinds = [e["kind"] for e in state(url)["events"] if e["kind"] != "generate_body" and e["kind"] != "generate"]
         update = {"tensor": "update_weights_from_tensor", "disk": "update_weights_from_disk",
@@ -305,8 +306,10 @@ def test_a_killed_engine_is_replaced_and_nothing_is_lost_or_doubled(make_engine,
     assert any(e["rid"].startswith("after") for e in events(fresh.url, "generate"))
 
 
-def test_attach_to_running_servers(shared_engine, tiny_model, standin_python, tmp_path):
+def test_attach_to_running_servers(shared_engine, tiny_model, standin_python, tmp_path, monkeypatch):
     launched = shared_engine
+    monkeypatch.setenv("SLIME_RL_ENGINE_API_KEY", launched.keys.api_key)  # attached servers' keys: keys.py
+    monkeypatch.setenv("SLIME_RL_ENGINE_ADMIN_API_KEY", launched.keys.admin_key)
     cfg = make_config(tiny_model, standin_python, tmp_path / "attached", engine_urls=launched.engine_urls)
     attached = SGLangEngine.from_config(cfg)
     try:

@@ -6,7 +6,9 @@
 Items (issue 7): (a) token-in/token-out with log-probs through the router; (c) colocated
 sync by CUDA IPC tensors, after which the engine's weights equal the trainer's and the
 generations change; (d) NCCL sync across 2 GPUs; (e) release and resume memory with the
-freed GiB reported; and disk sync. Each prints its figures (run with -s).
+freed GiB reported; and disk sync. Each prints its figures (run with -s). Issue 14: the real
+server refuses a weight update, a memory release and an abort without the run's keys, and
+takes them with the keys.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from slime_rl.core.config import Config
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.engine import SGLangEngine
+from slime_rl.rollout_sglang.keys import bearer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
@@ -239,3 +242,87 @@ def test_d_nccl_sync_across_two_gpus(tiny_llama, tmp_path, monkeypatch):
         raise
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_keys_refuse_strangers_and_admit_the_engine(engine, tiny_llama):
+    """Issue 14: weight update, memory release, abort and pause without the admin key are refused by
+    the real server (HTTP 401, nothing changes); the engine, which holds the run's keys, does all
+    of them. Also prints what the server's processes listen on (docs/multi-node.md)."""
+    import httpx
+    import psutil
+
+    url, router = engine.engine_urls[0], engine.router.url
+    before = generate_all(engine, PROMPTS[:2], GREEDY)
+    zeros = [(n, torch.zeros_like(t)) for n, t in hf_weights(tiny_llama, "cpu")]
+    stranger = {
+        "/update_weights_from_disk": {"model_path": str(tiny_llama)},
+        "/update_weights_from_tensor": {"serialized_named_tensors": [ws.serialize_bucket(zeros)],
+                                        "load_format": "flattened_bucket"},
+        "/release_memory_occupation": {"tags": None},
+        "/abort_request": {"abort_all": True},
+        "/pause_generation": {"mode": "abort"},
+    }
+    refused = {}
+    for path, body in stranger.items():
+        for who, headers in {"no key": {}, "a guess": {"Authorization": "Bearer guess"},
+                             "the api key": bearer(engine.keys.api_key)}.items():
+            status = httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60).status_code
+            refused[f"{path} with {who}"] = status
+    generate = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}
+    refused["server /generate without key"] = httpx.post(f"{url}/generate", json=generate, timeout=60).status_code
+    refused["router /generate without key"] = httpx.post(f"{router}/generate", json=generate, timeout=60).status_code
+    refused["router POST /workers without key"] = httpx.post(f"{router}/workers", json={"url": "http://127.0.0.1:9"},
+                                                             timeout=60).status_code
+    print("\n(keys) " + "; ".join(f"{k}: {v}" for k, v in refused.items()))
+    assert set(refused.values()) == {401}, refused
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+    # nothing changed: the same greedy tokens, then the engine does each of them with its keys
+    assert [o.token_ids for o in generate_all(engine, PROMPTS[:2], GREEDY)] == [o.token_ids for o in before]
+    asyncio.run(engine.release_memory())
+    asyncio.run(engine.resume_memory())
+    engine.transport = "disk"
+    version = engine.weight_version + 1
+    asyncio.run(engine.update_weights(hf_weights(tiny_llama, "cpu"), version=version, last=True))
+    after = generate_all(engine, PROMPTS[:2], GREEDY)
+    assert all(o.weight_version == version for o in after)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
+    # the keys are in no command line; the server's log (SGLang logs its arguments) is private
+    secrets = [engine.keys.api_key, engine.keys.admin_key, engine.keys.router_key]
+    server = psutil.Process(engine.servers[0].process.pid)
+    procs = [server, *server.children(recursive=True), psutil.Process(engine.router.process.pid)]
+    assert not any(k in " ".join(p.cmdline()) for p in procs for k in secrets)
+    assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in (engine.work_dir / "logs").iterdir())
+    listening = sorted({f"{p.name()}: {c.laddr.ip}:{c.laddr.port}" for p in procs
+                        for c in p.net_connections("tcp") if c.status == "LISTEN"})
+    print("(keys) listening: " + "; ".join(listening))
+
+
+def test_standin_key_rules_match_this_sglang():
+    """The CPU tests' stand-in enforces keys with a copy of SGLang's rules: the same decision as
+    ``sglang.srt.utils.auth.decide_request_auth`` and the same admin endpoints as this SGLang's
+    http_server.py, so a new SGLang that changes them shows here."""
+    import importlib.util
+    import itertools
+    import re
+
+    import standin_sglang
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    source = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
+    text = (source / "srt" / "entrypoints" / "http_server.py").read_text()
+    admin = set()
+    for block in re.split(r"\n(?=@app\.)", text):
+        if "AuthLevel.ADMIN_OPTIONAL" in block.split("def ", 1)[0]:
+            admin |= {p for p in re.findall(r'"(/[^"]*)"', block.split("def ", 1)[0]) if "{" not in p}
+    assert admin == {p for p in standin_sglang.ADMIN_OPTIONAL}, admin ^ standin_sglang.ADMIN_OPTIONAL
+    keys = [None, "k-api", "k-admin"]
+    for path, header, api, adm in itertools.product(["/generate", "/update_weights_from_disk", "/health",
+                                                     "/metrics", "/server_info", "/abort_request"],
+                                                    [None, "Bearer k-api", "Bearer k-admin", "Bearer x", "k-api"],
+                                                    keys, keys):
+        level = AuthLevel.ADMIN_OPTIONAL if path in admin else AuthLevel.NORMAL
+        real = decide_request_auth(method="POST", path=path, authorization_header=header, api_key=api,
+                                   admin_api_key=adm, auth_level=level)
+        ours = standin_sglang.auth_decision("POST", path, header, api, adm)
+        assert (ours is None) == real.allowed and (ours is None or ours == real.error_status_code), \
+            (path, header, api, adm)

@@ -88,8 +88,9 @@ class GenerateClient:
     """One connection pool to the router, at most ``max_concurrency`` requests in flight."""
 
     def __init__(self, router_url: str, *, max_concurrency: int = 512, request_timeout: float = 3600.0,
-                 retry_timeout: float = 900.0):
+                 retry_timeout: float = 900.0, api_key: str | None = None):
         self.router_url = router_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # the router's --api-key
         self.request_timeout = request_timeout  # one generation, start to end
         self.retry_timeout = retry_timeout  # how long to keep retrying a request no worker can take
         self._max_concurrency = max_concurrency
@@ -105,7 +106,7 @@ class GenerateClient:
             if self._session is not None:
                 _abandon(self._session)
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_concurrency),
+                connector=aiohttp.TCPConnector(limit=self._max_concurrency), headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout, connect=10.0))
             self._semaphore = asyncio.Semaphore(self._max_concurrency)
             self._loop = loop

@@ -30,6 +30,7 @@ import torch
 from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.client import GenerateClient
+from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router, launch_router
 from slime_rl.rollout_sglang.server import (
     ServerStartError,
@@ -69,7 +70,7 @@ class SGLangEngine(RolloutEngine):
                  max_concurrency: int = 512, transport: Transport = "auto", colocated: bool = True,
                  request_timeout: float = 3600.0, sync_timeout: float = 600.0, startup_timeout: float = 900.0,
                  health_interval: float = 5.0, keep_weights_for_recovery: bool = True,
-                 verify_weights: bool = False, weights_cpu_backup: bool = False):
+                 verify_weights: bool = False, weights_cpu_backup: bool = False, keys: EngineKeys | None = None):
         self.servers = servers
         self.router = router
         self.model_path = model_path
@@ -82,8 +83,9 @@ class SGLangEngine(RolloutEngine):
         self.keep_weights_for_recovery = keep_weights_for_recovery  # a CPU copy, to restore a restarted engine
         self.verify_weights = verify_weights  # compare engine and trainer weights after each sync
         self.weights_cpu_backup = weights_cpu_backup  # the servers keep weights over a memory release
+        self.keys = keys or EngineKeys()  # the run's keys (keys.py); the servers and the router refuse others
         self.client = GenerateClient(router.url, max_concurrency=max_concurrency, request_timeout=request_timeout,
-                                     retry_timeout=startup_timeout)
+                                     retry_timeout=startup_timeout, api_key=router.key)
         self._version = 0
         self._inflight: dict[str, _Request] = {}
         self._closed_by: set[str] = set()  # why generation is held: "sync", "memory"
@@ -141,21 +143,24 @@ class SGLangEngine(RolloutEngine):
     def launch(cls, model_path: str, *, num_engines: int = 1, tp_size: int = 1, engine_args: dict | None = None,
                python: str | None = None, gpu_ids: list[list[int]] | None = None, work_dir: str | Path | None = None,
                policy: str = "round_robin", startup_timeout: float = 900.0, **kwargs) -> SGLangEngine:
-        """Start the servers (all at once), wait until each is healthy, then the router."""
+        """Start the servers (all at once), wait until each is healthy, then the router. All listen on
+        loopback and refuse requests without this run's fresh keys (``/health`` excepted)."""
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
         log_dir = work_dir / "logs"
         engine_args = dict(engine_args or {})
+        keys = EngineKeys.generate()
         servers: list[SGLangServer] = []
         router = None
         try:
             for i in range(num_engines):
                 servers.append(start_server(i, model_path, log_dir=log_dir, python=python, tp_size=tp_size,
-                                            engine_args=engine_args, gpu_ids=gpu_ids[i] if gpu_ids else None))
+                                            engine_args=engine_args, gpu_ids=gpu_ids[i] if gpu_ids else None,
+                                            keys=keys))
             for server in servers:
                 wait_healthy(server, startup_timeout)
-            router = launch_router(log_dir, policy=policy, extra_args=_router_args(kwargs))
+            router = launch_router(log_dir, policy=policy, extra_args=_router_args(kwargs), key=keys.router_key)
             for server in servers:
-                router.add_worker(server.url)
+                router.add_worker(server.url, api_key=keys.api_key)
             router.wait_ready(len(servers))
         except BaseException:
             for server in servers:
@@ -166,25 +171,28 @@ class SGLangEngine(RolloutEngine):
             raise
         weights_cpu_backup = bool(engine_args.get("enable_weights_cpu_backup"))
         return cls(servers, router, model_path=model_path, work_dir=work_dir, startup_timeout=startup_timeout,
-                   weights_cpu_backup=weights_cpu_backup, **kwargs)
+                   weights_cpu_backup=weights_cpu_backup, keys=keys, **kwargs)
 
     @classmethod
     def attach(cls, urls: list[str], *, work_dir: str | Path | None = None, policy: str = "round_robin",
                **kwargs) -> SGLangEngine:
         """Front servers someone else runs; a failed one is waited for (not restarted) and then
-        given the current weights again."""
+        given the current weights again. Their keys come from the environment (keys.py:
+        ``SLIME_RL_ENGINE_API_KEY``, ``SLIME_RL_ENGINE_ADMIN_API_KEY``)."""
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
-        servers = [attach_server(i, url) for i, url in enumerate(urls)]
-        model_path = httpx.get(f"{servers[0].url}/model_info", timeout=30).json()["model_path"]
-        router = launch_router(work_dir / "logs", policy=policy, extra_args=_router_args(kwargs))
+        keys = EngineKeys.for_attached()
+        servers = [attach_server(i, url, keys=keys) for i, url in enumerate(urls)]
+        model_path = httpx.get(f"{servers[0].url}/model_info", headers=servers[0].headers,
+                               timeout=30).json()["model_path"]
+        router = launch_router(work_dir / "logs", policy=policy, extra_args=_router_args(kwargs), key=keys.router_key)
         try:
             for server in servers:
-                router.add_worker(server.url)
+                router.add_worker(server.url, api_key=keys.api_key)
             router.wait_ready(len(servers))
         except BaseException:
             router.stop()
             raise
-        return cls(servers, router, model_path=model_path, work_dir=work_dir, **kwargs)
+        return cls(servers, router, model_path=model_path, work_dir=work_dir, keys=keys, **kwargs)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -198,7 +206,7 @@ class SGLangEngine(RolloutEngine):
 
     def targets(self) -> list[ws.Target]:
         """The servers that take part in control calls now (not those being restarted)."""
-        return [ws.Target(s.name, s.url, s.tp_size) for s in self.servers if s.index not in self._recovering]
+        return [_target(s) for s in self.servers if s.index not in self._recovering]
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -276,7 +284,7 @@ class SGLangEngine(RolloutEngine):
                 if not sent:
                     return
                 # Re-sent until they return: an abort can reach a server before its request does.
-                posts = [http.post(f"{t.url}/abort_request", json={"rid": r.wire_prefix})
+                posts = [http.post(f"{t.url}/abort_request", json={"rid": r.wire_prefix}, headers=t.headers)
                          for r in sent for t in self.targets()]
                 await asyncio.gather(*posts, return_exceptions=True)
                 if loop.time() >= deadline:
@@ -522,7 +530,7 @@ class SGLangEngine(RolloutEngine):
             if self._shut:
                 raise RuntimeError("the engine shut down during recovery")
             async with self._lock():  # a sync in progress ends first; then this engine gets its version
-                target = ws.Target(fresh.name, fresh.url, fresh.tp_size)
+                target = _target(fresh)
                 if self._version > 0 or self._weights_stale:
                     await asyncio.to_thread(self._restore_weights, [target])
                 if self._released:  # a colocated trainer holds the GPU now: give the memory back again
@@ -533,7 +541,7 @@ class SGLangEngine(RolloutEngine):
                                             step="recovery: hold generation")
                 self.servers[self.servers.index(server)] = fresh
                 self._failures[idx] = 0
-                await asyncio.to_thread(self.router.add_worker, fresh.url)
+                await asyncio.to_thread(self.router.add_worker, fresh.url, api_key=fresh.keys.api_key)
             self.restarts += 1
             self._recovery_failures[idx] = 0
             logger.warning("%s is back with weight version %d", fresh.name, self._version)
@@ -565,7 +573,7 @@ class SGLangEngine(RolloutEngine):
         await self.client.aclose()
         if self._nccl_group is not None:
             try:
-                torch.distributed.destroy_process_group(self._nccl_group)
+                ws.close_group(self._nccl_group)
             except Exception:  # the engines are about to go anyway
                 pass
             self._nccl_group = None
@@ -573,6 +581,11 @@ class SGLangEngine(RolloutEngine):
         for server in self.servers:
             if server.process is not None:
                 server.process.stop()
+
+
+def _target(server: SGLangServer) -> ws.Target:
+    """A server as control calls see it; they carry its admin key (the trainer's sender gets these too)."""
+    return ws.Target(server.name, server.url, server.tp_size, admin_key=server.keys.admin_key)
 
 
 def _router_args(engine_kwargs: dict) -> list[str]:

@@ -92,7 +92,10 @@ def start_process(name: str, cmd: list[str], log_path: str | Path, env: dict[str
     """Start ``cmd`` in a new session (its own process group) with stdout and stderr to ``log_path``."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
+    # Private: SGLang logs its arguments, the run's keys among them.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "ab") as log:
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
         try:

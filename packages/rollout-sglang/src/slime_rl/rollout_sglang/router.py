@@ -3,10 +3,18 @@
 Measured behaviour (notes/sglang-router.md): workers join through ``POST /workers``
 and are in rotation ~0.4 s later; ``GET /readiness`` counts healthy workers; the
 Prometheus exporter must get its own port or a second router dies on 29000.
+
+Keys (measured on the 0.3.2 binary, docs/multi-node.md): the router's ``--api-key`` guards its
+``/generate`` and ``/v1/*``; ``--control-plane-api-keys`` with an admin role guards ``/workers``,
+``/flush_cache`` and ``/get_loads``; a worker registered at run time gets the key the router
+sends it from ``POST /workers {"api_key"}`` (not from ``--api-key``). ``/health``, ``/readiness``,
+``/health_generate``, ``/get_server_info``, ``/get_model_info``, ``/v1/models`` and the
+Prometheus port stay open. The router has no weight, memory or abort endpoints (404).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -14,7 +22,17 @@ from pathlib import Path
 
 import httpx
 
+from slime_rl.rollout_sglang.keys import bearer
 from slime_rl.rollout_sglang.process import ChildProcess, free_port, start_process
+
+# The router's key travels in its environment, not on its command line (which every user can list).
+_KEY_ENV = "SLIME_RL_ROUTER_KEY"
+_LAUNCH_WITH_KEY = (
+    "import os, sys\n"
+    "from sglang_router.launch_router import main\n"
+    f"key = os.environ.pop({_KEY_ENV!r})\n"
+    "sys.argv[1:] += ['--api-key', key, '--control-plane-api-keys', 'slime-rl:slime-rl:admin:' + key]\n"
+    "main()\n")
 
 
 class RouterError(RuntimeError):
@@ -26,10 +44,11 @@ class Router:
     url: str
     process: ChildProcess | None = None
     worker_ids: dict[str, str] = field(default_factory=dict)  # worker url -> router's worker id
+    key: str | None = field(default=None, repr=False)  # its --api-key and admin control-plane key
 
     def _request(self, method: str, path: str, timeout: float = 30.0, **kwargs) -> httpx.Response:
         try:
-            return httpx.request(method, f"{self.url}{path}", timeout=timeout, **kwargs)
+            return httpx.request(method, f"{self.url}{path}", headers=bearer(self.key), timeout=timeout, **kwargs)
         except httpx.HTTPError as err:
             raise RouterError(f"sglang-router at {self.url}: {method} {path} failed: {err}{self._tail()}") from None
 
@@ -45,9 +64,11 @@ class Router:
         resp.raise_for_status()
         return resp.json()["workers"]
 
-    def add_worker(self, url: str, timeout: float = 60.0) -> None:
-        """Register ``url`` and wait until the router routes to it."""
-        resp = self._request("POST", "/workers", json={"url": url})
+    def add_worker(self, url: str, timeout: float = 60.0, api_key: str | None = None) -> None:
+        """Register ``url`` and wait until the router routes to it; ``api_key`` is the key the router
+        sends to this worker (its ``--api-key``)."""
+        body = {"url": url, **({"api_key": api_key} if api_key else {})}
+        resp = self._request("POST", "/workers", json=body)
         if resp.status_code not in (200, 202):
             raise RouterError(f"sglang-router refused worker {url}: HTTP {resp.status_code} {resp.text[:300]}")
         self.worker_ids[url] = resp.json().get("worker_id", "")
@@ -95,17 +116,21 @@ class Router:
 
 
 def launch_router(log_dir: str | Path, *, policy: str = "round_robin", host: str = "127.0.0.1",
-                  extra_args: list[str] | None = None, timeout: float = 60.0, attempts: int = 3) -> Router:
+                  extra_args: list[str] | None = None, timeout: float = 60.0, attempts: int = 3,
+                  key: str | None = None) -> Router:
     """Start ``sglang_router.launch_router`` on loopback with no workers and wait for ``/health``.
+    With ``key``, its routing and control endpoints refuse requests without it.
     A port taken between picking and binding it is retried with fresh ports."""
     last_error = ""
+    launcher = ["-c", _LAUNCH_WITH_KEY] if key else ["-m", "sglang_router.launch_router"]
+    env = {**os.environ, _KEY_ENV: key} if key else None
     for _ in range(attempts):
         port, metrics_port = free_port(host), free_port(host)
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+        cmd = [sys.executable, *launcher, "--host", host, "--port", str(port),
                "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(metrics_port),
                "--log-level", "warn", *(extra_args or [])]
-        process = start_process("sglang-router", cmd, Path(log_dir) / f"sglang-router-port{port}.log")
-        router = Router(url=f"http://{host}:{port}", process=process)
+        process = start_process("sglang-router", cmd, Path(log_dir) / f"sglang-router-port{port}.log", env=env)
+        router = Router(url=f"http://{host}:{port}", process=process, key=key)
         deadline = time.monotonic() + timeout
         while process.alive() and time.monotonic() < deadline:
             try:

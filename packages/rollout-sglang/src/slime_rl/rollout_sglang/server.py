@@ -4,8 +4,11 @@ by URL, and waited on until ``/health`` answers."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,10 +16,13 @@ from typing import Any
 
 import httpx
 
+from slime_rl.rollout_sglang.keys import EngineKeys, bearer
 from slime_rl.rollout_sglang.process import ChildProcess, free_port, start_process
 
+logger = logging.getLogger(__name__)
+
 # Flags slime-rl sets itself; giving them in rollout.engine_args would be silently overridden.
-_OWN_FLAGS = {"model-path", "host", "port", "tp-size", "tp", "tensor-parallel-size"}
+_OWN_FLAGS = {"model-path", "host", "port", "tp-size", "tp", "tensor-parallel-size", "api-key", "admin-api-key"}
 
 
 class ServerStartError(RuntimeError):
@@ -33,6 +39,13 @@ class SGLangServer:
     process: ChildProcess | None = None  # None when attached to a server someone else runs
     gpu_ids: list[int] | None = None
     launch: dict[str, Any] = field(default_factory=dict)  # what start_server was given, to restart it
+    keys: EngineKeys = field(default_factory=EngineKeys)
+    key_file: Path | None = None  # the private --config file with the keys; removed once the server is up
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """For the server's normal endpoints (``/server_info``, ``/model_info``)."""
+        return bearer(self.keys.api_key)
 
     @property
     def name(self) -> str:
@@ -68,16 +81,63 @@ def server_command(python: str, model_path: str, *, host: str, port: int, tp_siz
             "--tp-size", str(tp_size), *engine_args_to_flags(engine_args)]
 
 
+def write_key_config(keys: EngineKeys, engine_args: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """SGLang's ``--config`` YAML holding the keys (and a user's own ``config`` file merged in), in a
+    fresh private folder: keys on the command line would show in every user's process listing.
+    Returns the file and the engine args without ``config``."""
+    import yaml
+
+    engine_args = dict(engine_args)
+    merged: dict[str, Any] = {}
+    user_config = engine_args.pop("config", None)
+    if user_config:
+        try:
+            merged = yaml.safe_load(Path(user_config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ValueError(f"rollout.engine_args.config: cannot read {user_config}: {err}") from None
+        if not isinstance(merged, dict) or {"api-key", "api_key", "admin-api-key", "admin_api_key"} & set(merged):
+            raise ValueError(f"rollout.engine_args.config: {user_config} must be a mapping without api-key or "
+                             "admin-api-key (slime-rl sets the run's keys itself)")
+    merged.update(keys.server_config())
+    folder = Path(tempfile.mkdtemp(prefix="slime-rl-sglang-keys-"))  # 0700
+    path = folder / "server.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"{key}: {json.dumps(value)}\n" for key, value in merged.items()))  # JSON is YAML
+    return path, engine_args
+
+
+def check_engine_args_with_keys(engine_args: dict[str, Any]) -> None:
+    """SGLang options that switch its key check off or refuse keys (srt/entrypoints/http_server.py,
+    server_args.py of 0.5.17): refused here, before a server starts."""
+    flags = {str(k).lstrip("-").replace("_", "-"): v for k, v in engine_args.items()}
+    if int(flags.get("tokenizer-worker-num") or 1) > 1:
+        raise ValueError("rollout.engine_args.tokenizer_worker_num: SGLang checks no API key with more than one "
+                         "tokenizer worker, so the weight and memory endpoints would be open; remove it")
+    if flags.get("grpc-port"):
+        raise ValueError("rollout.engine_args.grpc_port: SGLang's gRPC listener bypasses the API keys "
+                         "(it refuses to start with them); remove it")
+
+
 def start_server(index: int, model_path: str, *, log_dir: str | Path, python: str | None = None, tp_size: int = 1,
                  engine_args: dict[str, Any] | None = None, gpu_ids: list[int] | None = None,
-                 host: str = "127.0.0.1", env: dict[str, str] | None = None) -> SGLangServer:
-    """Start one server process (not yet healthy: see `wait_healthy`)."""
+                 host: str = "127.0.0.1", env: dict[str, str] | None = None,
+                 keys: EngineKeys | None = None) -> SGLangServer:
+    """Start one server process (not yet healthy: see `wait_healthy`). With ``keys``, the server
+    refuses every request but ``/health`` that lacks them."""
     python = python or sys.executable
     if os.sep in python and not os.access(python, os.X_OK):
         raise ValueError(f"rollout.engine_python: {python} is not an executable interpreter")
+    keys = keys or EngineKeys()
     engine_args = dict(engine_args or {})
+    cmd_args, key_file = engine_args, None
+    engine_args_to_flags(engine_args)  # refuse bad engine_args before writing anything
+    if keys.api_key or keys.admin_key:
+        check_engine_args_with_keys(engine_args)
+        key_file, cmd_args = write_key_config(keys, engine_args)
+        cmd_args["config"] = str(key_file)
     port = free_port(host)
-    cmd = server_command(python, model_path, host=host, port=port, tp_size=tp_size, engine_args=engine_args)
+    cmd = server_command(python, model_path, host=host, port=port, tp_size=tp_size, engine_args=cmd_args)
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     # The H200 machine's rules hold in every process we start (gpu/README.md).
@@ -87,11 +147,15 @@ def start_server(index: int, model_path: str, *, log_dir: str | Path, python: st
     if gpu_ids is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
     log_path = Path(log_dir) / f"sglang-engine-{index}-port{port}.log"
-    process = start_process(f"sglang engine {index}", cmd, log_path, env=child_env)
+    try:
+        process = start_process(f"sglang engine {index}", cmd, log_path, env=child_env)
+    except BaseException:
+        _remove_key_file(key_file)
+        raise
     launch = dict(model_path=model_path, log_dir=str(log_dir), python=python, tp_size=tp_size,
-                  engine_args=engine_args, gpu_ids=gpu_ids, host=host, env=env)
+                  engine_args=engine_args, gpu_ids=gpu_ids, host=host, env=env, keys=keys)
     return SGLangServer(index=index, url=f"http://{host}:{port}", tp_size=tp_size, process=process,
-                        gpu_ids=gpu_ids, launch=launch)
+                        gpu_ids=gpu_ids, launch=launch, keys=keys, key_file=key_file)
 
 
 def restart_server(server: SGLangServer) -> SGLangServer:
@@ -112,6 +176,23 @@ def is_healthy(url: str, timeout: float = 5.0) -> bool:
 def wait_healthy(server: SGLangServer, timeout: float, interval: float = 0.5) -> None:
     """Block until ``GET /health`` answers 200. Raises `ServerStartError` (with the log tail)
     if the process exits first or ``timeout`` seconds pass; a launched server is then stopped."""
+    try:
+        _wait_healthy(server, timeout, interval)
+    finally:
+        _remove_key_file(server.key_file)  # read at start; a restart writes a fresh one
+        server.key_file = None
+
+
+def _remove_key_file(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
+        try:
+            path.parent.rmdir()
+        except OSError:
+            pass
+
+
+def _wait_healthy(server: SGLangServer, timeout: float, interval: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if server.process is not None and not server.process.alive():
@@ -133,10 +214,22 @@ def wait_healthy(server: SGLangServer, timeout: float, interval: float = 0.5) ->
         time.sleep(interval)
 
 
-def attach_server(index: int, url: str, timeout: float = 30.0) -> SGLangServer:
-    """A server someone else runs; its TP size comes from ``/server_info``."""
-    server = SGLangServer(index=index, url=url.rstrip("/"))
+def attach_server(index: int, url: str, timeout: float = 30.0, keys: EngineKeys | None = None) -> SGLangServer:
+    """A server someone else runs; its TP size comes from ``/server_info``. Its keys come from the
+    environment (`EngineKeys.for_attached`)."""
+    from slime_rl.rollout_sglang.keys import ENV_ADMIN_KEY, ENV_API_KEY
+
+    server = SGLangServer(index=index, url=url.rstrip("/"), keys=keys or EngineKeys())
     wait_healthy(server, timeout)
-    info = httpx.get(f"{server.url}/server_info", timeout=30).json()
+    resp = httpx.get(f"{server.url}/server_info", headers=server.headers, timeout=30)
+    if resp.status_code in (401, 403):
+        raise ServerStartError(f"{server.name} refused our key (HTTP {resp.status_code}): set {ENV_API_KEY} (and "
+                               f"{ENV_ADMIN_KEY} if its --admin-api-key differs) to the keys it was started with")
+    resp.raise_for_status()
+    info = resp.json()
+    if not server.keys.api_key and not server.keys.admin_key:
+        logger.warning("%s runs without API keys: anyone who can reach it can replace its weights or free its "
+                       "memory. Start it with --api-key/--admin-api-key and set %s (docs/multi-node.md)",
+                       server.name, ENV_API_KEY)
     server.tp_size = int(info.get("tp_size", 1))
     return server

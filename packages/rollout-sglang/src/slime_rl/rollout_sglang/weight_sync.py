@@ -26,7 +26,7 @@ import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,10 +36,14 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
+from slime_rl.core.net import bound_tcp_store
+from slime_rl.rollout_sglang.keys import bearer
+
 NamedTensors = list[tuple[str, torch.Tensor]]
 logger = logging.getLogger(__name__)
 
 GROUP_NAME = "slime_rl_weight_sync"
+_GROUP_SOCKETS: dict[Any, tuple[Any, socket.socket]] = {}  # weight-update group -> its store and listening socket
 
 
 class WeightSyncError(RuntimeError):
@@ -53,6 +57,11 @@ class Target:
     name: str  # for messages, e.g. "sglang engine 0 (http://127.0.0.1:30001)"
     url: str
     tp_size: int = 1
+    admin_key: str | None = field(default=None, repr=False)  # the server's --admin-api-key (keys.py)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return bearer(self.admin_key)
 
 
 # ---------------------------------------------------------------- HTTP
@@ -62,7 +71,8 @@ def post(target: Target, path: str, body: dict[str, Any] | None, *, timeout: flo
          ok_status: tuple[int, ...] = (200,)) -> Any:
     """POST and check SGLang's answer (HTTP 200 and, where present, ``success: true``)."""
     try:
-        resp = httpx.post(f"{target.url}{path}", json=body if body is not None else {}, timeout=timeout)
+        resp = httpx.post(f"{target.url}{path}", json=body if body is not None else {}, headers=target.headers,
+                          timeout=timeout)
     except httpx.TimeoutException:
         raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
     except httpx.HTTPError as err:
@@ -106,7 +116,7 @@ def flush_cache(targets: list[Target], *, timeout: float, step: str) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                resp = httpx.post(f"{target.url}/flush_cache", timeout=timeout)
+                resp = httpx.post(f"{target.url}/flush_cache", headers=target.headers, timeout=timeout)
                 if resp.status_code == 200:
                     break
                 problem = f"HTTP {resp.status_code}: {resp.text.strip()[:200]}"
@@ -224,12 +234,12 @@ def local_address_for(url: str) -> str:
         return sock.getsockname()[0]
 
 
-def _join_group(init_method: str, *, world_size: int, rank: int, group_name: str, backend: str, timeout: float):
+def _join_group(store, *, world_size: int, rank: int, group_name: str, backend: str, timeout: float):
     """A process group apart from the default one (the trainer's own stays untouched), made the way
-    SGLang's engines make theirs, so both sides meet in the same rendezvous."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+    SGLang's engines make theirs (a ``tcp://`` rendezvous, then a group over a PrefixStore), so both
+    sides meet in the same store."""
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timedelta(seconds=timeout)))
     store.set_timeout(timedelta(seconds=timeout))
     group, _ = _new_process_group_helper(world_size, rank, [], torch.distributed.Backend(backend),
                                          PrefixStore(group_name, store), group_name=group_name,
@@ -273,12 +283,11 @@ def init_nccl_group(targets: list[Target], *, timeout: float, backend: str = "nc
     """Trainer side: create the weight-update group (trainer = rank 0, engine TP ranks after it).
     Every engine's ``/init_weights_update_group`` blocks until all ranks joined, so the calls
     go out in threads while this process joins."""
-    from slime_rl.rollout_sglang.process import free_port
-
     _match_engine_nccl_memory()
     master_addr = master_addr or local_address_for(targets[0].url)
-    master_port = master_port or free_port("0.0.0.0" if master_addr != "127.0.0.1" else master_addr)
     world_size = 1 + sum(t.tp_size for t in targets)
+    # The store listens on master_addr only (a plain tcp:// rendezvous would listen on all interfaces).
+    store, master_port, listen_sock = bound_tcp_store(master_addr, world_size, timeout, port=master_port or 0)
     offsets = [1 + sum(t.tp_size for t in targets[:i]) for i in range(len(targets))]
     step = f"init weight-update group {group_name} (world size {world_size}, {backend})"
     with ThreadPoolExecutor(len(targets)) as pool:
@@ -287,14 +296,16 @@ def init_nccl_group(targets: list[Target], *, timeout: float, backend: str = "nc
             "world_size": world_size, "group_name": group_name, "backend": backend}, timeout=timeout, step=step))
             for i, t in enumerate(targets)]
         try:
-            group = _join_group(f"tcp://{master_addr}:{master_port}", world_size=world_size, rank=0,
-                                group_name=group_name, backend=backend, timeout=timeout)
+            group = _join_group(store, world_size=world_size, rank=0, group_name=group_name, backend=backend,
+                                timeout=timeout)
         except Exception as err:
+            listen_sock.close()
             for _, f in futures:
                 if f.done() and f.exception() is not None:
                     raise f.exception() from None
             raise WeightSyncError(f"{step}: the trainer could not join at {master_addr}:{master_port}: {err}") from None
         _wait_with_posts(None, futures, timeout=timeout, step=step, what="engines joining")
+    _GROUP_SOCKETS[group] = (store, listen_sock)  # the store serves on this socket while the group lives
     return group
 
 
@@ -324,7 +335,17 @@ def destroy_nccl_group(group, targets: list[Target], *, timeout: float, group_na
         except WeightSyncError:
             pass  # a dead engine has no group left to destroy
     if group is not None:
+        close_group(group)
+
+
+def close_group(group) -> None:
+    """This side of the group, and the store's listening socket when this process hosts it."""
+    try:
         torch.distributed.destroy_process_group(group)
+    finally:
+        _, listen_sock = _GROUP_SOCKETS.pop(group, (None, None))
+        if listen_sock is not None:
+            listen_sock.close()
 
 
 # ---------------------------------------------------------------- disk
