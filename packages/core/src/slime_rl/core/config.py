@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import reprlib
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -564,8 +566,6 @@ def check_config(cfg: Config) -> None:
         )
     if t.min_lr > t.lr:
         raise ConfigError("trainer.min_lr", f"{t.min_lr:g} is above trainer.lr = {t.lr:g}; the decay floor is at most lr")
-    if r.reward_url is not None and urlsplit(r.reward_url).scheme not in ("http", "https"):
-        raise ConfigError("rollout.reward_url", f"{r.reward_url!r} is not an http(s) URL; give http://host:port/path")
     a = cfg.algorithm
     if a.eps_clip_c is not None and a.eps_clip_c <= 1:
         raise ConfigError("algorithm.eps_clip_c", f"dual-clip needs a value > 1, got {a.eps_clip_c}")
@@ -575,10 +575,21 @@ def check_config(cfg: Config) -> None:
         if d.prompt_data is None:
             raise ConfigError("data.prompt_data", "set it to a JSONL or Parquet file of prompts")
         if not Path(d.prompt_data).is_file():
-            raise ConfigError("data.prompt_data", f"file {d.prompt_data} does not exist")
+            raise ConfigError("data.prompt_data", f"{d.prompt_data} is a directory; give the file of prompts in it"
+                              if Path(d.prompt_data).is_dir() else f"file {d.prompt_data} does not exist")
     for name, eval_path in cfg.eval.prompt_data.items():
         if not Path(eval_path).is_file():
             raise ConfigError(f"eval.prompt_data.{name}", f"file {eval_path} does not exist")
+    for dotted, folder in (("logging.dir", cfg.logging.dir), ("checkpoint.save_dir", cfg.checkpoint.save_dir)):
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ConfigError(dotted, f"{folder} is a file; give a directory (it is created when missing)")
+    for dotted, url in [("rollout.reward_url", r.reward_url)] + [("rollout.engine_urls", u) for u in r.engine_urls]:
+        if url is not None and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc):
+            raise ConfigError(dotted, f"{url!r} is not an http(s) URL; give http://host:port/...")
+    if r.engine_python is not None and not (os.access(r.engine_python, os.X_OK) if os.sep in r.engine_python
+                                            else shutil.which(r.engine_python)):
+        raise ConfigError("rollout.engine_python", f"{r.engine_python} is not an executable interpreter;"
+                                                   " give the python of SGLang's environment")
     _check_model(cfg)
     from slime_rl.core.placement import plan_placement  # here: placement imports this module
 
@@ -586,11 +597,13 @@ def check_config(cfg: Config) -> None:
 
 
 def _check_model(cfg: Config) -> None:
+    for key in ("path", "tokenizer_path", "ref_path"):
+        folder = getattr(cfg.model, key)
+        if folder is not None and not folder.startswith("builtin:") and not Path(folder).exists():
+            raise ConfigError(f"model.{key}", f"{folder} does not exist (no model hub here: give a local HF folder)")
     path = cfg.model.path
     if path.startswith("builtin:"):
         return
-    if not Path(path).exists():
-        raise ConfigError("model.path", f"{path} does not exist (no model hub here: give a local HF folder)")
     shape = read_model_shape(path)
     if shape is None:
         return
