@@ -449,7 +449,7 @@ _TYPE_ERRORS = {
     "list_type": "must be a list",
     "dict_type": "must be a mapping",
 }
-_UNION_TAG = re.compile(r"int|float|bool|str|none|(list|dict|literal)\[.*\]|function-.*")
+_UNION_TAG = re.compile(r"int|float|bool|str|none|(list|dict|literal)\[.*\]|function-.*|\[key\]")
 
 
 def _field_error(err: ValidationError) -> ConfigError:
