@@ -39,7 +39,7 @@ BACKENDS = {
     "rollout.engine": "slime_rl.rollout_engines",
     "data.source": "slime_rl.data_sources",
 }
-# Config fields naming a user function, with the built-in names each accepts (None: module:attr only).
+# Config fields naming a user function: a built-in name or module:attr (see check_user_function).
 USER_FUNCTIONS = ("rollout.reward", "rollout.generate_fn", "rollout.dynamic_sampling_filter", "rollout.buffer_filter")
 
 

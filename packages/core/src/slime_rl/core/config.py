@@ -333,16 +333,17 @@ _ConfigLoader.add_implicit_resolver(
 )
 
 
-def parse_yaml(text: str, where: str) -> Any:
+def parse_yaml(text: str, where: str, *, in_file: bool = False) -> Any:
     """YAML text -> plain values, bounded: no more than MAX_YAML_VALUES values once aliases are expanded and
     no deeper than MAX_YAML_DEPTH, so a small bomb is refused at once instead of filling memory later
-    (validation, error messages and `plan` all walk the expanded tree). ``where`` names the source in errors."""
+    (validation, error messages and `plan` all walk the expanded tree). ``where`` names the source in errors;
+    ``in_file``: it is a file, and a syntax error is named at its ``file:line``."""
     try:
-        value = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader)
+        value = yaml.load(text, Loader=_ConfigLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err)
-        at = f"{where}:{mark.line + 1}" if mark is not None and where.endswith((".yaml", ".yml")) else where
+        at = f"{where}:{mark.line + 1}" if mark is not None and in_file else where
         raise ConfigError(at, f"is not valid YAML: {' '.join(str(problem).split())}; fix the syntax") from None
     except RecursionError:
         raise ConfigError(where, f"nests deeper than {MAX_YAML_DEPTH} levels; a config needs a few") from None
@@ -380,7 +381,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         line = raw[:err.start].count(b"\n") + 1
         raise ConfigError(f"{path}:{line}", f"is not UTF-8 text (byte 0x{raw[err.start]:02x}); save the file as"
                                             " UTF-8") from None
-    data = parse_yaml(text, str(path)) or {}
+    data = parse_yaml(text, str(path), in_file=True) or {}
     if not isinstance(data, dict):
         raise ConfigError(str(path), f"expected a mapping of sections (model:, data:, ...), got {type(data).__name__}")
     return data
