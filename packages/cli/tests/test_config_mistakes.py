@@ -59,6 +59,8 @@ def write_config(tmp_path, changes):
     tree = base_tree(tmp_path)
     for dotted, value in changes.items():
         section, key = dotted.split(".", 1)
+        if isinstance(value, dict):
+            value = {k: v.replace("{tmp}", str(tmp_path)) for k, v in value.items()}
         tree.setdefault(section, {})[key] = value.replace("{tmp}", str(tmp_path)) if isinstance(value, str) else value
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -78,11 +80,11 @@ def config_dir(tmp_path):
     return tmp_path / "configs"
 
 
-def with_model_json(text):
+def with_model_json(text, model_path="model"):
     def make(tmp_path):
         (tmp_path / "model").mkdir()
         (tmp_path / "model" / "config.json").write_text(text)
-        return write_config(tmp_path, {"model.path": "{tmp}/model"})
+        return write_config(tmp_path, {"model.path": "{tmp}/" + model_path})
     return make
 
 
@@ -177,6 +179,9 @@ MISTAKES = [
     ("model config.json not a mapping", with_model_json("[1, 2]"), [], "model.path", "not an HF config mapping"),
     ("model heads not a number", with_model_json('{"num_attention_heads": "nine"}'), [], "model.path",
      "num_attention_heads is 'nine'"),
+    ("model path is a file", with_model_json("{}", "model/config.json"), [], "model.path", "is a file"),
+    ("eval data is a directory", {"eval.prompt_data": {"math": "{tmp}"}}, [], "eval.prompt_data.math",
+     "is a directory"),
     ("tokenizer folder missing", {"model.tokenizer_path": "{tmp}/no-tokenizer"}, [], "model.tokenizer_path",
      "does not exist"),
     ("prompt data is a directory", with_prompt_dir, [], "data.prompt_data", "is a directory"),

@@ -580,7 +580,8 @@ def check_config(cfg: Config) -> None:
                               if Path(d.prompt_data).is_dir() else f"file {d.prompt_data} does not exist")
     for name, eval_path in cfg.eval.prompt_data.items():
         if not Path(eval_path).is_file():
-            raise ConfigError(f"eval.prompt_data.{name}", f"file {eval_path} does not exist")
+            raise ConfigError(f"eval.prompt_data.{name}", f"{eval_path} is a directory; give the file of prompts in it"
+                              if Path(eval_path).is_dir() else f"file {eval_path} does not exist")
     for dotted, folder in (("logging.dir", cfg.logging.dir), ("checkpoint.save_dir", cfg.checkpoint.save_dir)):
         if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
             raise ConfigError(dotted, f"{folder} is a file; give a directory (it is created when missing)")
@@ -602,6 +603,8 @@ def _check_model(cfg: Config) -> None:
         folder = getattr(cfg.model, key)
         if folder is not None and not folder.startswith("builtin:") and not Path(folder).exists():
             raise ConfigError(f"model.{key}", f"{folder} does not exist (no model hub here: give a local HF folder)")
+        if key != "tokenizer_path" and folder is not None and Path(folder).is_file():
+            raise ConfigError(f"model.{key}", f"{folder} is a file; give the Hugging Face folder it is in")
     path = cfg.model.path
     if path.startswith("builtin:"):
         return
