@@ -220,7 +220,7 @@ def test_plan_and_train_refuse_in_one_line(workspace, loop_never_entered, mistak
         began = time.perf_counter()
         result = runner.invoke(app, [command, str(config), *overrides])
         assert_one_line_error(result, field, words)
-        assert time.perf_counter() - began < 5, f"{command} took {time.perf_counter() - began:.1f} s to refuse"
+        assert time.perf_counter() - began < 10, f"{command} took {time.perf_counter() - began:.1f} s to refuse"
     assert loop_never_entered.calls == []
 
 
