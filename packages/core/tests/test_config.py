@@ -245,3 +245,91 @@ def test_colocated_runs_offload_unless_told_not_to(prompts):
     assert load_config(None, [*base, "cluster.offload=false"]).offload is False
     disaggregated = load_config(None, [*base, "cluster.colocate=false", "cluster.offload=true"])
     assert disaggregated.offload is False
+
+
+# ------------------------------------------------------------------ strict values, bounded YAML (issue 13, 8-9)
+
+
+def numeric_fields():
+    """(dotted field, int or float) for every number in the config tree, fields added later included."""
+    out = []
+    for section, info in Config.model_fields.items():
+        for name, field in info.annotation.model_fields.items():
+            kinds = {t for t in (int, float) if t in (field.annotation, *getattr(field.annotation, "__args__", ()))}
+            kinds |= {t for t in (int, float) if getattr(field.annotation, "__origin__", None) is t}  # Annotated
+            out += [(f"{section}.{field.alias or name}", kind) for kind in kinds]
+    return out
+
+
+def test_every_numeric_field_refuses_booleans_and_non_finite_values(prompts):
+    fields = numeric_fields()
+    assert ("data.rollout_batch_size", int) in fields and ("trainer.lr", float) in fields
+    assert ("rollout.top_k", int) in fields and len(fields) > 40
+    base = [f"data.prompt_data={prompts}"]
+    for dotted, kind in fields:
+        err = refused(None, base + [f"{dotted}=true"])
+        assert err.field == dotted and "(got true, a boolean)" in str(err), str(err)
+        if kind is float:
+            for value in (".inf", "-.inf", ".nan"):
+                err = refused(None, base + [f"{dotted}={value}"])
+                assert err.field == dotted and "finite number" in str(err), str(err)
+        else:
+            err = refused(None, base + [f"{dotted}=2.5"])
+            assert err.field == dotted and "whole number" in str(err), str(err)
+
+
+def test_numbers_as_yaml_users_write_them(tmp_path, prompts):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(f"data: {{prompt_data: {prompts}}}\ntrainer: {{lr: 1e-5, adam_eps: 1E-8, weight_decay: 0}}\n"
+                    "rollout: {temperature: 1, top_k: -1}\n")
+    cfg = load_config(path, ["trainer.min_lr=1e-7"])
+    assert cfg.trainer.lr == 1e-5 and cfg.trainer.adam_eps == 1e-8 and cfg.trainer.min_lr == 1e-7  # YAML 1.2 floats
+    assert isinstance(cfg.rollout.temperature, float) and cfg.trainer.weight_decay == 0.0  # an int is a float
+    assert load_config(None, [f"data.prompt_data={prompts}", "data.input_key='1e-6'"]).data.input_key == "1e-6"
+
+
+BOMB = "[" + ", ".join(f"&{n} [" + ", ".join([f"*{p}" if p else "lol"] * 9) + "]"
+                       for n, p in zip("abcdefghi", ["", *"abcdefgh"], strict=True)) + "]"  # 9**9 values
+
+
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, where):
+    import time
+    import tracemalloc
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"rollout:\n  engine_args: {{x: {BOMB}}}\n")
+    assert len(BOMB) < 400
+    tracemalloc.start()
+    began = time.perf_counter()
+    err = refused(path) if where == "file" else refused(None, [f"rollout.engine_args={{x: {BOMB}}}"])
+    elapsed = time.perf_counter() - began
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert err.field == (str(path) if where == "file" else "rollout.engine_args") and "alias" in str(err)
+    assert elapsed < 1.0 and peak < 50 * 2**20, (elapsed, peak)  # measured: ~0.05 s, a few MB
+
+
+def test_files_that_are_no_config(tmp_path):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"data:\n  input_key: \xe9\n")
+    err = refused(latin1)
+    assert err.field == f"{latin1}:2" and "not UTF-8" in str(err)
+    assert refused(tmp_path).field == "config" and "is a directory" in str(refused(tmp_path))
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("x: " + "[" * 500_000)
+    assert "deeper than" in str(refused(deep))
+    cyclic = tmp_path / "cyclic.yaml"
+    cyclic.write_text("rollout: {engine_args: &a {x: *a}}\n")
+    assert "refers to itself" in str(refused(cyclic))
+
+
+def test_a_malformed_model_config_json_names_the_file(tmp_path, prompts):
+    model = tmp_path / "model"
+    model.mkdir()
+    for text, words in [('{"num_hidden_layers": 2,\n', "config.json:2: not valid JSON"),
+                        ('{"num_attention_heads": true}', "num_attention_heads is True"),
+                        ("{\"a\": \"\xe9\"}", "cannot be read as JSON")]:
+        (model / "config.json").write_bytes(text.encode("latin-1"))
+        err = refused(None, [f"data.prompt_data={prompts}", f"model.path={model}"])
+        assert err.field == "model.path" and words in str(err), str(err)

@@ -7,6 +7,7 @@ usage; 1 a failure at run time. A user's mistake is one line on stderr,
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import traceback
@@ -19,7 +20,7 @@ from rich.console import Console
 
 from slime_rl.cli.progress import show_progress, summary_table
 from slime_rl.core.config import Config, ConfigError, load_config
-from slime_rl.core.plugins import PluginError, check_plugin, load_attr
+from slime_rl.core.plugins import PluginError, check_plugin, load_function
 
 app = typer.Typer(
     name="slime-cli",
@@ -36,8 +37,8 @@ BACKENDS = {
     "rollout.engine": "slime_rl.rollout_engines",
     "data.source": "slime_rl.data_sources",
 }
-# Config fields that may name user code as module:attr (built-in names are resolved by the loop).
-USER_FUNCTIONS = ("rollout.reward", "rollout.generate_fn", "rollout.dynamic_sampling_filter")
+# Config fields naming a user function: a built-in name or module:attr (see check_user_function).
+USER_FUNCTIONS = ("rollout.reward", "rollout.generate_fn", "rollout.dynamic_sampling_filter", "rollout.buffer_filter")
 
 
 def _dist_version(name: str) -> str | None:
@@ -61,7 +62,8 @@ def _field(cfg: Config, dotted: str) -> Any:
 
 
 def wire(cfg: Config) -> None:
-    """Check every backend the config names and load every user function, before anything starts.
+    """Check every backend the config names and load every user function, before anything starts:
+    `plan` and `train` both call this, so a name that resolves to nothing never reaches Ray.
     Backends are found, not imported: the driver never runs them, and importing megatron and
     transformers held 170 MiB in it. Raises ConfigError naming the field (the message says which
     package provides a missing backend)."""
@@ -72,11 +74,39 @@ def wire(cfg: Config) -> None:
             raise ConfigError(dotted, str(err)) from None
     for dotted in USER_FUNCTIONS:
         spec = _field(cfg, dotted)
-        if spec and ":" in spec:
-            try:
-                load_attr(spec, what=dotted.rsplit(".", 1)[-1])
-            except PluginError as err:
-                raise ConfigError(dotted, str(err)) from None
+        if spec is None:
+            continue
+        try:
+            check_user_function(cfg, dotted, spec)
+        except PluginError as err:
+            # load_reward names a neighbouring field when that one is the mistake (rollout.reward_url)
+            field, _, rest = str(err).partition(": ")
+            raise (ConfigError(field, rest) if field.startswith("rollout.") and " " not in field
+                   else ConfigError(dotted, str(err))) from None
+
+
+def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
+    """Load what ``dotted`` names as the run will, and check that it can be called as the run calls it."""
+    from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS
+    from slime_rl.core.rewards import load_reward
+
+    r = cfg.rollout
+    if dotted == "rollout.reward":
+        load_reward(spec, group=r.group_reward, reward_url=r.reward_url)
+    elif dotted == "rollout.generate_fn":
+        fn = load_function(spec, {}, what="generate function")
+        if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
+            raise PluginError(f"generate function {spec!r} is not an `async def`; the rollout awaits"
+                              " `async def generate(sample, sampling_params, engine)`")
+    elif dotted == "rollout.dynamic_sampling_filter":
+        load_function(spec, DYNAMIC_SAMPLING_FILTERS, what="dynamic-sampling filter")
+    elif dotted == "rollout.buffer_filter":
+        try:  # the default buffer's names; a buffer package that is not installed is named by data.source's check
+            from slime_rl.buffer.filters import BUFFER_FILTERS
+        except ModuleNotFoundError:
+            BUFFER_FILTERS = {}
+        if ":" in spec or BUFFER_FILTERS:
+            load_function(spec, BUFFER_FILTERS, what="buffer filter")
 
 
 def resolve_builtin_models(cfg: Config) -> None:
@@ -131,6 +161,7 @@ def plan(
 
     cfg = _load(config, overrides or [])
     try:
+        wire(cfg)
         placement = plan_placement(cfg)
     except ConfigError as err:
         fail(str(err), 2)

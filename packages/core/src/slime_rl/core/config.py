@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import re
+import reprlib
+import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -25,7 +30,20 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    # strict: `true` is not a batch size, "yes" is not a boolean, 3.5 is not an int (an int is a float);
+    # allow_inf_nan: no field of a config means anything at .inf or .nan
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, strict=True,
+                              allow_inf_nan=False)
+
+
+SEED_MAX = 2**32 - 1  # numpy, Megatron and SGLang all take 32-bit seeds
+
+
+def _off_or_positive(value: int) -> int:
+    """top_k: -1 (off) or at least 1."""
+    if value != -1 and value < 1:
+        raise ValueError(f"give -1 (off) or a value >= 1, got {value}")
+    return value
 
 
 class ModelConfig(_Section):
@@ -48,7 +66,7 @@ class DataConfig(_Section):
     num_rollout: int | None = Field(None, ge=1)  # rollout steps; default: num_epoch passes over the data
     num_epoch: int = Field(1, ge=1)
     shuffle: bool = True
-    seed: int = 42
+    seed: int = Field(42, ge=0, le=SEED_MAX)
     skip_bad_lines: bool = False
 
 
@@ -56,11 +74,11 @@ class RolloutConfig(_Section):
     engine: str = "hf"  # rollout engine plugin name or module:attr
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    top_k: Annotated[int, AfterValidator(_off_or_positive)] = -1  # -1: off
     max_prompt_len: int | None = Field(None, ge=1)  # longer prompts are refused by the data source
     max_response_len: int = Field(1024, ge=1)
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     over_sampling_batch_size: int | None = Field(None, ge=1)  # prompts submitted per refill; >= rollout_batch_size
     dynamic_sampling_filter: str | None = None  # "nonzero_std" (DAPO) or module:attr
     partial_rollout: bool = False  # aborted groups go back to the buffer with their tokens
@@ -95,20 +113,20 @@ class AlgorithmConfig(_Section):
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     grpo_std_normalization: bool = True  # off automatically when n_samples_per_prompt == 1
     normalize_advantages: bool = False  # batch whitening
-    gamma: float = 1.0
-    lambd: float = 1.0
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lambd: float = Field(1.0, ge=0.0, le=1.0)
     eps_clip: float = Field(0.2, gt=0)
-    eps_clip_high: float | None = None  # defaults to eps_clip
+    eps_clip_high: float | None = Field(None, gt=0)  # defaults to eps_clip
     eps_clip_c: float | None = None  # dual-clip, > 1
     use_tis: bool = False
     tis_clip: float = Field(2.0, gt=0)
-    kl_coef: float = 0.0  # KL as a reward penalty
+    kl_coef: float = Field(0.0, ge=0.0)  # KL as a reward penalty
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
+    kl_loss_coef: float = Field(0.0, ge=0.0)
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    entropy_coef: float = 0.0
+    entropy_coef: float = Field(0.0, ge=0.0)
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    value_clip: float = 0.2
+    value_clip: float = Field(0.2, gt=0.0)
     use_rollout_logprobs: bool = False  # use the engine's log-probs as the old policy
 
 
@@ -122,18 +140,18 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(1, ge=1)
     max_tokens_per_gpu: int | None = Field(None, ge=1)  # dynamic micro-batching by a token budget
     lr: float = Field(1e-6, gt=0)
-    min_lr: float = 0.0
+    min_lr: float = Field(0.0, ge=0.0)  # <= lr
     lr_warmup_steps: int = Field(0, ge=0)
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    seed: int = 1234
+    weight_decay: float = Field(0.0, ge=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    clip_grad: float = Field(1.0, ge=0.0)  # 0: no clipping (Megatron)
+    seed: int = Field(1234, ge=0, le=SEED_MAX)
     # true: full activation recompute; a list: Megatron's selective recompute of those modules
     recompute: bool | list[str] = False
-    critic_lr: float | None = None  # PPO critic; defaults to lr
+    critic_lr: float | None = Field(None, gt=0)  # PPO critic; defaults to lr
 
     @field_validator("recompute", mode="before")
     @classmethod
@@ -164,15 +182,15 @@ class ClusterConfig(_Section):
     colocate: bool = True
     async_train: bool = Field(False, alias="async")  # one-step-off: generate k+1 while training k
     offload: bool | None = None  # colocated: hand the GPUs back and forth between phases; unset: on when colocated
-    num_cpus: int | None = None  # for the local Ray instance
+    num_cpus: int | None = Field(None, ge=1)  # for the local Ray instance
 
 
 class EvalConfig(_Section):
     interval: int | None = Field(None, ge=1)  # rollout steps between evals; None: only before and after
     prompt_data: dict[str, str] = Field(default_factory=dict)  # eval set name -> file
     n_samples_per_prompt: int = Field(1, ge=1)
-    temperature: float = 0.0  # 0: greedy
-    max_response_len: int | None = None  # defaults to rollout.max_response_len
+    temperature: float = Field(0.0, ge=0.0)  # 0: greedy
+    max_response_len: int | None = Field(None, ge=1)  # defaults to rollout.max_response_len
 
 
 class CheckpointConfig(_Section):
@@ -289,6 +307,86 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
             _check_keys(value, annotation, dotted)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB; a bigger file is the wrong file
+MAX_YAML_VALUES = 100_000  # values once aliases are expanded: a 300-byte alias bomb expands to billions
+MAX_YAML_DEPTH = 64  # nesting; an alias that refers to itself nests forever
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-6` as a number, as YAML 1.2 does (YAML 1.1 makes it a string), and stops at
+    deep `[[[...` nesting as soon as it sees it (PyYAML's scanner is quadratic in it)."""
+
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
+        if self.flow_level >= MAX_YAML_DEPTH:
+            raise yaml.scanner.ScannerError(None, None, f"nests deeper than {MAX_YAML_DEPTH} levels", self.get_mark())
+        super().fetch_flow_collection_start(TokenClass)
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, where: str, *, in_file: bool = False) -> Any:
+    """YAML text -> plain values, bounded: no more than MAX_YAML_VALUES values once aliases are expanded and
+    no deeper than MAX_YAML_DEPTH, so a small bomb is refused at once instead of filling memory later
+    (validation, error messages and `plan` all walk the expanded tree). ``where`` names the source in errors;
+    ``in_file``: it is a file, and a syntax error is named at its ``file:line``."""
+    try:
+        value = yaml.load(text, Loader=_ConfigLoader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        problem = getattr(err, "problem", None) or str(err)
+        at = f"{where}:{mark.line + 1}" if mark is not None and in_file else where
+        raise ConfigError(at, f"is not valid YAML: {' '.join(str(problem).split())}; fix the syntax") from None
+    except RecursionError:
+        raise ConfigError(where, f"nests deeper than {MAX_YAML_DEPTH} levels; a config needs a few") from None
+    count, stack = 0, [(value, 0)] if isinstance(value, dict | list) else []
+    while stack:  # walk the containers, counting their values
+        node, depth = stack.pop()
+        if depth > MAX_YAML_DEPTH:
+            raise ConfigError(where, f"nests deeper than {MAX_YAML_DEPTH} levels (or a YAML alias refers to itself);"
+                                     " a config needs a few")
+        children = list(node.values()) if isinstance(node, dict) else node
+        count += len(children)
+        if count > MAX_YAML_VALUES:
+            raise ConfigError(where, f"holds more than {MAX_YAML_VALUES} values once its YAML aliases are expanded;"
+                                     " a config needs far fewer (an alias bomb?): remove the aliases")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return value
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """A YAML config file -> its mapping; every way it can be unreadable is a one-line ConfigError."""
+    if path.is_dir():
+        raise ConfigError("config", f"{path} is a directory; give the YAML file in it")
+    if not path.is_file():
+        raise ConfigError("config", f"file {path} does not exist")
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(str(path), f"is {size} bytes, more than a config's {MAX_CONFIG_BYTES}; is it the right file?")
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(str(path), f"cannot be read: {err.strerror or err}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}", f"is not UTF-8 text (byte 0x{raw[err.start]:02x}); save the file as"
+                                            " UTF-8") from None
+    data = parse_yaml(text, str(path), in_file=True) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), f"expected a mapping of sections (model:, data:, ...), got {type(data).__name__}")
+    return data
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
@@ -307,10 +405,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(item, "an override is `section.key=value`")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as err:
-            raise ConfigError(key, f"cannot parse value {raw!r}: {err}") from None
+        value = parse_yaml(raw, key.strip()) if raw != "" else ""
         _set_dotted(tree, key.strip(), value)
     return tree
 
@@ -331,27 +426,44 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     base_dir = Path.cwd()
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError("config", f"file {path} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(str(path), f"is not valid YAML: {err}".replace("\n", " ")) from None
-        if not isinstance(data, dict):
-            raise ConfigError(str(path), f"expected a mapping of sections (model:, data:, ...), got {type(data).__name__}")
+        data = _read_config_file(path)
         base_dir = path.parent
     data = _merge(data, parse_overrides(overrides or []))
     _check_keys(data, Config, "")
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(loc or "config", f"{first['msg']} (got {first.get('input')!r})") from None
+        raise _field_error(err) from None
     _resolve_paths(cfg, base_dir)
     if check:
         check_config(cfg)
     return cfg
+
+
+# pydantic's type errors, said as what to give instead
+_TYPE_ERRORS = {
+    "int_type": "must be a whole number",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string (quote it)",
+    "finite_number": "must be a finite number (not .inf or .nan)",
+    "list_type": "must be a list",
+    "dict_type": "must be a mapping",
+}
+_UNION_TAG = re.compile(r"int|float|bool|str|none|(list|dict|literal)\[.*\]|function-.*|\[key\]")
+
+
+def _field_error(err: ValidationError) -> ConfigError:
+    """pydantic's first error as one line: the dotted field, what is wrong, what it got (shortened)."""
+    first = err.errors(include_url=False)[0]
+    # drop the union-member tags pydantic puts in the location (`bool`, `list[str]`, `function-after[...]`)
+    loc = ".".join(str(p) for p in first["loc"] if not _UNION_TAG.fullmatch(str(p)))
+    value = first.get("input")
+    if first["type"] == "value_error":  # our validators' messages say it all, the value included
+        return ConfigError(loc or "config", first["msg"].removeprefix("Value error, "))
+    message = _TYPE_ERRORS.get(first["type"]) or first["msg"].replace("Input should be", "must be")
+    got = (str(value).lower() + ", a boolean") if isinstance(value, bool) else reprlib.repr(value)
+    return ConfigError(loc or "config", f"{message} (got {got})")
 
 
 def _resolve_paths(cfg: Config, base_dir: Path) -> None:
@@ -378,12 +490,26 @@ def read_model_shape(path: str) -> dict[str, Any] | None:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         return None
-    hf = json.loads(config_file.read_text())
-    return {
+    try:
+        hf = json.loads(config_file.read_bytes())
+    except json.JSONDecodeError as err:
+        raise ConfigError("model.path", f"{config_file}:{err.lineno}: not valid JSON ({err.msg}); fix the file or"
+                                        " give another model folder") from None
+    except (UnicodeDecodeError, OSError) as err:
+        raise ConfigError("model.path", f"{config_file}: cannot be read as JSON ({err}); give another model folder"
+                          ) from None
+    if not isinstance(hf, dict):
+        raise ConfigError("model.path", f"{config_file}: holds a {type(hf).__name__}, not an HF config mapping")
+    shape = {
         "num_hidden_layers": hf.get("num_hidden_layers"),
         "num_attention_heads": hf.get("num_attention_heads"),
         "num_key_value_heads": hf.get("num_key_value_heads", hf.get("num_attention_heads")),
     }
+    for key, value in shape.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError("model.path", f"{config_file}: {key} is {value!r}, not a positive whole number;"
+                                            " fix the file or give another model folder")
+    return shape
 
 
 def check_config(cfg: Config) -> None:
@@ -439,6 +565,8 @@ def check_config(cfg: Config) -> None:
             "rollout.over_sampling_batch_size",
             f"{r.over_sampling_batch_size} is below data.rollout_batch_size = {d.rollout_batch_size}",
         )
+    if t.min_lr > t.lr:
+        raise ConfigError("trainer.min_lr", f"{t.min_lr:g} is above trainer.lr = {t.lr:g}; the decay floor is at most lr")
     a = cfg.algorithm
     if a.eps_clip_c is not None and a.eps_clip_c <= 1:
         raise ConfigError("algorithm.eps_clip_c", f"dual-clip needs a value > 1, got {a.eps_clip_c}")
@@ -448,10 +576,22 @@ def check_config(cfg: Config) -> None:
         if d.prompt_data is None:
             raise ConfigError("data.prompt_data", "set it to a JSONL or Parquet file of prompts")
         if not Path(d.prompt_data).is_file():
-            raise ConfigError("data.prompt_data", f"file {d.prompt_data} does not exist")
+            raise ConfigError("data.prompt_data", f"{d.prompt_data} is a directory; give the file of prompts in it"
+                              if Path(d.prompt_data).is_dir() else f"file {d.prompt_data} does not exist")
     for name, eval_path in cfg.eval.prompt_data.items():
         if not Path(eval_path).is_file():
-            raise ConfigError(f"eval.prompt_data.{name}", f"file {eval_path} does not exist")
+            raise ConfigError(f"eval.prompt_data.{name}", f"{eval_path} is a directory; give the file of prompts in it"
+                              if Path(eval_path).is_dir() else f"file {eval_path} does not exist")
+    for dotted, folder in (("logging.dir", cfg.logging.dir), ("checkpoint.save_dir", cfg.checkpoint.save_dir)):
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ConfigError(dotted, f"{folder} is a file; give a directory (it is created when missing)")
+    for dotted, url in [("rollout.reward_url", r.reward_url)] + [("rollout.engine_urls", u) for u in r.engine_urls]:
+        if url is not None and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc):
+            raise ConfigError(dotted, f"{url!r} is not an http(s) URL; give http://host:port/...")
+    if r.engine_python is not None and not (os.access(r.engine_python, os.X_OK) if os.sep in r.engine_python
+                                            else shutil.which(r.engine_python)):
+        raise ConfigError("rollout.engine_python", f"{r.engine_python} is not an executable interpreter;"
+                                                   " give the python of SGLang's environment")
     _check_model(cfg)
     from slime_rl.core.placement import plan_placement  # here: placement imports this module
 
@@ -459,11 +599,15 @@ def check_config(cfg: Config) -> None:
 
 
 def _check_model(cfg: Config) -> None:
+    for key in ("path", "tokenizer_path", "ref_path"):
+        folder = getattr(cfg.model, key)
+        if folder is not None and not folder.startswith("builtin:") and not Path(folder).exists():
+            raise ConfigError(f"model.{key}", f"{folder} does not exist (no model hub here: give a local HF folder)")
+        if key != "tokenizer_path" and folder is not None and Path(folder).is_file():
+            raise ConfigError(f"model.{key}", f"{folder} is a file; give the Hugging Face folder it is in")
     path = cfg.model.path
     if path.startswith("builtin:"):
         return
-    if not Path(path).exists():
-        raise ConfigError("model.path", f"{path} does not exist (no model hub here: give a local HF folder)")
     shape = read_model_shape(path)
     if shape is None:
         return

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
+import traceback
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -37,7 +39,11 @@ def load_attr(spec: str, *, what: str = "object") -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
-        raise PluginError(f"{what} {spec!r}: cannot import module {module_name!r} ({err})") from None
+        if err.name is not None and (module_name + ".").startswith(err.name + "."):  # the module is not there
+            raise PluginError(f"{what} {spec!r}: cannot import module {module_name!r} ({err})") from None
+        raise _broken_module(what, spec, err) from None
+    except (Exception, SystemExit) as err:  # SyntaxError, NameError, ...: the user's module is broken
+        raise _broken_module(what, spec, err) from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -46,13 +52,30 @@ def load_attr(spec: str, *, what: str = "object") -> Any:
     return obj
 
 
+def _broken_module(what: str, spec: str, err: BaseException) -> PluginError:
+    """An exception raised while importing a user's module, as one line starting at its file:line."""
+    if isinstance(err, SyntaxError):
+        where, detail = f"{err.filename}:{err.lineno}", err.msg
+    else:
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith("<frozen")]
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        detail = str(err)
+    return PluginError(f"{where}: {type(err).__name__}: {detail} (importing {what} {spec!r}); fix the module")
+
+
+def _did_you_mean(name: str, names: Any) -> str:
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}? Or" if close else "; or"
+
+
 def _entry_point(group: str, name: str) -> EntryPoint:
     available = installed(group)
     if name not in available:
         provider = KNOWN_PROVIDERS.get((group, name))
         hint = f"; `pip install {provider}` provides it" if provider else ""
         names = ", ".join(sorted(available)) or "none"
-        raise PluginError(f"no {group} named {name!r} (installed: {names}){hint}; or give `module:attr`")
+        raise PluginError(f"no {group} named {name!r} (installed: {names}){hint}{_did_you_mean(name, available)}"
+                          " give `module:attr`")
     (ep,) = [ep for ep in entry_points(group=group) if ep.name == name]
     return ep
 
@@ -98,8 +121,8 @@ def load_function(spec: str, builtins: dict[str, Any], *, what: str) -> Any:
     elif spec in builtins:
         fn = builtins[spec]
     else:
-        raise PluginError(f"no built-in {what} named {spec!r} (built in: {', '.join(sorted(builtins))}); "
-                          "or give `module:attr`")
+        raise PluginError(f"no built-in {what} named {spec!r} (built in: {', '.join(sorted(builtins)) or 'none'})"
+                          f"{_did_you_mean(spec, builtins)} give `module:attr`")
     if not callable(fn):
-        raise PluginError(f"{what} {spec!r} is a {type(fn).__name__}, not a callable")
+        raise PluginError(f"{what} {spec!r} is a {type(fn).__name__}, not a callable; name a function")
     return fn
