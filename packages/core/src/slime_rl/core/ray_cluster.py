@@ -8,7 +8,9 @@ import socket
 import tempfile
 from collections.abc import Iterator
 
-from slime_rl.core.config import Config
+from slime_rl.core.config import Config, ConfigError
+from slime_rl.core.data import DataError
+from slime_rl.core.plugins import PluginError
 
 # Keep Ray on 127.0.0.1 and self-contained (shared/notes/ray.md).
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -28,15 +30,45 @@ def resolve_device(cfg: Config) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# The user's mistakes: found in an actor, they leave `local_ray` as themselves (one line for the
+# CLI, exit 2), not wrapped in Ray's error with the actor's traceback.
+USER_ERRORS = (ConfigError, DataError, PluginError)
+
+
+def users_mistake(err: BaseException) -> Exception | None:
+    """The ConfigError, DataError or PluginError an error from an actor carries, if any."""
+    import ray.exceptions
+
+    while isinstance(err, ray.exceptions.RayTaskError):  # an actor's call that called another actor nests
+        err = err.cause
+    return err if isinstance(err, USER_ERRORS) else None
+
+
+@contextlib.contextmanager
+def mistakes_unwrapped() -> Iterator[None]:
+    """Re-raise a user's mistake that comes wrapped in a Ray error as itself."""
+    import ray.exceptions
+
+    try:
+        yield
+    except ray.exceptions.RayTaskError as err:
+        mistake = users_mistake(err)
+        if mistake is None:
+            raise
+        raise mistake from None
+
+
 @contextlib.contextmanager
 def local_ray(cfg: Config) -> Iterator[None]:
-    """Start (or join, when RAY_ADDRESS is set) Ray; shut it down on exit if we started it."""
+    """Start (or join, when RAY_ADDRESS is set) Ray; shut it down on exit if we started it. A user's
+    mistake raised in an actor comes out of the block as itself (`users_mistake`)."""
     import ray
 
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
     if ray.is_initialized():
-        yield
+        with mistakes_unwrapped():
+            yield
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
@@ -52,6 +84,7 @@ def local_ray(cfg: Config) -> Iterator[None]:
             configure_logging=False,
         )
     try:
-        yield
+        with mistakes_unwrapped():
+            yield
     finally:
         ray.shutdown()
