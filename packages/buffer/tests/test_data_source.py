@@ -272,9 +272,8 @@ def test_check_refuses_a_file_with_no_usable_prompt(tmp_path, caplog):
     bad = write_jsonl(tmp_path / "bad.jsonl", ["", '{"input": 1, "label": "1"}', "{oops", '{"label": "2"}'])
     cfg.data.prompt_data, cfg.data.skip_bad_lines = str(bad), True
     assert one_line_error(lambda: PromptDataSource.check(cfg)) == (
-        f"{bad}:2: input 'input' must be a string or a list of chat messages ({{role, content}}), got int; fix the "
-        "data or set data.skip_bad_lines=true -- and every line of the file is bad (3 skipped by "
-        "data.skip_bad_lines): nothing to train on")
+        f"{bad}:2: no line of the file is usable (3 bad, skipped by data.skip_bad_lines); the first: input 'input' "
+        "must be a string or a list of chat messages ({role, content}), got int; fix the data")
     assert "no usable prompt" in one_line_error(
         lambda: PromptDataSource(bad, skip_bad_lines=True).get_groups(4))
     some = write_jsonl(tmp_path / "some.jsonl", ["{oops", *arithmetic_rows(2)])

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slime_rl.buffer.records import DataError, JsonlRecords, ParquetRecords, open_records
+from slime_rl.buffer.records import SKIP_HINT, DataError, JsonlRecords, ParquetRecords, open_records
 from slime_rl.core.contracts import DataSource
 from slime_rl.core.sample import Sample
 
@@ -39,16 +39,15 @@ def parse_prompt_record(
     tools_key: str | None,
 ) -> tuple[Prompt, Any, dict[str, Any]] | DataError:
     """(prompt, label, metadata) from one record, or the reason it is unusable."""
-    skip_hint = "fix the data or set data.skip_bad_lines=true"
     if input_key not in record:
         return DataError(where, f"no input key {input_key!r} (keys: {', '.join(map(str, record)) or 'none'}); "
                                 f"set data.input_key to the prompt field")
     prompt = record[input_key]
     if (problem := _prompt_problem(prompt)) is not None:
         return DataError(where, f"input {input_key!r} must be a string or a list of chat messages "
-                                f"({{role, content}}), {problem}; {skip_hint}")
+                                f"({{role, content}}), {problem}; {SKIP_HINT}")
     if isinstance(prompt, str) and not prompt.strip():
-        return DataError(where, f"input {input_key!r} is {'empty' if not prompt else 'only whitespace'}; {skip_hint}")
+        return DataError(where, f"input {input_key!r} is {'empty' if not prompt else 'only whitespace'}; {SKIP_HINT}")
     label = None
     if label_key is not None:
         if label_key not in record:
@@ -57,19 +56,19 @@ def parse_prompt_record(
         label = record[label_key]
         if label is None or isinstance(label, bool) or not isinstance(label, str | int | float | list | dict):
             return DataError(where, f"label {label_key!r} is {_json_type(label)}; a label must be a string, number, list or "
-                                    f"object; {skip_hint}")
+                                    f"object; {SKIP_HINT}")
     metadata: dict[str, Any] = {}
     if metadata_key is not None and record.get(metadata_key) is not None:
         metadata = record[metadata_key]
         if not isinstance(metadata, dict):
             return DataError(where, f"metadata {metadata_key!r} must be an object, got "
-                                    f"{_json_type(metadata)}; {skip_hint}")
+                                    f"{_json_type(metadata)}; {SKIP_HINT}")
         metadata = dict(metadata)
     if tools_key is not None and record.get(tools_key) is not None:
         tools = record[tools_key]
         if not isinstance(tools, list):
             return DataError(where, f"tools {tools_key!r} must be a list of tool schemas, got "
-                                    f"{_json_type(tools)}; {skip_hint}")
+                                    f"{_json_type(tools)}; {SKIP_HINT}")
         metadata["tools"] = tools
     return prompt, label, metadata
 
@@ -211,7 +210,7 @@ class PromptDataSource(DataSource):
     def check_records(self) -> int:
         """Parse every record in file order as `get_groups` does; return how many are usable. Raises
         the first bad one, or with ``skip_bad_lines`` a DataError when none is usable. Streams: memory
-        stays flat however large the file (about 1 s per million short lines)."""
+        stays flat however large the file (about 4 CPU-seconds per million short lines; json is half)."""
         usable = bad = 0
         first_bad: DataError | None = None
         keys = dict(input_key=self.input_key, label_key=self.label_key, metadata_key=self.metadata_key,
@@ -229,8 +228,9 @@ class PromptDataSource(DataSource):
                 bad += 1
                 first_bad = first_bad or parsed
         if usable == 0 and first_bad is not None:
-            raise DataError(first_bad.where, f"{first_bad.message} -- and every line of the file is bad ({bad} "
-                                             "skipped by data.skip_bad_lines): nothing to train on")
+            reason = first_bad.message.removesuffix(f"; {SKIP_HINT}")
+            raise DataError(first_bad.where, f"no line of the file is usable ({bad} bad, skipped by "
+                                             f"data.skip_bad_lines); the first: {reason}; fix the data")
         if usable == 0:
             raise DataError(self.path, "the file holds no prompt (only blank lines); give a file with one prompt "
                                        "per line (or row)")
