@@ -126,16 +126,18 @@ def metrics_rows(log_dir: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cause", ["file changed", "custom source"])
+@pytest.mark.parametrize("cause", ["file changed", "custom source", "no chat template"])
 def test_a_data_error_in_the_rollout_actor_mid_run_is_one_line_exit_2(cause, tiny_model_dir, tmp_path):
     """A DataError raised in the rollout actor mid-run (the prompt file rewritten under the job, or a user's
-    data source refusing a record) crosses Ray and reaches the terminal as one line, exit 2."""
+    data source refusing a record) or as it starts (the tokenizer, loaded only there, has no chat template)
+    crosses Ray and reaches the terminal as one line, exit 2."""
     prompts = write_lines(tmp_path / "prompts.jsonl", GOOD * 4)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({
         "model": {"path": str(tiny_model_dir)},
         "data": {"prompt_data": str(prompts), "rollout_batch_size": 2, "n_samples_per_prompt": 2,
-                 "num_rollout": 40, **({"source": "toy_data:FailsAtThirdCall"} if cause == "custom source" else {})},
+                 "num_rollout": 40, **({"source": "toy_data:FailsAtThirdCall"} if cause == "custom source" else {}),
+                 "apply_chat_template": cause == "no chat template"},
         "rollout": {"max_response_len": 4, "reward": "toy_rewards:digit_token_fraction"},
         "cluster": {"device": "cpu"},
         "logging": {"dir": str(tmp_path / "logs"), "tensorboard": False},
@@ -164,6 +166,10 @@ def test_a_data_error_in_the_rollout_actor_mid_run_is_one_line_exit_2(cause, tin
     if cause == "file changed":
         assert errors[0].startswith(f"error: {prompts}: changed while the run was reading it (")
         assert 1 <= metrics_rows(tmp_path / "logs") < 40
-    else:
+    elif cause == "custom source":
         assert errors[0] == f"error: {prompts}:99: the user's source refuses this record; fix it"
         assert metrics_rows(tmp_path / "logs") == 2  # steps 1 and 2 trained; step 3's rollout raised
+    else:
+        assert errors[0] == ("error: data.apply_chat_template: the tokenizer has no chat template; set "
+                             "model.tokenizer_path to one that has, or turn it off")
+        assert metrics_rows(tmp_path / "logs") == 0

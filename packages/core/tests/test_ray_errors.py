@@ -12,7 +12,7 @@ from ray.exceptions import RayTaskError
 from slime_rl.core.config import ConfigError
 from slime_rl.core.data import DataError
 from slime_rl.core.plugins import PluginError
-from slime_rl.core.ray_cluster import mistakes_unwrapped, users_mistake
+from slime_rl.core.ray_cluster import KeepsInitMistake, keep_init_mistake, mistakes_unwrapped, users_mistake
 
 
 def from_actor(cause: BaseException, function: str = "RolloutManager.generate") -> RayTaskError:
@@ -50,3 +50,35 @@ def test_other_errors_from_actors_stay_as_ray_raised_them():
     with pytest.raises(RayTaskError) as raised, mistakes_unwrapped():
         raise wrapped
     assert raised.value is wrapped
+
+
+class Actor(KeepsInitMistake):
+    @keep_init_mistake
+    def __init__(self, error: Exception | None):
+        self.tokenizer = "built"
+        if error is not None:
+            raise error
+        self.data_source = "built"
+
+    def ready(self) -> bool:
+        self.raise_init_mistake()
+        return True
+
+    def generate(self) -> str:
+        return self.data_source
+
+
+def test_a_mistake_in_an_actors_init_is_raised_by_its_first_call():
+    """Raised from __init__ it would kill the actor: Ray prints the traceback and raises ActorDiedError, text only."""
+    mistake = DataError("data.apply_chat_template", "the tokenizer has no chat template; set model.tokenizer_path "
+                                                    "to one that has, or turn it off")
+    actor = Actor(mistake)
+    with pytest.raises(DataError) as raised:
+        actor.ready()
+    assert raised.value is mistake
+    with pytest.raises(DataError):
+        actor.generate()  # needs what __init__ did not build
+    assert not hasattr(actor, "__ray_probe__") and actor.tokenizer == "built"
+    assert Actor(None).ready() and Actor(None).generate() == "built"
+    with pytest.raises(RuntimeError):  # anything else is a failure, not the user's mistake: the actor dies
+        Actor(RuntimeError("CUDA error"))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from slime_rl.core.config import Config, ConfigError
 from slime_rl.core.data import DataError
@@ -42,6 +44,36 @@ def users_mistake(err: BaseException) -> Exception | None:
     while isinstance(err, ray.exceptions.RayTaskError):  # an actor's call that called another actor nests
         err = err.cause
     return err if isinstance(err, USER_ERRORS) else None
+
+
+class KeepsInitMistake:
+    """Base of the run's actors. A user's mistake in ``__init__`` (a DataError from the data source, a
+    ConfigError from a backend) would kill the actor: Ray prints its traceback and raises ActorDiedError,
+    which holds only text. With ``__init__`` decorated by `keep_init_mistake`, the actor lives and the
+    first call raises the mistake (`raise_init_mistake` in the loop's readiness check, or any call that
+    needs what ``__init__`` did not build), which leaves `local_ray` as itself."""
+
+    init_mistake: Exception | None = None
+
+    def __getattr__(self, name: str) -> Any:  # only for attributes __init__ did not set
+        if not name.startswith("_"):  # Ray probes private and dunder names with hasattr
+            self.raise_init_mistake()
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def raise_init_mistake(self) -> None:
+        if self.init_mistake is not None:
+            raise self.init_mistake
+
+
+def keep_init_mistake(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def kept(self: KeepsInitMistake, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except USER_ERRORS as err:
+            self.init_mistake = err
+
+    return kept
 
 
 @contextlib.contextmanager
