@@ -210,6 +210,8 @@ def one_line_error(source_or_factory) -> str:
     ('{"input": "x", "label": "1", "tools": {"name": "f"}}', "tools 'tools' must be a list of tool schemas"),
     ('{"input": "x", "label": ' + "9" * 5000 + "}", "malformed JSON (Exceeds the limit (4300 digits)"),
     (b'{"input": "\xff", "label": "1"}', "malformed JSON (not UTF-8)"),
+    ('{"input": "a\\ud800b", "label": "1"}', "holds a lone UTF-16 surrogate escape"),
+    ('{"input": "x", "label": "1", "metadata": {"k": ["\\udc00"]}}', "holds a lone UTF-16 surrogate escape"),
     ('{"input": "x", "label": "1", "metadata": {"a": ' + "[" * 5000 + "]" * 5000 + "}}",
      "nested too deeply to parse (more than 100 levels)"),  # json's RecursionError
     ('{"input": "x", "label": "1", "metadata": {"a": ' + "[" * 150 + "]" * 150 + "}}",
@@ -237,7 +239,8 @@ def test_nesting_up_to_the_bound_goes_through_and_brackets_in_text_are_not_nesti
     deep: object = "leaf"
     for _ in range(98):  # with the record and its metadata, 100 levels: the bound
         deep = [deep]
-    rows = [{"input": "[" * 300 + "x" + "]" * 300, "label": "{" * 200, "metadata": {"deep": deep}}]
+    # a surrogate pair (json.dumps writes one for an emoji) is text
+    rows = [{"input": "[" * 300 + "x" + "]" * 300 + " \U0001F600", "label": "{" * 200, "metadata": {"deep": deep}}]
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     source = PromptDataSource(path, n_samples_per_prompt=2)
     assert source.check_records() == 1

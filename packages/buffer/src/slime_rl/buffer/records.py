@@ -75,7 +75,19 @@ def parse_jsonl_line(raw: bytes, where: Callable[[int], str], i: int) -> dict[st
     # Counting brackets is cheap and bounds the depth; only a line with many (also inside strings) is walked.
     if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and nesting_depth(record) > MAX_NESTING:
         return DataError(where(i), f"nested more than {MAX_NESTING} levels deep; {SKIP_HINT}")
+    # A \\ud800-\\udfff escape outside a pair decodes to a lone surrogate: not text (tokenizers raise TypeError).
+    if (b"\\ud" in raw or b"\\uD" in raw) and not _is_text(record):
+        return DataError(where(i), f"holds a lone UTF-16 surrogate escape (\\ud800-\\udfff outside a pair), which "
+                                   f"is not text; {SKIP_HINT}")
     return record
+
+
+def _is_text(record: dict[str, Any]) -> bool:
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def nesting_depth(value: Any) -> int:
