@@ -88,7 +88,8 @@ def _prompt_problem(prompt: Any) -> str | None:
         # content null: an assistant turn that only calls tools
         if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message
                 and (message["content"] is None or isinstance(message["content"], str | list))):
-            return f"but message {k} is {json.dumps(message, default=str)[:80]} (role a string; content a string, list or null)"
+            return (f"but message {k} is {json.dumps(message, default=str)[:80]} (role a string; content a string, "
+                    "list or null)")
     return None
 
 
@@ -172,13 +173,21 @@ class PromptDataSource(DataSource):
     @classmethod
     def check(cls, cfg: Config) -> None:
         """``data.prompt_data`` read through once, as `from_config`'s source will read it (`DataSource.check`)."""
-        cls(**{**cls._train_args(cfg), "max_prompt_len": None}).check_records()
+        cls._check_file(cls._train_args(cfg))
 
     @classmethod
     def check_eval(cls, cfg: Config) -> None:
         """Every ``eval.prompt_data`` file read through once, as `for_eval`'s sources will read them."""
         for name in cfg.eval.prompt_data:
-            cls(**{**cls._eval_args(cfg, name), "max_prompt_len": None}).check_records()
+            cls._check_file(cls._eval_args(cfg, name))
+
+    @classmethod
+    def _check_file(cls, args: dict[str, Any]) -> None:
+        source = cls(**{**args, "max_prompt_len": None})  # no tokenizer here: lengths are checked as the run reads
+        try:
+            source.check_records()
+        finally:
+            source.close()
 
     @staticmethod
     def _train_args(cfg: Config) -> dict[str, Any]:
