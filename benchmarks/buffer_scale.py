@@ -2,9 +2,10 @@
 
 Writes a 1,000,000-line JSONL (and the same rows as Parquet) to a temp dir, then,
 each in a fresh process: open the file and read the first batch (shuffled), resume
-at the middle of an epoch from a saved state, and the buffer's add/take of a
-realistic batch. Prints one table. Targets: open + first batch under 10 s, RSS
-growth under 200 MB.
+at the middle of an epoch from a saved state, the check slime-cli runs in the driver
+before Ray starts (every record parsed), and the buffer's add/take of a realistic
+batch. Prints one table ("read s": the first batch, or the whole file for a check).
+Targets: open + first batch under 10 s, RSS growth under 200 MB.
 
     .venv/bin/python benchmarks/buffer_scale.py [--lines 1000000] [--batch 256]
 """
@@ -31,15 +32,18 @@ MEASURE = textwrap.dedent("""
     base = rss_mb("VmRSS:")
     t0 = time.perf_counter()
     source = PromptDataSource(path, n_samples_per_prompt=n, seed=1, num_epoch=2)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     if case == "resume":
         state = source.state_dict()
         state["position"] = len(source) // 2
         source.load_state_dict(state)
-    groups = source.get_groups(batch)
-    t2 = time.perf_counter()
-    assert len(groups) == batch and len(groups[0]) == n
-    print(json.dumps({"open_s": t1 - t0, "batch_s": t2 - t1, "rss_mb": rss_mb("VmRSS:") - base,
+    if case == "check":
+        assert source.check_records() == len(source)
+    else:
+        groups = source.get_groups(batch)
+        assert len(groups) == batch and len(groups[0]) == n
+    t2, c2 = time.perf_counter(), time.process_time()
+    print(json.dumps({"open_s": t1 - t0, "batch_s": t2 - t1, "batch_cpu_s": c2 - c1, "rss_mb": rss_mb("VmRSS:") - base,
                       "peak_mb": rss_mb("VmHWM:") - base}))
 """)
 
@@ -105,15 +109,19 @@ def main() -> None:
         print(f"wrote {args.lines:,} prompts: {jsonl.stat().st_size / 2**20:.0f} MB JSONL, "
               f"{parquet.stat().st_size / 2**20:.0f} MB Parquet in {time.perf_counter() - t:.1f} s")
         print(f"batch: {args.batch} prompts x {args.n} samples, shuffled\n")
-        header = f"{'case':<34}{'open s':>8}{'batch s':>9}{'total s':>9}{'RSS +MB':>9}{'peak +MB':>10}"
+        header = (f"{'case':<34}{'open s':>8}{'read s':>9}{'(CPU s)':>9}{'total s':>9}{'RSS +MB':>9}"
+                  f"{'peak +MB':>10}")
         print(header)
         print("-" * len(header))
         for name, case, path in [("JSONL: open + first batch", "first", jsonl),
                                  ("JSONL: open + resume mid-epoch", "resume", jsonl),
+                                 ("JSONL: open + check every line", "check", jsonl),
                                  ("Parquet: open + first batch", "first", parquet),
-                                 ("Parquet: open + resume mid-epoch", "resume", parquet)]:
+                                 ("Parquet: open + resume mid-epoch", "resume", parquet),
+                                 ("Parquet: open + check every row", "check", parquet)]:
             r = run(MEASURE, case, path, args.batch, args.n)
-            print(f"{name:<34}{r['open_s']:>8.2f}{r['batch_s']:>9.2f}{r['open_s'] + r['batch_s']:>9.2f}"
+            print(f"{name:<34}{r['open_s']:>8.2f}{r['batch_s']:>9.2f}{r['batch_cpu_s']:>9.2f}"
+                  f"{r['open_s'] + r['batch_s']:>9.2f}"
                   f"{r['rss_mb']:>9.0f}{r['peak_mb']:>10.0f}")
         groups = 64
         b = run(BUFFER, Path(tmp) / "buffer", groups, args.n, args.response_len)

@@ -198,14 +198,120 @@ def one_line_error(source_or_factory) -> str:
     ('{"input": "x", "label": null}', "label 'label' is null"),
     ('{"input": "x"}', "no label key 'label' (keys: input); set data.label_key"),
     ('{"input": "x", "label": "1", "metadata": [1]}', "metadata 'metadata' must be an object, got list"),
+    ('{"input": "", "label": "1"}', "input 'input' is empty"),
+    ('{"input": " \\n ", "label": "1"}', "input 'input' is only whitespace"),
+    ('{"input": [], "label": "1"}', "input 'input' must be a string or a list of chat messages ({role, content}), "
+                                    "got an empty list"),
+    ('{"input": [{"role": "user", "content": 5}], "label": "1"}', "input 'input' must be a string or a list of chat "
+     'messages ({role, content}), but message 0 is {"role": "user", "content": 5} (role a string; content a string, '
+     "list or null)"),
+    ('{"input": [{"role": "user", "content": "hi"}, {"content": "x"}], "label": "1"}', "input 'input' must be a "
+     'string or a list of chat messages ({role, content}), but message 1 is {"content": "x"}'),
+    ('{"input": "x", "label": "1", "tools": {"name": "f"}}', "tools 'tools' must be a list of tool schemas"),
+    ('{"input": "x", "label": ' + "9" * 5000 + "}", "malformed JSON (Exceeds the limit (4300 digits)"),
+    (b'{"input": "\xff", "label": "1"}', "malformed JSON (not UTF-8)"),
+    ('{"input": "a\\ud800b", "label": "1"}', "holds a lone UTF-16 surrogate escape"),
+    ('{"input": "x", "label": "1", "metadata": {"k": ["\\udc00"]}}', "holds a lone UTF-16 surrogate escape"),
+    ('{"input": "x", "label": "1", "metadata": {"a": ' + "[" * 5000 + "]" * 5000 + "}}",
+     "nested too deeply to parse (more than 100 levels)"),  # json's RecursionError
+    ('{"input": "x", "label": "1", "metadata": {"a": ' + "[" * 150 + "]" * 150 + "}}",
+     "nested more than 100 levels deep"),  # json parses it; copying and storing samples would not
 ])
 def test_a_bad_line_names_file_line_and_reason(tmp_path, line, expected):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"input": "ok", "label": "1"}, line, {"input": "ok2", "label": "2"}])
+    path = tmp_path / "p.jsonl"
+    raw = line if isinstance(line, bytes) else line.encode()
+    path.write_bytes(b'{"input": "ok", "label": "1"}\n' + raw + b'\n{"input": "ok2", "label": "2"}\n')
     source = PromptDataSource(path, shuffle=False)
     before = source.state_dict()
     message = one_line_error(lambda: source.get_groups(3))
-    assert message.startswith(f"{path}:2: {expected}")
+    assert message.startswith(f"{path}:2: {expected}"), message
+    assert "set data." in message.rsplit("; ", 1)[-1]  # the fix comes last
     assert source.state_dict() == before  # a failed call does not move the source
+    # the driver's check reads the same line the same way (one parser, so they never disagree)
+    assert one_line_error(lambda: PromptDataSource(path).check_records()) == message
+    # and with skip_bad_lines the line is skipped, by both
+    skipping = PromptDataSource(path, shuffle=False, skip_bad_lines=True)
+    assert skipping.check_records() == 2
+    assert prompts_of(skipping.get_groups(3)) == ["ok", "ok2"] and skipping.num_skipped == 1
+
+
+def test_nesting_up_to_the_bound_goes_through_and_brackets_in_text_are_not_nesting(tmp_path):
+    deep: object = "leaf"
+    for _ in range(98):  # with the record and its metadata, 100 levels: the bound
+        deep = [deep]
+    # a surrogate pair (json.dumps writes one for an emoji) is text
+    rows = [{"input": "[" * 300 + "x" + "]" * 300 + " \U0001F600", "label": "{" * 200, "metadata": {"deep": deep}}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    source = PromptDataSource(path, n_samples_per_prompt=2)
+    assert source.check_records() == 1
+    (group,) = source.get_groups(1)  # each sample gets a deep copy
+    assert group[1].metadata == rows[0]["metadata"] and group[0].prompt == rows[0]["input"]
+
+
+def test_check_finds_a_bad_line_the_first_batches_never_reach(tmp_path):
+    rows = arithmetic_rows(50)
+    rows[39] = '{"input": "what is 1 + 1 ?", "label": "2",}'
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    cfg = Config()
+    cfg.data.prompt_data = str(path)
+    cfg.data.shuffle = False
+    assert len(PromptDataSource.from_config(cfg).get_groups(8)) == 8  # a run would only meet it at step 5
+    assert one_line_error(lambda: PromptDataSource.check(cfg)).startswith(
+        f"{path}:40: malformed JSON (Expecting property name enclosed in double quotes); fix the line or set "
+        "data.skip_bad_lines=true")
+    cfg.data.skip_bad_lines = True
+    PromptDataSource.check(cfg)
+
+
+def test_check_refuses_a_file_with_no_usable_prompt(tmp_path, caplog):
+    cfg = Config()
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("  \n\t\n \n")  # whitespace only: no line is a prompt
+    cfg.data.prompt_data = str(blank)
+    assert one_line_error(lambda: PromptDataSource.check(cfg)) == (
+        f"{blank}: the file holds no prompt (only blank lines); give a file with one prompt per line (or row)")
+    # the source itself stops too, instead of a run of 0 steps
+    assert "no usable prompt" in one_line_error(lambda: PromptDataSource(blank).get_groups(4))
+    bad = write_jsonl(tmp_path / "bad.jsonl", ["", '{"input": 1, "label": "1"}', "{oops", '{"label": "2"}'])
+    cfg.data.prompt_data, cfg.data.skip_bad_lines = str(bad), True
+    assert one_line_error(lambda: PromptDataSource.check(cfg)) == (
+        f"{bad}:2: no line of the file is usable (3 bad, skipped by data.skip_bad_lines); the first: input 'input' "
+        "must be a string or a list of chat messages ({role, content}), got int; fix the data")
+    assert "no usable prompt" in one_line_error(
+        lambda: PromptDataSource(bad, skip_bad_lines=True).get_groups(4))
+    some = write_jsonl(tmp_path / "some.jsonl", ["{oops", *arithmetic_rows(2)])
+    with caplog.at_level(logging.WARNING, logger="slime_rl.buffer.data_source"):
+        assert PromptDataSource(some, skip_bad_lines=True).check_records() == 2
+    assert f"{some}: 1 bad line(s) will be skipped (data.skip_bad_lines); first: {some}:1:" in caplog.text
+
+
+def test_check_eval_names_the_eval_file(tmp_path):
+    cfg = Config()
+    good = write_jsonl(tmp_path / "good.jsonl", arithmetic_rows(3))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*arithmetic_rows(3), '{"input": "x"}'])
+    cfg.eval.prompt_data = {"good": str(good), "bad": str(bad)}
+    assert one_line_error(lambda: PromptDataSource.check_eval(cfg)) == (
+        f"{bad}:4: no label key 'label' (keys: input); set data.label_key to the answer field, or to null for "
+        "prompts without labels")
+
+
+def test_check_parquet_names_the_row(tmp_path):
+    path = tmp_path / "p.parquet"
+    rows = [{"input": f"q{i}", "label": str(i)} for i in range(10)] + [{"input": None, "label": "x"}]
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4)
+    assert one_line_error(lambda: PromptDataSource(path).check_records()).startswith(
+        f"{path}:row 10: input 'input' must be a string")
+    assert PromptDataSource(path, skip_bad_lines=True).check_records() == 10
+
+
+def test_a_file_changed_under_the_run_is_named(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", arithmetic_rows(6))
+    source = PromptDataSource(path, shuffle=False)
+    source.get_groups(2)
+    with open(path, "a") as f:
+        f.write('{"input": "appended", "label": "1"}\n')
+    assert one_line_error(lambda: source.get_groups(2)).startswith(
+        f"{path}: changed while the run was reading it (")
 
 
 def test_empty_or_missing_file_is_refused_up_front(tmp_path):

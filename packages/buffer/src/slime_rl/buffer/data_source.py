@@ -10,13 +10,14 @@ next prompt.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slime_rl.buffer.records import DataError, JsonlRecords, ParquetRecords, open_records
+from slime_rl.buffer.records import SKIP_HINT, DataError, JsonlRecords, ParquetRecords, open_records
 from slime_rl.core.contracts import DataSource
 from slime_rl.core.sample import Sample
 
@@ -38,14 +39,15 @@ def parse_prompt_record(
     tools_key: str | None,
 ) -> tuple[Prompt, Any, dict[str, Any]] | DataError:
     """(prompt, label, metadata) from one record, or the reason it is unusable."""
-    skip_hint = "fix the data or set data.skip_bad_lines=true"
     if input_key not in record:
         return DataError(where, f"no input key {input_key!r} (keys: {', '.join(map(str, record)) or 'none'}); "
                                 f"set data.input_key to the prompt field")
     prompt = record[input_key]
-    if not _is_prompt(prompt):
+    if (problem := _prompt_problem(prompt)) is not None:
         return DataError(where, f"input {input_key!r} must be a string or a list of chat messages "
-                                f"({{role, content}}), got {_json_type(prompt)}; {skip_hint}")
+                                f"({{role, content}}), {problem}; {SKIP_HINT}")
+    if isinstance(prompt, str) and not prompt.strip():
+        return DataError(where, f"input {input_key!r} is {'empty' if not prompt else 'only whitespace'}; {SKIP_HINT}")
     label = None
     if label_key is not None:
         if label_key not in record:
@@ -54,19 +56,19 @@ def parse_prompt_record(
         label = record[label_key]
         if label is None or isinstance(label, bool) or not isinstance(label, str | int | float | list | dict):
             return DataError(where, f"label {label_key!r} is {_json_type(label)}; a label must be a string, number, list or "
-                                    f"object; {skip_hint}")
+                                    f"object; {SKIP_HINT}")
     metadata: dict[str, Any] = {}
     if metadata_key is not None and record.get(metadata_key) is not None:
         metadata = record[metadata_key]
         if not isinstance(metadata, dict):
             return DataError(where, f"metadata {metadata_key!r} must be an object, got "
-                                    f"{_json_type(metadata)}; {skip_hint}")
+                                    f"{_json_type(metadata)}; {SKIP_HINT}")
         metadata = dict(metadata)
     if tools_key is not None and record.get(tools_key) is not None:
         tools = record[tools_key]
         if not isinstance(tools, list):
             return DataError(where, f"tools {tools_key!r} must be a list of tool schemas, got "
-                                    f"{_json_type(tools)}; {skip_hint}")
+                                    f"{_json_type(tools)}; {SKIP_HINT}")
         metadata["tools"] = tools
     return prompt, label, metadata
 
@@ -75,11 +77,20 @@ def _json_type(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _is_prompt(prompt: Any) -> bool:
+def _prompt_problem(prompt: Any) -> str | None:
     if isinstance(prompt, str):
-        return True
-    return isinstance(prompt, list) and bool(prompt) and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+        return None
+    if not isinstance(prompt, list):
+        return f"got {_json_type(prompt)}"
+    if not prompt:
+        return "got an empty list"
+    for k, message in enumerate(prompt):
+        # content null: an assistant turn that only calls tools
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message
+                and (message["content"] is None or isinstance(message["content"], str | list))):
+            return (f"but message {k} is {json.dumps(message, default=str)[:80]} (role a string; content a string, "
+                    "list or null)")
+    return None
 
 
 class PromptDataSource(DataSource):
@@ -152,11 +163,39 @@ class PromptDataSource(DataSource):
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any = None) -> PromptDataSource:
+        return cls(tokenizer=tokenizer, **cls._train_args(cfg))
+
+    @classmethod
+    def for_eval(cls, cfg: Config, name: str, tokenizer: Any = None) -> PromptDataSource:
+        """Eval set ``cfg.eval.prompt_data[name]``: every prompt once, in file order."""
+        return cls(tokenizer=tokenizer, **cls._eval_args(cfg, name))
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """``data.prompt_data`` read through once, as `from_config`'s source will read it (`DataSource.check`)."""
+        cls._check_file(cls._train_args(cfg))
+
+    @classmethod
+    def check_eval(cls, cfg: Config) -> None:
+        """Every ``eval.prompt_data`` file read through once, as `for_eval`'s sources will read them."""
+        for name in cfg.eval.prompt_data:
+            cls._check_file(cls._eval_args(cfg, name))
+
+    @classmethod
+    def _check_file(cls, args: dict[str, Any]) -> None:
+        source = cls(**{**args, "max_prompt_len": None})  # no tokenizer here: lengths are checked as the run reads
+        try:
+            source.check_records()
+        finally:
+            source.close()
+
+    @staticmethod
+    def _train_args(cfg: Config) -> dict[str, Any]:
         d = cfg.data
         if d.prompt_data is None:
             raise DataError("data.prompt_data", "set it to a JSONL or Parquet file of prompts")
-        return cls(
-            d.prompt_data, tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
+        return dict(
+            path=d.prompt_data, input_key=d.input_key, label_key=d.label_key,
             metadata_key=d.metadata_key, tools_key=d.tools_key, apply_chat_template=d.apply_chat_template,
             n_samples_per_prompt=d.n_samples_per_prompt, shuffle=d.shuffle, seed=d.seed,
             num_epoch=None if d.num_rollout is not None else d.num_epoch,  # num_rollout wins, as in slime
@@ -164,19 +203,50 @@ class PromptDataSource(DataSource):
             format=d.source if d.source in ("jsonl", "parquet") and _suffix_unknown(d.prompt_data) else None,
         )
 
-    @classmethod
-    def for_eval(cls, cfg: Config, name: str, tokenizer: Any = None) -> PromptDataSource:
-        """Eval set ``cfg.eval.prompt_data[name]``: every prompt once, in file order."""
+    @staticmethod
+    def _eval_args(cfg: Config, name: str) -> dict[str, Any]:
         if name not in cfg.eval.prompt_data:
             raise DataError(f"eval.prompt_data.{name}", f"no eval set named {name!r} "
                                                         f"(have: {', '.join(cfg.eval.prompt_data) or 'none'})")
         d = cfg.data
-        return cls(
-            cfg.eval.prompt_data[name], tokenizer=tokenizer, input_key=d.input_key, label_key=d.label_key,
+        return dict(
+            path=cfg.eval.prompt_data[name], input_key=d.input_key, label_key=d.label_key,
             metadata_key=d.metadata_key, tools_key=d.tools_key, apply_chat_template=d.apply_chat_template,
             n_samples_per_prompt=cfg.eval.n_samples_per_prompt, shuffle=False, num_epoch=1,
             skip_bad_lines=d.skip_bad_lines, max_prompt_len=cfg.rollout.max_prompt_len,
         )
+
+    def check_records(self) -> int:
+        """Parse every record in file order as `get_groups` does; return how many are usable. Raises
+        the first bad one, or with ``skip_bad_lines`` a DataError when none is usable. Streams: memory
+        stays flat however large the file (about 6 CPU-seconds per million short lines; json is half)."""
+        usable = bad = 0
+        first_bad: DataError | None = None
+        keys = dict(input_key=self.input_key, label_key=self.label_key, metadata_key=self.metadata_key,
+                    tools_key=self.tools_key)
+        for i, record in self.records.scan():
+            if record is None:  # blank line
+                continue
+            parsed = record if isinstance(record, DataError) else parse_prompt_record(
+                record, self.records.where(i), **keys)
+            if not isinstance(parsed, DataError):
+                usable += 1
+            elif not self.skip_bad_lines:
+                raise parsed
+            else:
+                bad += 1
+                first_bad = first_bad or parsed
+        if usable == 0 and first_bad is not None:
+            reason = first_bad.message.removesuffix(f"; {SKIP_HINT}")
+            raise DataError(first_bad.where, f"no line of the file is usable ({bad} bad, skipped by "
+                                             f"data.skip_bad_lines); the first: {reason}; fix the data")
+        if usable == 0:
+            raise DataError(self.path, "the file holds no prompt (only blank lines); give a file with one prompt "
+                                       "per line (or row)")
+        if bad:
+            logger.warning("%s: %d bad line(s) will be skipped (data.skip_bad_lines); first: %s",
+                           self.path, bad, first_bad)
+        return usable
 
     def __len__(self) -> int:
         """Prompts in the file (non-blank lines or rows; bad ones included)."""
@@ -228,7 +298,9 @@ class PromptDataSource(DataSource):
                 consumed_without_group = 0
             if position == n:
                 epoch, position = epoch + 1, 0
-            if consumed_without_group >= 2 * n:  # 2n consecutive records cover one whole epoch
+            # 2n consecutive records cover one whole epoch; a source that ran out without ever giving a group
+            if consumed_without_group >= 2 * n or (group_index == 0 and not out and self.num_epoch is not None
+                                                   and epoch >= self.num_epoch):
                 raise DataError(self.path, f"no usable prompt in a whole pass over the file ({len(skipped)} bad "
                                            f"lines skipped, {too_long} over rollout.max_prompt_len)")
         self.epoch, self.position = epoch, position

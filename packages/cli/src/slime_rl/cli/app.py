@@ -20,6 +20,7 @@ from rich.console import Console
 
 from slime_rl.cli.progress import show_progress, summary_table
 from slime_rl.core.config import Config, ConfigError, load_config
+from slime_rl.core.data import DataError, check_data
 from slime_rl.core.plugins import PluginError, check_plugin, load_function
 
 app = typer.Typer(
@@ -163,7 +164,8 @@ def plan(
     try:
         wire(cfg)
         placement = plan_placement(cfg)
-    except ConfigError as err:
+        check_data(cfg)
+    except (ConfigError, DataError) as err:
         fail(str(err), 2)
     derived = {
         "global_batch_size": cfg.global_batch_size,
@@ -215,8 +217,9 @@ def train(
     cfg = _load(config, overrides)
     try:
         wire(cfg)
+        check_data(cfg)  # the prompt files, read through before Ray starts
         resolve_builtin_models(cfg)
-    except ConfigError as err:
+    except (ConfigError, DataError) as err:
         fail(str(err), 2)
     if example_dir is not None and not cfg.checkpoint.resume:
         # A plain re-run of the built-in example starts it afresh, now that the config checked out:
@@ -235,7 +238,7 @@ def train(
     try:
         with show_progress(console, bar=cfg.logging.progress_bar and console.is_terminal) as (callback, state):
             result = run_training(cfg, callback=callback)
-    except (ConfigError, PluginError) as err:
+    except (ConfigError, PluginError, DataError) as err:  # also from a Ray actor: local_ray unwraps them
         fail(str(err), 2)
     except KeyboardInterrupt:
         fail("interrupted", 130)

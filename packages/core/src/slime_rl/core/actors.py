@@ -23,6 +23,7 @@ from slime_rl.core.config import Config
 from slime_rl.core.contracts import WeightSender
 from slime_rl.core.host_memory import trims_after
 from slime_rl.core.plugins import load_attr, load_plugin
+from slime_rl.core.ray_cluster import KeepsInitMistake, keep_init_mistake
 from slime_rl.core.rollout import Group, RolloutRunner
 from slime_rl.core.sample import Sample
 from slime_rl.core.tensor_transport import (
@@ -53,9 +54,10 @@ def _cap_onednn_cache() -> None:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16")
 
 
-class TrainerWorker:
+class TrainerWorker(KeepsInitMistake):
     """One trainer rank. Every call is collective: the loop calls it on all ranks at once."""
 
+    @keep_init_mistake
     def __init__(self, cfg_dict: dict[str, Any], *, rank: int, world_size: int, master_addr: str,
                  master_port: int, role: Literal["actor", "critic"] = "actor"):
         cfg = Config.model_validate(cfg_dict)
@@ -72,6 +74,7 @@ class TrainerWorker:
         self.trainer = trainer_cls.from_config(cfg, role=role)
 
     def ready(self) -> bool:
+        self.raise_init_mistake()
         return True
 
     def compute_log_probs(self, samples: list[Sample], model: Literal["actor", "ref"]) -> list[list[float]]:
@@ -115,9 +118,10 @@ class TrainerWorker:
         self.trainer.onload()
 
 
-class RolloutManager:
+class RolloutManager(KeepsInitMistake):
     """Owns generation: the engine, tokenizer, data source, sample buffer and eval sets."""
 
+    @keep_init_mistake
     def __init__(self, cfg_dict: dict[str, Any], state_dir: str):
         from transformers import AutoTokenizer
 
@@ -197,4 +201,5 @@ class RolloutManager:
         await self.engine.shutdown()
 
     async def ping(self) -> bool:
+        self.raise_init_mistake()
         return await asyncio.sleep(0, result=True)

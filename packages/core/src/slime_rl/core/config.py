@@ -26,7 +26,11 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.message = message
         super().__init__(f"{field}: {message}")
+
+    def __reduce__(self):  # pickle (Ray) rebuilds it from both arguments, not from the joined message
+        return type(self), (self.field, self.message), self.__dict__
 
 
 class _Section(BaseModel):

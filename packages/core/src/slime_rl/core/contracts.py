@@ -163,7 +163,17 @@ class PolicyTrainer(ABC):
 
 
 class DataSource(ABC):
-    """Prompts in, groups of PENDING samples out (``n_samples_per_prompt`` per group)."""
+    """Prompts in, groups of PENDING samples out (``n_samples_per_prompt`` per group).
+
+    Bad data is a `slime_rl.core.data.DataError` naming ``file:line`` (or the field) and the fix,
+    whenever it is found: it reaches the user's terminal as one line, exit 2, from a Ray actor too."""
+
+    @classmethod
+    def check(cls, cfg: Config) -> None:
+        """Optional: read through the data a run of ``cfg`` will take from this source and raise
+        DataError for the first bad record (with ``data.skip_bad_lines``, only when none is usable).
+        slime-cli calls it in the driver before Ray starts (``train`` and ``plan``), so keep it
+        streaming and cheap. The default checks nothing: errors then surface as the run reads."""
 
     @abstractmethod
     def get_groups(self, num_groups: int) -> list[list[Sample]]:
