@@ -148,3 +148,27 @@ def test_calls_run_side_by_side_up_to_the_pool_size(tmp_path):
         assert len(pool.pids()) == 3
     finally:
         pool.close()
+
+
+def test_a_worker_hung_in_user_code_goes_when_its_parent_dies(tmp_path):
+    """A killed rollout process leaves no worker behind, even one stuck in the user's code."""
+    import subprocess
+    import sys
+
+    (tmp_path / "pool_user_code.py").write_text(USER_CODE)
+    script = textwrap.dedent(f"""
+        import sys
+        from slime_rl.core.workers import WorkerPool
+        pool = WorkerPool(1, path=[{str(tmp_path)!r}])
+        print(pool.call("pool_user_code:pid", (), 30), flush=True)
+        pool.call("pool_user_code:hang", (), 3600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    worker = int(parent.stdout.readline())
+    time.sleep(0.5)  # the worker is in hang() now
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(worker)

@@ -23,6 +23,8 @@ import os
 import pickle
 import struct
 import sys
+import threading
+import time
 from typing import Any, BinaryIO
 
 _LENGTH = struct.Struct(">I")
@@ -58,7 +60,21 @@ def load(spec: str) -> Any:
     return obj
 
 
+def die_with_parent(parent: int) -> None:
+    """Exit once the process that started this worker is gone: a killed rollout process must not
+    leave a worker hung in user code behind. (Not PR_SET_PDEATHSIG: that fires when the parent's
+    starting *thread* ends.)"""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main() -> None:
+    die_with_parent(os.getppid())
     # Replies go out on a private copy of stdout; fd 1 becomes stderr, so that whatever the user's
     # code prints (from Python or from C) cannot corrupt the protocol.
     out = os.fdopen(os.dup(1), "wb")
