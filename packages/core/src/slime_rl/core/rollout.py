@@ -217,6 +217,7 @@ class RolloutRunner:
                            f"{cfg.rollout.max_failed_fraction:g}; the first: {first_error}")
                 break
         elapsed = time.perf_counter() - start
+        kept.sort(key=lambda g: g[0].group_index)  # in data order, not finishing order: timing does not reorder a batch
         metrics = self._metrics(kept, elapsed)
         metrics.update({
             "rollout/groups_seen": seen, "rollout/groups_dropped_by_filter": dropped_filter,
