@@ -28,7 +28,8 @@ from slime_rl.core.ray_cluster import free_port, local_ray, resolve_device
 from slime_rl.core.sample import Sample
 from slime_rl.core.tensor_transport import shared_memory_dir
 
-Callback = Callable[[str, dict[str, Any]], None]  # (event, payload): "start", "step", "eval", "done"
+# (event, payload): "start", "step" (a failed step's payload has "failure": why), "eval", "done"
+Callback = Callable[[str, dict[str, Any]], None]
 
 
 class TrainerGroup:
@@ -205,7 +206,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                     save_rollouts(log_dir / "rollouts" / f"step_{step:06d}.jsonl", samples)
                 metrics.update(timings)
                 logger.log(step, metrics)
-                notify("step", {"step": step, "metrics": metrics})
+                notify("step", {"step": step, "metrics": metrics, "failure": failure})
                 if failed_steps >= cfg.rollout.max_failed_steps:
                     logger.close()
                     ray.get(manager.shutdown.remote())
