@@ -7,7 +7,13 @@ import time
 
 import pytest
 
-from slime_rl.core.workers import UserCodeError, UserCodeLoadError, UserCodeTimeout, WorkerPool
+from slime_rl.core.workers import (
+    UserCodeError,
+    UserCodeLoadError,
+    UserCodeTimeout,
+    WorkerPool,
+    WorkerStartError,
+)
 
 USER_CODE = textwrap.dedent('''
     import asyncio, os, sys, threading, time
@@ -172,3 +178,13 @@ def test_a_worker_hung_in_user_code_goes_when_its_parent_dies(tmp_path):
     while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive(worker)
+
+
+def test_a_worker_that_cannot_start_says_so():
+    pool = WorkerPool(1, preload=["no_such_module_to_preload"], quiet=True)
+    try:
+        with pytest.raises(WorkerStartError, match="could not start a worker process .*preloading "
+                                                   "no_such_module_to_preload"):
+            pool.call("os:getpid", (), 10)
+    finally:
+        pool.close()

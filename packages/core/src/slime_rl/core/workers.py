@@ -43,6 +43,10 @@ class UserCodeError(RuntimeError):
     reads on from the function's name: "raised ValueError: ...", "returned a ...", "died ..."."""
 
 
+class WorkerStartError(UserCodeError):
+    """A worker process did not start (a broken environment, or a preload that does not import)."""
+
+
 class UserCodeTimeout(TimeoutError):
     """The call outlived its timeout; its worker was killed."""
 
@@ -70,8 +74,8 @@ class WorkerProcess:
             ready = None
         if ready != ("ready",):
             self.kill()
-            raise UserCodeError(f"a worker process ({sys.executable} {_WORKER_SCRIPT}) did not start"
-                                + (f" (preloading {', '.join(preload)})" if preload else ""))
+            raise WorkerStartError(f"could not start a worker process ({sys.executable} {_WORKER_SCRIPT}"
+                                   + (f", preloading {', '.join(preload)})" if preload else ")"))
 
     @property
     def pid(self) -> int:

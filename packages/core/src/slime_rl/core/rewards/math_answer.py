@@ -17,7 +17,13 @@ import threading
 from pathlib import Path
 
 from slime_rl.core.sample import Sample
-from slime_rl.core.workers import UserCodeError, UserCodeLoadError, UserCodeTimeout, WorkerPool
+from slime_rl.core.workers import (
+    UserCodeError,
+    UserCodeLoadError,
+    UserCodeTimeout,
+    WorkerPool,
+    WorkerStartError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +119,7 @@ class MathVerifier:
         except UserCodeTimeout:
             logger.warning("math-verify gave up after %.0f s on answer %.80r; scored as wrong", self.timeout_s, pred)
             return False
-        except UserCodeLoadError as err:
+        except (UserCodeLoadError, WorkerStartError) as err:
             raise RuntimeError(f"math-verify does not load in a worker process ({err}); "
                                "is math-verify installed in this environment?") from None
         except UserCodeError as err:
