@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from slime_rl.cli.app import app
 from slime_rl.core import checkpoint, plugins
-from slime_rl.core.config import ConfigError, load_config
+from slime_rl.core.config import ConfigError, RunFailedError, load_config
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "grpo_math.yaml"
@@ -339,6 +339,11 @@ def test_train_run_time_failures_exit_1(custom_config, fake_loop):
     assert result.stderr.splitlines()[-1] == "error: training failed: RuntimeError: engine 3 died"
     fake_loop.error = ConfigError("rollout.reward", "returned a string")  # a user's mistake found at run time
     assert_user_error(run("train", custom_config), "rollout.reward")
+    # a run that stopped for a reason it states (every reward failed): exit 1, that reason in one line
+    fake_loop.error = RunFailedError("rollout.max_failed_steps: 3 steps in a row failed (...)")
+    result = run("train", custom_config)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == ["error: rollout.max_failed_steps: 3 steps in a row failed (...)"]
 
 
 def test_train_without_the_loop_stops_in_one_line(custom_config, monkeypatch):

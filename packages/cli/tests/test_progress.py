@@ -20,3 +20,13 @@ def test_the_eval_headline_is_pass_at_k():
     state = RunState()
     state.update("eval", {"step": 20, "metrics": {"eval/math/pass@1": 0.25, "eval/math/reward_mean": 0.2}})
     assert state.status() == "math/pass@1 0.250 @20"
+
+
+def test_a_failed_step_says_why_in_its_line():
+    from slime_rl.cli.progress import _line
+
+    state = RunState()
+    state.update("start", {"start_step": 0, "num_steps": 8, "startup_s": 1.0})
+    payload = {"step": 1, "metrics": {"rollout/step_failed": 1.0}, "failure": "4 of 4 samples failed (...)"}
+    state.update("step", payload)
+    assert _line("step", payload, state) == "step 1/8  failed, not trained on: 4 of 4 samples failed (...)"

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import socket
 import textwrap
 import threading
@@ -26,11 +27,12 @@ from slime_rl.core.rewards.math_answer import (
 from slime_rl.core.rewards.remote import RemoteReward, RemoteRewardError
 from slime_rl.core.rewards.text_match import exact_match_reward, f1_reward, token_f1
 from slime_rl.core.sample import Sample, SampleStatus
+from slime_rl.core.workers import close_user_code_pools
 
 torch.set_num_threads(1)
 
 USER_REWARDS = textwrap.dedent('''
-    import asyncio, threading, time
+    import asyncio, json, os, threading, time
 
     async def flaky(sample):
         mode = sample.metadata.get("mode")
@@ -42,23 +44,31 @@ USER_REWARDS = textwrap.dedent('''
             return float("nan")
         return float(len(sample.response))
 
-    def blocking(sample):  # a plain function: must run in a thread, not on the event loop
-        sample.metadata["thread"] = threading.current_thread() is threading.main_thread()
+    def blocking(sample):  # a plain function: runs in a worker process, not on the event loop
         if sample.metadata.get("mode") == "raise":
             raise RuntimeError("sync failure")
         time.sleep(0.05)
-        return {"acc": 1.0, "len": float(len(sample.response))}
+        return {"acc": 1.0, "len": float(len(sample.response)), "pid": float(os.getpid())}
 
-    in_flight = 0
-    peak = 0
-
-    async def counting(sample):
-        global in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        await asyncio.sleep(0.02)
-        in_flight -= 1
+    async def counting(sample):  # records when it ran, for the concurrency test
+        start = time.time()
+        await asyncio.sleep(0.3)
+        with open(sample.metadata["log"], "a") as log:
+            log.write(json.dumps([start, time.time()]) + "\\n")
         return 1.0
+
+    async def blocks_its_loop(sample):  # time.sleep in async code: blocks the event loop it runs in
+        if sample.metadata.get("mode") == "hang":
+            time.sleep(3600)
+        return 1.0
+
+    def hangs(sample):
+        if sample.metadata.get("mode") == "hang":
+            time.sleep(3600)
+        return 2.0
+
+    def garbage(sample):
+        return {"str": "a reward that is not a number", "lambda": lambda: 1}[sample.metadata["mode"]]
 
     async def routed(sample):  # the remote reward, with the URL taken from the sample
         from slime_rl.core.rewards.remote import RemoteReward
@@ -80,7 +90,8 @@ def user_module(tmp_path, monkeypatch):
 
     import user_rewards_for_test
 
-    return importlib.reload(user_rewards_for_test)
+    yield importlib.reload(user_rewards_for_test)
+    close_user_code_pools()  # the next test's module may differ: fresh workers import it anew
 
 
 def samples_with(modes, group=None):
@@ -114,19 +125,50 @@ def test_raising_and_sleeping_rewards_fail_their_samples_only(user_module, polic
     assert all("\n" not in s.metadata.get("error", "") for s in samples)
 
 
-def test_sync_reward_runs_in_a_thread_and_dict_rewards_need_the_key(user_module):
+def test_sync_reward_runs_in_a_worker_process_and_dict_rewards_need_the_key(user_module):
     samples = score(samples_with([None, "raise", None]), reward="user_rewards_for_test:blocking",
                     reward_key="acc")
-    assert samples[0].reward == {"acc": 1.0, "len": 1.0} and samples[2].reward == {"acc": 1.0, "len": 3.0}
-    assert samples[0].metadata["thread"] is False
+    pid = samples[0].reward["pid"]
+    assert samples[0].reward == {"acc": 1.0, "len": 1.0, "pid": pid} and samples[2].reward["len"] == 3.0
+    assert pid != os.getpid()
     assert samples[1].status == SampleStatus.FAILED and "RuntimeError: sync failure" in samples[1].metadata["error"]
     unkeyed = score(samples_with([None]), reward="user_rewards_for_test:blocking")
     assert unkeyed[0].status == SampleStatus.FAILED and "set rollout.reward_key" in unkeyed[0].metadata["error"]
 
 
-def test_concurrency_is_bounded(user_module):
-    score(samples_with([None] * 12), reward="user_rewards_for_test:counting", reward_concurrency=3)
-    assert user_module.peak == 3
+def test_concurrency_is_bounded(user_module, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    samples = samples_with([None] * 12)
+    for s in samples:
+        s.metadata["log"] = str(log)
+    score(samples, reward="user_rewards_for_test:counting", reward_concurrency=3, reward_workers=4)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    overlap = max(sum(start <= t < end for start, end in calls) for t, _ in calls)
+    assert len(calls) == 12 and overlap == 3
+
+
+@pytest.mark.parametrize("reward", ["blocks_its_loop", "hangs"])
+def test_a_hanging_reward_is_killed_at_its_timeout_and_only_its_samples_fail(user_module, reward):
+    """An async reward that blocks its event loop, or a plain one that never returns: the
+    worker running it is killed at reward_timeout; the scorer's loop and the other samples go on."""
+    samples = samples_with(["hang", None, "hang", None, None])
+    start = time.monotonic()
+    score(samples, reward=f"user_rewards_for_test:{reward}", reward_timeout=1.0, reward_workers=2)
+    assert time.monotonic() - start < 20
+    assert [s.status for s in samples] == [SampleStatus.FAILED, SampleStatus.COMPLETED] * 2 + [SampleStatus.COMPLETED]
+    assert samples[0].metadata["error"] == f"reward 'user_rewards_for_test:{reward}' timed out after 1 s"
+    assert all(s.reward == (1.0 if reward == "blocks_its_loop" else 2.0) for s in samples[1::2])
+    # nothing is left running: the killed workers are gone, and later calls get fresh ones
+    score(samples_with([None]), reward=f"user_rewards_for_test:{reward}")
+
+
+def test_a_reward_returning_garbage_fails_its_sample(user_module):
+    samples = score(samples_with(["str", "lambda"]), reward="user_rewards_for_test:garbage")
+    assert "a reward is a number or a dict of numbers, got str" in samples[0].metadata["error"]
+    assert samples[1].metadata["error"] == ("reward 'user_rewards_for_test:garbage' returned a function, "
+                                            "which cannot be sent back (AttributeError: Can't pickle local object "
+                                            "'garbage.<locals>.<lambda>')")
+    assert all(s.status == SampleStatus.FAILED for s in samples)
 
 
 def test_group_reward_sees_whole_groups(user_module):

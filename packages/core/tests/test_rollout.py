@@ -5,6 +5,8 @@ contract; the real engines have their own tests and the end-to-end tests use the
 from __future__ import annotations
 
 import asyncio
+import textwrap
+import time
 from typing import Any
 
 import pytest
@@ -105,7 +107,8 @@ async def digit_reward(sample: Sample) -> float:
 def make_cfg(**overrides: Any) -> Config:
     base = {
         "data": {"prompt_data": None, "source": "test", "rollout_batch_size": 2, "n_samples_per_prompt": 2},
-        "rollout": {"reward": f"{__name__}:digit_reward", "max_response_len": 4},
+        # reward_workers=0: rewards run in this process, so groups finish in a set order (workers: test_workers.py)
+        "rollout": {"reward": f"{__name__}:digit_reward", "max_response_len": 4, "reward_workers": 0},
     }
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
@@ -244,3 +247,102 @@ def test_reward_failure_policy(failure, expected):
 
 async def exploding_reward(sample: Sample) -> float:
     raise ValueError("boom")
+
+
+# ---------------------------------------------------------------- failures in bulk, user filters, a blocked loop
+
+
+@pytest.mark.parametrize("policy", ["zero", "drop"])
+def test_a_step_fails_when_more_than_max_failed_fraction_of_its_samples_failed(policy):
+    cfg = make_cfg(rollout__reward=f"{__name__}:exploding_reward", rollout__on_reward_failure=policy,
+                   rollout__max_failed_fraction=0.5)
+    source = ListSource(list(range(1, 21)), 2)
+    result = run(RolloutRunner(cfg, ScriptedEngine(lambda p, n: [1]), decode).rollout(source, ListBuffer()))
+    assert result.failure == (f"4 of 4 samples failed, more than rollout.max_failed_fraction=0.5; the first: "
+                              f"reward '{__name__}:exploding_reward' raised ValueError: boom")
+    assert source.pos == 2  # it stopped after one round of groups; it did not run through the data
+    assert result.metrics["rollout/step_failed"] == 1.0 and result.metrics["rollout/samples_failed"] == 4
+
+
+async def fails_on_prompt_1(sample: Sample) -> float:
+    if sample.group_index == 1:
+        raise ValueError("boom")
+    return 1.0
+
+
+def test_failures_up_to_max_failed_fraction_do_not_fail_the_step():
+    cfg = make_cfg(rollout__reward=f"{__name__}:fails_on_prompt_1", rollout__max_failed_fraction=0.5)
+    result = run(RolloutRunner(cfg, ScriptedEngine(lambda p, n: [1]), decode).rollout(ListSource([1, 2], 2),
+                                                                                    ListBuffer()))
+    assert result.failure is None and len(result.groups) == 2
+    assert result.metrics["rollout/samples_failed"] == 2 and result.metrics["rollout/step_failed"] == 0.0
+
+
+USER_FILTERS = textwrap.dedent('''
+    import time
+
+    def keep_odd(group):
+        return group[0].group_index % 2 == 1
+
+    def raises(group):
+        raise KeyError("label")
+
+    def hangs(group):
+        if group[0].group_index == 1:
+            time.sleep(3600)
+        return True
+
+    def says_maybe(group):
+        return "maybe"
+''')
+
+
+@pytest.fixture
+def user_filters(tmp_path, monkeypatch):
+    from slime_rl.core.workers import close_user_code_pools
+
+    (tmp_path / "user_filters_for_test.py").write_text(USER_FILTERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    close_user_code_pools()
+
+
+@pytest.mark.parametrize("spec, reason", [
+    ("keep_odd", None),
+    ("raises", "dynamic_sampling_filter 'user_filters_for_test:raises' raised KeyError: 'label'"),
+    ("hangs", "dynamic_sampling_filter 'user_filters_for_test:hangs' timed out after 1 s"),
+    ("says_maybe", "dynamic_sampling_filter 'user_filters_for_test:says_maybe' returned str 'maybe'; "
+                   "a filter returns True or False"),
+])
+def test_a_user_filter_runs_in_a_worker_and_its_failures_fail_its_group(user_filters, spec, reason):
+    cfg = make_cfg(rollout__dynamic_sampling_filter=f"user_filters_for_test:{spec}", rollout__reward_timeout=1.0,
+                   rollout__reward="exact_match", rollout__reward_workers=2, rollout__max_failed_fraction=0.0,
+                   data__rollout_batch_size=1, rollout__over_sampling_batch_size=2)
+    engine = ScriptedEngine(lambda p, n: [1])
+    start = time.monotonic()
+    result = run(RolloutRunner(cfg, engine, decode).rollout(ListSource([1, 2, 3, 4], 2), ListBuffer()))
+    assert time.monotonic() - start < 30
+    if reason is None:
+        assert [g[0].group_index for g in result.groups] == [1] and result.failure is None
+        return
+    assert result.failure is not None and result.failure.endswith(f"the first: {reason}")
+    assert result.metrics["rollout/groups_dropped_failed"] >= 1 and result.metrics["rollout/samples_failed"] >= 2
+    # only group 1 hangs: the other passes once its worker is killed (and is kept, though the step failed)
+    assert [g[0].group_index for g in result.groups] == ([2] if spec == "hangs" else [])
+
+
+async def blocking_generate(sample, params, engine):
+    time.sleep(1.5)  # a blocking call in async code: the whole event loop stops
+    return await generate_single_turn(sample, params, engine)
+
+
+def test_the_watchdog_names_the_function_that_blocks_the_event_loop(caplog):
+    cfg = make_cfg(rollout__generate_fn=f"{__name__}:blocking_generate", rollout__loop_block_warn_s=0.5,
+                   data__rollout_batch_size=1, data__n_samples_per_prompt=1)
+    runner = RolloutRunner(cfg, ScriptedEngine(lambda p, n: [1]), decode)
+    result = run(runner.rollout(ListSource([1], 1), ListBuffer()))
+    assert len(result.groups) == 1  # it only reports; the step goes on
+    report = runner.watchdog.reports[0]
+    assert report.startswith("the rollout's event loop has been blocked for ")
+    assert f"in async function {__name__}.blocking_generate, at {__file__}:" in report
+    assert any("blocking_generate" in r.getMessage() for r in caplog.records)

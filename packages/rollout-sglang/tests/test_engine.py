@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -174,6 +175,30 @@ def test_weight_sync_changes_generations_and_reports_the_version(make_engine, ti
     if transport == "disk":
         folder = engine.work_dir / "weights" / "v1"
         assert (folder / "config.json").is_file() and (folder / "model.safetensors.index.json").is_file()
+
+
+def test_sync_and_memory_calls_go_on_when_asyncio_default_executor_is_full(make_engine, tiny_model):
+    """Hung user code in asyncio's default executor (a plain reward stuck in a thread) must not stall
+    the engine's control calls: they block in threads of the engine's own."""
+    engine = make_engine(num_engines=1)
+    stuck = threading.Event()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        # every default thread, and more queued; they give up after 120 s, so that a regression fails, not hangs
+        hung = [loop.run_in_executor(None, stuck.wait, 120) for _ in range(64)]
+        try:
+            weights = new_weights(tiny_model, 2.0)
+            await asyncio.wait_for(engine.update_weights(weights, version=1, last=True), 30)
+            await asyncio.wait_for(engine.release_memory(), 30)
+            await asyncio.wait_for(engine.resume_memory(), 30)
+            return await asyncio.wait_for(engine.generate([5, 6, 7], GREEDY), 30)
+        finally:
+            stuck.set()
+            await asyncio.gather(*hung)
+
+    out = asyncio.run(run())
+    assert engine.weight_version == 1 and out.weight_version == 1 and out.finish_reason == "length"
 
 
 def test_a_request_in_flight_during_a_sync_continues_on_the_new_weights(make_engine, tiny_model):

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from slime_rl.cli.progress import show_progress, summary_table
-from slime_rl.core.config import Config, ConfigError, load_config
+from slime_rl.core.config import Config, ConfigError, RunFailedError, load_config
 from slime_rl.core.data import DataError, check_data
 from slime_rl.core.plugins import PluginError, check_plugin, load_function
 
@@ -242,6 +242,8 @@ def train(
         fail(str(err), 2)
     except KeyboardInterrupt:
         fail("interrupted", 130)
+    except RunFailedError as err:  # the run stopped for a reason it states: no traceback
+        fail(str(err), 1)
     except Exception as err:  # a failure at run time: the traceback is the bug report
         traceback.print_exc()
         fail(f"training failed: {type(err).__name__}: {err}", 1)

@@ -106,6 +106,8 @@ def _line(event: str, payload: dict[str, Any], state: RunState) -> str | None:
         values = "  ".join(f"{short(k)} {v:.3f}" for k, v in sorted(payload["metrics"].items()))
         return f"eval @ step {payload['step']}: {values}"
     if event == "step":
+        if payload.get("failure"):
+            return f"step {_of_total(state)}  failed, not trained on: {payload['failure']}"
         return f"step {_of_total(state)}  {state.status()}"
     return None
 
@@ -139,6 +141,8 @@ def show_progress(console: Console, *, bar: bool) -> Iterator[tuple[Callback, Ru
                 progress.reset(task, total=state.num_steps, completed=state.start_step)  # the first eval is no step
             progress.update(task, completed=state.step, description=f"step {_of_total(state)}",
                             status=state.status() or ("evaluating" if event == "start" else ""))
+            if event == "step" and payload.get("failure"):  # why, above the bar, as it happens
+                progress.console.print(_line(event, payload, state), markup=False, highlight=False, soft_wrap=True)
 
         yield update_bar, state
 

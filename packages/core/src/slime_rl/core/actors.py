@@ -147,15 +147,19 @@ class RolloutManager(KeepsInitMistake):
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     @trims_after
-    async def generate(self) -> tuple[list[Sample], dict[str, float], bool]:
-        """Roll out one step's groups, store them durably, and hand out one training batch."""
+    async def generate(self) -> tuple[list[Sample], dict[str, float], bool, str | None]:
+        """Roll out one step's groups, store them durably, and hand out one training batch; and why
+        the step failed (too many failed samples; None when it did not). A failed step's groups
+        are handed out for the record, never buffered: nothing trains on them."""
         _set_threads(self.cfg)
         result = await self.runner.rollout(self.data_source, self.buffer)
+        if result.failure is not None:
+            return [s for g in result.groups for s in g], result.metrics, result.exhausted, result.failure
         if result.groups:
             self.buffer.add(result.groups)
         groups: list[Group] = self.buffer.take(self.cfg.data.rollout_batch_size,
                                                current_version=self.engine.weight_version)
-        return [s for g in groups for s in g], result.metrics, result.exhausted
+        return [s for g in groups for s in g], result.metrics, result.exhausted, None
 
     @trims_after
     async def evaluate(self) -> dict[str, float]:

@@ -33,6 +33,11 @@ class ConfigError(ValueError):
         return type(self), (self.field, self.message), self.__dict__
 
 
+class RunFailedError(RuntimeError):
+    """A run stopped at run time for the reason its one-line message gives (``<field>: <what
+    happened and the fix>``, e.g. too many failed rewards); not a bug, so no traceback, exit 1."""
+
+
 class _Section(BaseModel):
     # strict: `true` is not a batch size, "yes" is not a boolean, 3.5 is not an int (an int is a float);
     # allow_inf_nan: no field of a config means anything at .inf or .nan
@@ -94,6 +99,10 @@ class RolloutConfig(_Section):
     reward_timeout: float = Field(30.0, gt=0)  # seconds per reward call
     reward_concurrency: int = Field(64, ge=1)
     on_reward_failure: Literal["zero", "drop"] = "zero"
+    reward_workers: int | None = Field(None, ge=0)  # processes running module:attr rewards/filters; 0: in process
+    max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)  # a step fails when more of its samples failed
+    max_failed_steps: int = Field(3, ge=1)  # this many failed steps in a row fail the run
+    loop_block_warn_s: float = Field(10.0, gt=0)  # report when the rollout's event loop is blocked this long
     max_concurrency: int = Field(512, ge=1)  # in-flight generate requests
     engine_urls: list[str] = Field(default_factory=list)  # attach to running servers instead of launching
     engine_python: str | None = None  # interpreter to launch servers with (SGLang in its own env)

@@ -23,7 +23,7 @@ from typing import Any
 from slime_rl.core import checkpoint
 from slime_rl.core.actors import RolloutManager, TrainerWorker
 from slime_rl.core.advantages import compute_advantages
-from slime_rl.core.config import Config, ConfigError
+from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.metrics import MetricsLogger
 from slime_rl.core.placement import plan_placement, resolve_device
 from slime_rl.core.ray_cluster import free_port, local_ray
@@ -32,7 +32,8 @@ from slime_rl.core.run_dir import claim_logging_dir, new_run_id, rollout_state_d
 from slime_rl.core.sample import Sample
 from slime_rl.core.tensor_transport import shared_memory_dir
 
-Callback = Callable[[str, dict[str, Any]], None]  # (event, payload): "start", "step", "eval", "done"
+# (event, payload): "start", "step" (a failed step's payload has "failure": why), "eval", "done"
+Callback = Callable[[str, dict[str, Any]], None]
 
 
 class TrainerGroup:
@@ -198,6 +199,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
         last_save = start_step if resumed is not None else None
 
         step = start_step
+        failed_steps = 0  # consecutive rollout steps with too many failed samples
         # One-step-off async (disaggregated only): rollout k+1 runs on the engines while the
         # trainer trains on rollout k; the weights are synced once both are done.
         next_rollout = manager.generate.remote() if cfg.cluster.async_train else None
@@ -205,7 +207,30 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             timings: dict[str, float] = {}
             step_start = time.perf_counter()
             with phase(timings, "rollout"):
-                samples, metrics, exhausted = ray.get(next_rollout or manager.generate.remote())
+                samples, metrics, exhausted, failure = ray.get(next_rollout or manager.generate.remote())
+            if failure is not None:
+                # Too many samples failed: the step trains on nothing and syncs nothing; it counts
+                # as a step (its data is used up). Enough of them in a row end the run.
+                failed_steps += 1
+                step += 1
+                if cfg.logging.save_rollouts and samples:
+                    save_rollouts(log_dir / "rollouts" / f"step_{step:06d}.jsonl", samples)
+                metrics.update(timings)
+                logger.log(step, metrics)
+                notify("step", {"step": step, "metrics": metrics, "failure": failure})
+                if failed_steps >= cfg.rollout.max_failed_steps:
+                    logger.close()
+                    ray.get(manager.shutdown.remote())
+                    raise RunFailedError(
+                        f"rollout.max_failed_steps: {failed_steps} steps in a row failed (the last, step {step}: "
+                        f"{failure}); fix the reward (or filter, or generate function), or raise "
+                        "rollout.max_failed_fraction or rollout.max_failed_steps")
+                more = not exhausted and (cfg.data.num_rollout is None or step < cfg.data.num_rollout)
+                next_rollout = manager.generate.remote() if cfg.cluster.async_train and more else None
+                if exhausted:
+                    break
+                continue
+            failed_steps = 0
             if not samples:
                 break
             # How many versions behind the trainer the samples' weights are (1 when one step off).

@@ -6,6 +6,12 @@ groups the dynamic-sampling filter accepts, refill while too few passed, and onc
 ``rollout_batch_size`` groups are kept abort the leftovers. Aborted groups are
 never lost: they go back to the pending buffer, keeping their tokens when
 ``partial_rollout`` is on and reset to their prompt otherwise.
+
+A step fails when more than ``rollout.max_failed_fraction`` of the samples it finished
+failed (reward or filter raised or timed out, generate function raised): the rollout
+stops at the end of that round of groups and says why in ``RolloutResult.failure``;
+the loop then does not train on it (loop.py). A user's filter (``module:attr``) runs
+in the reward workers (rewards/__init__.py says why), under ``rollout.reward_timeout``.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from dataclasses import dataclass, field
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import Buffer, DataSource, GenerateFn, RolloutEngine, SamplingParams
 from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS
-from slime_rl.core.plugins import load_function
-from slime_rl.core.rewards import score_samples
+from slime_rl.core.plugins import PluginError, load_function
+from slime_rl.core.rewards import reward_workers, score_samples
 from slime_rl.core.sample import Sample, SampleStatus
+from slime_rl.core.watchdog import LoopWatchdog
+from slime_rl.core.workers import UserCodeError, UserCodeLoadError, is_user_code, user_code_pool
 
 Decode = Callable[[list[int]], str]
 Group = list[Sample]
@@ -71,6 +79,7 @@ class RolloutResult:
     metrics: dict[str, float] = field(default_factory=dict)
     returned: int = 0  # groups put back in the pending buffer (aborted leftovers)
     exhausted: bool = False  # the data ran out before enough groups passed
+    failure: str | None = None  # why the step failed (too many failed samples); None when it did not
 
 
 class RolloutRunner:
@@ -85,7 +94,10 @@ class RolloutRunner:
             if cfg.rollout.generate_fn else generate_single_turn
         )
         spec = cfg.rollout.dynamic_sampling_filter
-        self.keep_group = load_function(spec, DYNAMIC_SAMPLING_FILTERS, what="rollout.dynamic_sampling_filter") if spec else None
+        in_worker = bool(spec) and is_user_code(spec) and reward_workers(cfg.rollout) > 0
+        self.keep_group = (None if not spec or in_worker  # a user's filter runs in a worker process
+                           else load_function(spec, DYNAMIC_SAMPLING_FILTERS, what="rollout.dynamic_sampling_filter"))
+        self.watchdog: LoopWatchdog | None = None
         self.semaphore = asyncio.Semaphore(cfg.rollout.max_concurrency)
         self.enough = False  # set once a rollout has its groups: queued requests then never start
 
@@ -115,16 +127,52 @@ class RolloutRunner:
             await score_samples([s for s in samples if s.status != SampleStatus.FAILED], self.cfg.rollout)
         return samples
 
+    def _watch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.watchdog is None or self.watchdog.loop is not loop:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+            self.watchdog = LoopWatchdog(loop, self.cfg.rollout.loop_block_warn_s, what="rollout's event loop")
+
+    async def _filter(self, group: Group) -> bool | None:
+        """The dynamic-sampling filter's verdict; None when it failed: then the group's samples are
+        FAILED (they count against ``max_failed_fraction``) and the group is dropped."""
+        r = self.cfg.rollout
+        spec = r.dynamic_sampling_filter
+        if spec is None:
+            return True
+        if self.keep_group is not None:
+            return bool(self.keep_group(group))
+        try:
+            keep = await user_code_pool(reward_workers(r)).acall(spec, (group,), r.reward_timeout)
+            if not isinstance(keep, bool) and type(keep).__name__ != "bool_":  # numpy's bool is fine
+                raise UserCodeError(f"returned {type(keep).__name__} {keep!r:.80}; a filter returns True or False")
+            return bool(keep)
+        except UserCodeLoadError as err:
+            raise PluginError(f"rollout.dynamic_sampling_filter: {spec!r} does not load: {err}") from None
+        except TimeoutError:
+            reason = f"dynamic_sampling_filter {spec!r} timed out after {r.reward_timeout:g} s"
+        except UserCodeError as err:
+            reason = f"dynamic_sampling_filter {spec!r} {err}"
+        for sample in group:
+            sample.status = SampleStatus.FAILED
+            sample.metadata["error"] = reason
+        return None
+
     async def rollout(self, data_source: DataSource, buffer: Buffer) -> RolloutResult:
         """One training rollout: ``rollout_batch_size`` kept groups (fewer only when the data ran out).
 
         Groups still needing generation come from ``buffer`` first (``take(partial=True)``),
         then from ``data_source``. Aborted and surplus groups go back to ``buffer``."""
         cfg = self.cfg
+        self._watch_loop()
         want, batch = cfg.data.rollout_batch_size, cfg.over_sampling_batch_size
         params = sampling_params(cfg)
         kept: list[Group] = []
         seen = dropped_filter = dropped_failed = returned = 0
+        samples_seen = samples_failed = 0
+        first_error: str | None = None
+        failure: str | None = None
         exhausted = False
         start = time.perf_counter()
         self.enough = False
@@ -143,9 +191,16 @@ class RolloutRunner:
                     leftovers.append(group)  # cut short by the abort below: resumed on a later step
                     continue
                 seen += 1
-                if any(s.reward is None for s in group):
-                    dropped_failed += 1  # a failed reward with on_reward_failure="drop"
-                elif self.keep_group is not None and not self.keep_group(group):
+                # None: a reward failed under on_reward_failure="drop" (not filtered, dropped), or the filter failed
+                verdict = await self._filter(group) if all(s.reward is not None for s in group) else None
+                failed = [s for s in group if s.status == SampleStatus.FAILED]
+                samples_seen += len(group)
+                samples_failed += len(failed)
+                if failed and first_error is None:
+                    first_error = failed[0].metadata.get("error", "no reason recorded")
+                if verdict is None:
+                    dropped_failed += 1
+                elif not verdict:
                     dropped_filter += 1
                 elif len(kept) < want:
                     kept.append(group)
@@ -157,13 +212,19 @@ class RolloutRunner:
             if leftovers:
                 buffer.add([self._prepare_leftover(g) for g in leftovers])
                 returned += len(leftovers)
+            if samples_seen and samples_failed / samples_seen > cfg.rollout.max_failed_fraction:
+                failure = (f"{samples_failed} of {samples_seen} samples failed, more than rollout.max_failed_fraction="
+                           f"{cfg.rollout.max_failed_fraction:g}; the first: {first_error}")
+                break
         elapsed = time.perf_counter() - start
+        kept.sort(key=lambda g: g[0].group_index)  # in data order, not finishing order: timing does not reorder a batch
         metrics = self._metrics(kept, elapsed)
         metrics.update({
             "rollout/groups_seen": seen, "rollout/groups_dropped_by_filter": dropped_filter,
             "rollout/groups_dropped_failed": dropped_failed, "rollout/groups_returned": returned,
+            "rollout/samples_failed": samples_failed, "rollout/step_failed": float(failure is not None),
         })
-        return RolloutResult(kept, metrics, returned, exhausted)
+        return RolloutResult(kept, metrics, returned, exhausted, failure)
 
     def _prepare_leftover(self, group: Group) -> Group:
         """An unfinished group keeps its tokens under partial rollout, else restarts from its prompt."""
@@ -195,6 +256,7 @@ class RolloutRunner:
     async def evaluate(self, eval_sets: dict[str, list[Group]]) -> dict[str, float]:
         """Mean reward and pass@k (k = eval.n_samples_per_prompt) per eval set."""
         params = sampling_params(self.cfg, evaluation=True)
+        self._watch_loop()
         self.enough = False
         metrics: dict[str, float] = {}
         for name, groups in eval_sets.items():

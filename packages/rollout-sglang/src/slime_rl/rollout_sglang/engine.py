@@ -15,14 +15,17 @@ weights are in, so a sync loses no work and never surfaces as an abort to the ca
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
 import torch
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 Transport = Literal["auto", "tensor", "nccl", "disk"]
 ALL_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -110,6 +114,10 @@ class SGLangEngine(RolloutEngine):
         self._monitor_task: asyncio.Task | None = None
         self._shut = False
         self.restarts = 0  # engines restarted after a failure (a metric)
+        # Control calls (weight sync, memory, recovery) block in threads of their own: asyncio's
+        # default executor is shared with whatever else runs in this process, and when it is full
+        # a weight sync would wait forever. One per server for recoveries (each may wait minutes), plus the sync's.
+        self._control_threads = ThreadPoolExecutor(len(servers) + 4, thread_name_prefix="sglang-control")
 
     # ------------------------------------------------------------------ construction
 
@@ -213,6 +221,11 @@ class SGLangEngine(RolloutEngine):
         if self._sync_lock is None or self._lock_loop is not loop:
             self._sync_lock, self._lock_loop = asyncio.Lock(), loop
         return self._sync_lock
+
+    async def _control(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the engine's own control threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._control_threads,
+                                                                functools.partial(fn, *args, **kwargs))
 
     def _start_monitor(self) -> None:
         loop = asyncio.get_running_loop()
@@ -343,11 +356,11 @@ class SGLangEngine(RolloutEngine):
         self._closed_by.add("sync")
         self._pause_epoch += 1
         try:
-            await asyncio.to_thread(ws.pause_generation, self.targets(), timeout=self.sync_timeout,
+            await self._control(ws.pause_generation, self.targets(), timeout=self.sync_timeout,
                                     step=f"weight sync v{version}: pause generation")
         except BaseException:
             self._end_sync()  # nothing changed yet: let the engines that did pause go on
-            await asyncio.to_thread(_try, ws.continue_generation, self.targets(), timeout=30.0, step="undo pause")
+            await self._control(_try, ws.continue_generation, self.targets(), timeout=30.0, step="undo pause")
             raise
         return self.targets()
 
@@ -362,11 +375,11 @@ class SGLangEngine(RolloutEngine):
         try:
             if self._verify_sample:
                 for target in targets:
-                    await asyncio.to_thread(ws.check_weights, target, self._verify_sample,
+                    await self._control(ws.check_weights, target, self._verify_sample,
                                             timeout=self.sync_timeout, step=step)
-            await asyncio.to_thread(ws.flush_cache, targets, timeout=self.sync_timeout, step=f"{step}: flush cache")
+            await self._control(ws.flush_cache, targets, timeout=self.sync_timeout, step=f"{step}: flush cache")
             if "memory" not in self._closed_by:
-                await asyncio.to_thread(ws.continue_generation, targets, timeout=self.sync_timeout,
+                await self._control(ws.continue_generation, targets, timeout=self.sync_timeout,
                                         step=f"{step}: continue generation")
         except BaseException:
             self._end_sync(reopen=False)
@@ -382,21 +395,21 @@ class SGLangEngine(RolloutEngine):
         targets = self.targets()
         if self._sync_transport == "tensor":
             for target in targets:
-                await asyncio.to_thread(ws.update_from_tensor, target, named_tensors, version=tag,
+                await self._control(ws.update_from_tensor, target, named_tensors, version=tag,
                                         timeout=self.sync_timeout, step=step)
         elif self._sync_transport == "nccl":
             await self._ensure_nccl_group(named_tensors)
-            await asyncio.to_thread(ws.broadcast_bucket, self._nccl_group, targets, named_tensors, version=tag,
+            await self._control(ws.broadcast_bucket, self._nccl_group, targets, named_tensors, version=tag,
                                     timeout=self.sync_timeout, step=step)
         elif self._sync_transport == "disk":
             folder = self.work_dir / "weights" / f"v{version}"
             if self._bucket_index == 0 and folder.exists():
                 shutil.rmtree(folder)
-            await asyncio.to_thread(ws.write_shard, folder, self._bucket_index, named_tensors)
+            await self._control(ws.write_shard, folder, self._bucket_index, named_tensors)
             if last:
-                await asyncio.to_thread(ws.finish_hf_folder, folder, self.model_path)
+                await self._control(ws.finish_hf_folder, folder, self.model_path)
                 for target in targets:
-                    await asyncio.to_thread(ws.update_from_disk, target, folder, version=version,
+                    await self._control(ws.update_from_disk, target, folder, version=version,
                                             timeout=self.sync_timeout, step=step)
                 previous, self._disk_folder = self._disk_folder, folder
                 if previous is not None and previous != folder and previous.parent == folder.parent:
@@ -408,9 +421,9 @@ class SGLangEngine(RolloutEngine):
         urls = [t.url for t in self.targets()]
         if self._nccl_group is not None and urls == self._nccl_urls:
             return
-        await asyncio.to_thread(self._drop_nccl_group)
+        await self._control(self._drop_nccl_group)
         backend = "nccl" if named_tensors[0][1].is_cuda else "gloo"
-        self._nccl_group = await asyncio.to_thread(ws.init_nccl_group, self.targets(), timeout=self.sync_timeout,
+        self._nccl_group = await self._control(ws.init_nccl_group, self.targets(), timeout=self.sync_timeout,
                                                    backend=backend)
         self._nccl_urls = urls
 
@@ -434,9 +447,9 @@ class SGLangEngine(RolloutEngine):
         self._closed_by.add("memory")
         self._pause_epoch += 1
         targets = self.targets()
-        await asyncio.to_thread(ws.pause_generation, targets, timeout=self.sync_timeout, step="release: pause")
-        await asyncio.to_thread(ws.flush_cache, targets, timeout=self.sync_timeout, step="release: flush cache")
-        await asyncio.to_thread(ws.release_memory, targets, tags, timeout=self.sync_timeout)
+        await self._control(ws.pause_generation, targets, timeout=self.sync_timeout, step="release: pause")
+        await self._control(ws.flush_cache, targets, timeout=self.sync_timeout, step="release: flush cache")
+        await self._control(ws.release_memory, targets, tags, timeout=self.sync_timeout)
         self._released |= set(tags or ALL_MEMORY_TAGS)
 
     async def resume_memory(self, tags: list[str] | None = None) -> None:
@@ -446,13 +459,13 @@ class SGLangEngine(RolloutEngine):
         tags = sorted(self._released) if tags is None else [t for t in tags if t in self._released]
         if not tags:
             return
-        await asyncio.to_thread(ws.resume_memory, self.targets(), tags, timeout=self.sync_timeout)
+        await self._control(ws.resume_memory, self.targets(), tags, timeout=self.sync_timeout)
         if "weights" in tags and "weights" in self._released and not self.weights_cpu_backup:
             self._weights_stale = True
         self._released -= set(tags)
         if not self._released:
             if "sync" not in self._closed_by:
-                await asyncio.to_thread(ws.continue_generation, self.targets(), timeout=self.sync_timeout,
+                await self._control(ws.continue_generation, self.targets(), timeout=self.sync_timeout,
                                         step="resume: continue generation")
             self._closed_by.discard("memory")
 
@@ -488,7 +501,7 @@ class SGLangEngine(RolloutEngine):
     async def _restore_stale_weights(self) -> None:
         async with self._lock():
             if self._weights_stale:
-                await asyncio.to_thread(self._restore_weights, self.targets())
+                await self._control(self._restore_weights, self.targets())
                 self._weights_stale = False
 
     async def _monitor(self) -> None:
@@ -522,26 +535,26 @@ class SGLangEngine(RolloutEngine):
         fresh = server
         try:
             logger.warning("%s failed; taking it out of the router and restarting it", server.name)
-            await asyncio.to_thread(self.router.remove_worker, server.url)
-            await asyncio.to_thread(self._drop_nccl_group)  # its members changed; made anew at the next sync
+            await self._control(self.router.remove_worker, server.url)
+            await self._control(self._drop_nccl_group)  # its members changed; made anew at the next sync
             if server.process is not None:
-                fresh = await asyncio.to_thread(restart_server, server)
-            await asyncio.to_thread(wait_healthy, fresh, self.startup_timeout)
+                fresh = await self._control(restart_server, server)
+            await self._control(wait_healthy, fresh, self.startup_timeout)
             if self._shut:
                 raise RuntimeError("the engine shut down during recovery")
             async with self._lock():  # a sync in progress ends first; then this engine gets its version
                 target = _target(fresh)
                 if self._version > 0 or self._weights_stale:
-                    await asyncio.to_thread(self._restore_weights, [target])
+                    await self._control(self._restore_weights, [target])
                 if self._released:  # a colocated trainer holds the GPU now: give the memory back again
-                    await asyncio.to_thread(ws.release_memory, [target], sorted(self._released),
+                    await self._control(ws.release_memory, [target], sorted(self._released),
                                             timeout=self.sync_timeout)
                 if self._closed_by:
-                    await asyncio.to_thread(ws.pause_generation, [target], timeout=self.sync_timeout,
+                    await self._control(ws.pause_generation, [target], timeout=self.sync_timeout,
                                             step="recovery: hold generation")
                 self.servers[self.servers.index(server)] = fresh
                 self._failures[idx] = 0
-                await asyncio.to_thread(self.router.add_worker, fresh.url, api_key=fresh.keys.api_key)
+                await self._control(self.router.add_worker, fresh.url, api_key=fresh.keys.api_key)
             self.restarts += 1
             self._recovery_failures[idx] = 0
             logger.warning("%s is back with weight version %d", fresh.name, self._version)
@@ -581,6 +594,7 @@ class SGLangEngine(RolloutEngine):
         for server in self.servers:
             if server.process is not None:
                 server.process.stop()
+        self._control_threads.shutdown(wait=False, cancel_futures=True)
 
 
 def _target(server: SGLangServer) -> ws.Target:

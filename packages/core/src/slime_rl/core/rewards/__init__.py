@@ -1,15 +1,23 @@
 """Rewards: the built-in registry, loading by name or ``module:attr``, and the concurrent scorer.
 
 A reward is ``async def reward(sample) -> float | dict[str, float]`` (plain
-``def`` works too; it runs in a thread), or with ``rollout.group_reward`` a
-group reward ``async def reward(samples) -> list[...]`` over one prompt's samples.
+``def`` works too), or with ``rollout.group_reward`` a group reward
+``async def reward(samples) -> list[...]`` over one prompt's samples.
 It reads ``sample.response`` (text), ``sample.label`` and ``sample.metadata``.
+
+A user's reward (``module:attr``) runs in a pool of worker processes
+(:mod:`slime_rl.core.workers`, ``rollout.reward_workers`` of them), an ``async def``
+one in the worker's own event loop: one that blocks (``time.sleep``, ``requests``)
+or hangs is killed at ``rollout.reward_timeout`` and its worker replaced. Changes it
+makes to a sample stay in the worker; what counts is what it returns. Built-in
+rewards are async and run here.
 
 :func:`score_samples` runs at most ``rollout.reward_concurrency`` calls at a
 time, each under ``rollout.reward_timeout`` seconds. A call that raises, times
 out or returns something that is not a reward marks its samples FAILED with
 ``metadata["error"]`` saying why, and scores them 0.0 (``on_reward_failure:
 zero``) or None (``drop``: the orchestrator drops the group); the rest score normally.
+How many may fail before the step fails: ``rollout.max_failed_fraction`` (rollout.py).
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ import asyncio
 import inspect
 import logging
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from slime_rl.core.config import RolloutConfig
@@ -27,6 +36,7 @@ from slime_rl.core.rewards.math_answer import dapo_reward, deepscaler_reward, ma
 from slime_rl.core.rewards.remote import RemoteReward
 from slime_rl.core.rewards.text_match import exact_match_reward, f1_reward
 from slime_rl.core.sample import Reward, Sample, SampleStatus
+from slime_rl.core.workers import UserCodeError, UserCodeLoadError, is_user_code, user_code_pool
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +71,7 @@ async def score_samples(samples: list[Sample], rollout_cfg: RolloutConfig) -> No
     if not samples:
         return
     cfg = rollout_cfg
-    reward_fn = load_reward(cfg.reward, group=cfg.group_reward, reward_url=cfg.reward_url)
+    call = _reward_caller(cfg)
     limit = asyncio.Semaphore(cfg.reward_concurrency)
     units = _groups(samples) if cfg.group_reward else [[s] for s in samples]
     failures: list[str] = []
@@ -78,10 +88,14 @@ async def score_samples(samples: list[Sample], rollout_cfg: RolloutConfig) -> No
         async with limit:
             try:
                 arg = unit if cfg.group_reward else unit[0]
-                result = await asyncio.wait_for(_call(reward_fn, arg), cfg.reward_timeout)
-                rewards = _check_result(result, len(unit), cfg)
+                rewards = _check_result(await call(arg), len(unit), cfg)
             except TimeoutError:
                 fail(unit, f"reward {cfg.reward!r} timed out after {cfg.reward_timeout:g} s")
+                return
+            except UserCodeLoadError as err:  # the reward itself is missing: every call would fail alike
+                raise PluginError(f"rollout.reward: {cfg.reward!r} does not load: {err}") from None
+            except UserCodeError as err:  # raised in the worker, or the worker died
+                fail(unit, f"reward {cfg.reward!r} {err}")
                 return
             except Exception as err:  # the user's reward failing costs only its samples
                 fail(unit, f"reward {cfg.reward!r} raised {type(err).__name__}: {err}")
@@ -94,11 +108,31 @@ async def score_samples(samples: list[Sample], rollout_cfg: RolloutConfig) -> No
         logger.warning("%d of %d reward calls failed; first: %s", len(failures), len(units), failures[0])
 
 
-async def _call(fn: Callable[..., Any], arg: Any) -> Any:
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):  # async def, or an object's
-        return await fn(arg)
-    result = await asyncio.to_thread(fn, arg)  # a plain function must not block the event loop
-    return await result if inspect.isawaitable(result) else result
+def reward_workers(cfg: RolloutConfig) -> int:
+    """How many worker processes run a user's reward (and filter) calls; 0: none, they run here."""
+    if cfg.reward_workers is not None:
+        return cfg.reward_workers
+    return min(cfg.reward_concurrency, 8, max(2, os.cpu_count() or 2))
+
+
+def _reward_caller(cfg: RolloutConfig) -> Callable[[Any], Awaitable[Any]]:
+    """``call(sample_or_group) -> result``, raising TimeoutError after ``reward_timeout``."""
+    if is_user_code(cfg.reward) and reward_workers(cfg) > 0:
+        pool = user_code_pool(reward_workers(cfg))
+        return lambda arg: pool.acall(cfg.reward, (arg,), cfg.reward_timeout)
+    # Built-ins (async, well behaved), or the user's own with reward_workers=0 (no isolation: for
+    # debugging; a blocking async reward then blocks the rollout, and a hung plain one keeps its thread).
+    reward_fn = load_reward(cfg.reward, group=cfg.group_reward, reward_url=cfg.reward_url)
+
+    async def call(arg: Any) -> Any:
+        if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__):
+            result = reward_fn(arg)
+        else:
+            result = asyncio.to_thread(reward_fn, arg)
+        result = await asyncio.wait_for(result, cfg.reward_timeout)
+        return await result if inspect.isawaitable(result) else result
+
+    return call
 
 
 def _groups(samples: list[Sample]) -> list[list[Sample]]:

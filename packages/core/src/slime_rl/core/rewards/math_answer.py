@@ -9,31 +9,29 @@ within ``VERIFY_TIMEOUT_S`` counts as wrong.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
-import json
 import logging
 import os
-import queue
 import re
-import select
-import subprocess
-import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from slime_rl.core.sample import Sample
+from slime_rl.core.workers import (
+    UserCodeError,
+    UserCodeLoadError,
+    UserCodeTimeout,
+    WorkerPool,
+    WorkerStartError,
+)
 
 logger = logging.getLogger(__name__)
 
 VERIFY_TIMEOUT_S = 10.0  # per answer, inside the worker
 MAX_ANSWER_CHARS = 1000  # longer "answers" are not answers; they are not sent to sympy
 MAX_TAIL_CHARS = 2000  # without a marked answer, math-verify searches this much of the response's end
-WORKER_START_TIMEOUT_S = 120.0
-_WORKER_SCRIPT = str(Path(__file__).with_name("math_worker.py"))
+_WORKER_DIR = str(Path(__file__).parent)
+_VERIFY = "math_worker:verify_answer"
 
 
 # ---------------------------------------------------------------- extraction
@@ -100,107 +98,38 @@ def label_text(sample: Sample) -> str:
 # ---------------------------------------------------------------- math-verify in killable workers
 
 
-class _Worker:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            # A file, not -m: importing the package would pull in torch. -P: its folder stays off sys.path.
-            [sys.executable, "-P", _WORKER_SCRIPT],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=False,
-        )
-        self._buffer = b""
-        try:
-            ready = self.read(time.monotonic() + WORKER_START_TIMEOUT_S)
-        except EOFError:
-            ready = None
-        if ready is None or not ready.get("ready"):
-            self.kill()
-            raise RuntimeError(f"the math-verify worker ({sys.executable} {_WORKER_SCRIPT}) "
-                               "did not start; is math-verify installed in this environment?")
-
-    def ask(self, gold: str, pred: str, timeout_s: float) -> dict[str, Any] | None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"gold": gold, "pred": pred}) + "\n").encode())
-        self.proc.stdin.flush()
-        return self.read(time.monotonic() + timeout_s)
-
-    def read(self, deadline: float) -> dict[str, Any] | None:
-        """The next reply line, or None at the deadline. Raises EOFError if the worker died."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise EOFError("math-verify worker exited")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return json.loads(line)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
-
-
 class MathVerifier:
-    """A small pool of math-verify worker processes; :meth:`verify` blocks (call it from a thread).
+    """math-verify in a small pool of worker processes; :meth:`verify` blocks (call it from a thread).
 
     A worker that takes longer than ``timeout_s`` on one answer is killed and
     replaced, and the answer counts as not verified."""
 
     def __init__(self, num_workers: int, timeout_s: float = VERIFY_TIMEOUT_S):
         self.timeout_s = timeout_s
-        # One waiting thread per worker, so verification never ties up asyncio's shared default executor.
-        self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="math-verify")
-        self._slots: queue.Queue[_Worker | None] = queue.Queue()
-        for _ in range(num_workers):
-            self._slots.put(None)  # workers start on first use
-        self._workers: set[_Worker] = set()
-        self._lock = threading.Lock()
+        # math_worker.py is loaded by file path: importing the package would pull in pydantic and httpx.
+        self._pool = WorkerPool(num_workers, path=[_WORKER_DIR], preload=["math_worker"], quiet=True,
+                                name="math-verify")
 
     async def averify(self, gold: str, pred: str) -> bool:
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self.verify, gold, pred)
+        return await self._pool.run(self.verify, gold, pred)
 
     def verify(self, gold: str, pred: str) -> bool:
-        worker = self._slots.get()
         try:
-            if worker is None:
-                worker = _Worker()
-                with self._lock:
-                    self._workers.add(worker)
-            try:
-                reply = worker.ask(gold, pred, self.timeout_s)
-            except (EOFError, OSError) as err:
-                self._drop(worker)
-                worker = None
+            return bool(self._pool.call(_VERIFY, (gold, pred), self.timeout_s))
+        except UserCodeTimeout:
+            logger.warning("math-verify gave up after %.0f s on answer %.80r; scored as wrong", self.timeout_s, pred)
+            return False
+        except (UserCodeLoadError, WorkerStartError) as err:
+            raise RuntimeError(f"math-verify does not load in a worker process ({err}); "
+                               "is math-verify installed in this environment?") from None
+        except UserCodeError as err:
+            if getattr(err, "worker_lost", False):
                 raise RuntimeError(f"math-verify worker died: {err}") from None
-            if reply is None:
-                self._drop(worker)
-                worker = None
-                logger.warning("math-verify gave up after %.0f s on answer %.80r; scored as wrong", self.timeout_s, pred)
-                return False
-            if "error" in reply:
-                logger.debug("math-verify failed on %.80r: %s", pred, reply["error"])
-                return False
-            return bool(reply["ok"])
-        finally:
-            self._slots.put(worker)
-
-    def _drop(self, worker: _Worker) -> None:
-        worker.kill()
-        with self._lock:
-            self._workers.discard(worker)
+            logger.debug("math-verify failed on %.80r: %s", pred, err)  # a bad expression is a wrong answer
+            return False
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            workers, self._workers = list(self._workers), set()
-        for worker in workers:
-            worker.kill()
+        self._pool.close()
 
 
 _verifier: MathVerifier | None = None
