@@ -177,7 +177,7 @@ def train(
             if err.name != "slime_rl.cli.default_run":
                 raise
             fail("the built-in CPU example (slime_rl.cli.default_run) is not in this slime-rl-cli; give a CONFIG", 1)
-        if not resume and checkpoint.latest(default_config(Path(workdir))["checkpoint"]["save_dir"]) is not None:
+        if not resume and checkpoint.latest_name(default_config(Path(workdir))["checkpoint"]["save_dir"]) is not None:
             # The built-in example's own folder: a plain re-run starts it afresh (a user config
             # refuses instead, see core.loop.train).
             shutil.rmtree(workdir)
