@@ -207,6 +207,8 @@ def train(
         fail("interrupted", 130)
     except Exception as err:  # a failure at run time: the traceback is the bug report
         traceback.print_exc()
+        cause = getattr(err, "cause", None)  # a Ray task's error: the exception its actor raised, without the trace
+        err = cause if isinstance(cause, Exception) else err
         fail(f"training failed: {type(err).__name__}: {err}", 1)
     console.print(summary_table(result or {}, cfg, state, time.perf_counter() - state.began))
 

@@ -39,7 +39,7 @@ _METADATA_GLOBALS = {
     ("collections", "OrderedDict"),
     *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")),
 }
-_REFUSED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_REFUSED = re.compile(r"GLOBAL ([\w.]+)")  # "Unsupported global: GLOBAL x", "unsupported GLOBAL x whose module"
 _UNTRUSTED = ("; nothing from it was loaded. The checkpoint was not written by slime-rl or was altered"
               " after it was written: resume from a checkpoint you trust")
 
