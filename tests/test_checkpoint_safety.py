@@ -121,8 +121,8 @@ def storage(save_dir: Path):
     return pickle.loads((save_dir / "step_000001" / "actor" / ".metadata").read_bytes())
 
 
-def tensor_offset(save_dir: Path, prefix: str) -> int:
-    """An offset inside the shard bytes of a tensor whose key starts with ``prefix``."""
+def item_offset(save_dir: Path, prefix: str) -> int:
+    """An offset inside the shard bytes of an item whose key starts with ``prefix``."""
     md = storage(save_dir)
     info = next(i for k, i in md.storage_data.items() if k.fqn.startswith(prefix) and i.length > 256)
     return info.offset + info.length // 2
@@ -130,18 +130,23 @@ def tensor_offset(save_dir: Path, prefix: str) -> int:
 
 def test_an_intact_checkpoint_verifies(save_dir):
     folder, meta = checkpoint.resume_point(save_dir)
-    assert {"actor/.metadata", "actor/__0_0.distcp", "actor/common.pt", "actor/metadata.json",
-            "actor/slime_rl_trainer.json"} <= set(meta["files"])
+    assert {"actor/.metadata", "actor/__0_0.distcp", "actor/metadata.json", "actor/slime_rl_trainer.json"} <= set(
+        meta["files"])  # and common.pt on megatron-core 0.16 (0.19 keeps the common state in the shard)
 
 
-@pytest.mark.parametrize("target", ["model shard", "optimizer shard", ".metadata", "common.pt", "metadata.json",
-                                    "slime_rl_trainer.json", "meta.json rollout state"])
+@pytest.mark.parametrize("target", ["model shard", "optimizer shard", "rng state", "common state", ".metadata",
+                                    "metadata.json", "slime_rl_trainer.json", "meta.json rollout state"])
 def test_a_flipped_byte_in_each_kind_of_file_stops_the_resume_naming_it(save_dir, target):
     actor = save_dir / "step_000001" / "actor"
     if target == "model shard":  # the bf16/fp32 model weights
-        path, offset = actor / "__0_0.distcp", tensor_offset(save_dir, "decoder.")
+        path, offset = actor / "__0_0.distcp", item_offset(save_dir, "decoder.")
     elif target == "optimizer shard":  # the fp32 master weights / Adam moments
-        path, offset = actor / "__0_0.distcp", tensor_offset(save_dir, "optimizer.")
+        path, offset = actor / "__0_0.distcp", item_offset(save_dir, "optimizer.")
+    elif target == "rng state":  # a pickled byte item
+        path, offset = actor / "__0_0.distcp", item_offset(save_dir, "rng_state")
+    elif target == "common state":  # common.pt on megatron-core 0.16, a byte item of the shard on 0.19
+        path = actor / "common.pt"
+        path, offset = (path, 40) if path.exists() else (actor / "__0_0.distcp", item_offset(save_dir, "common_state"))
     elif target == "meta.json rollout state":
         path = save_dir / "step_000001" / "meta.json"
         offset = path.read_bytes().index(b'"position": 2') + len('"position": ')
@@ -155,7 +160,7 @@ def test_a_flipped_byte_in_each_kind_of_file_stops_the_resume_naming_it(save_dir
 
 def test_slime_cli_resume_stops_at_a_damaged_shard_with_one_line(tiny_model_dir, save_dir, tmp_path):
     shard = save_dir / "step_000001" / "actor" / "__0_0.distcp"
-    flip(shard, tensor_offset(save_dir, "optimizer."))
+    flip(shard, item_offset(save_dir, "optimizer."))
     line = resume_line(tiny_model_dir, save_dir, tmp_path)
     assert line.startswith(f"{shard}: is damaged: its CRC-32 differs from the one written at step 1")
     assert "to start afresh, run without --resume and with another checkpoint.save_dir" in line
