@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,14 @@ def file_crc32(path: Path) -> str:
     return f"{crc:08x}"
 
 
+def _crc32s(paths: list[Path]) -> list[str]:
+    """`file_crc32` of each path, several files at once (one per trainer rank's shard)."""
+    if len(paths) <= 1:
+        return [file_crc32(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(file_crc32, paths))
+
+
 def _content_checksum(meta: dict[str, Any]) -> str:
     body = {k: v for k, v in meta.items() if k != "checksum"}
     return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
@@ -77,8 +86,9 @@ def commit(save_dir: str | Path, step: int, meta: dict[str, Any], keep_last: int
     meta.json gets the size and CRC-32 of every file the folder holds now (the trainer ranks
     have written theirs) and a checksum of its own content."""
     folder = step_dir(save_dir, step)
-    files = {p.as_posix(): {"bytes": (folder / p).stat().st_size, "crc32": file_crc32(folder / p)}
-             for p in _listing(folder)}
+    listing = _listing(folder)
+    files = {p.as_posix(): {"bytes": (folder / p).stat().st_size, "crc32": crc}
+             for p, crc in zip(listing, _crc32s([folder / p for p in listing]), strict=True)}
     record = {"step": step, **meta, "files": files}
     record["checksum"] = _content_checksum(record)
     write_json_atomic(folder / "meta.json", record)
@@ -147,7 +157,7 @@ def verify(folder: Path, meta: dict[str, Any]) -> None:
 
     save_dir, broken = folder.parent, folder.name
     files = meta.get("files")
-    if not isinstance(files, dict):
+    if not (isinstance(files, dict) and all(isinstance(want, dict) for want in files.values())):
         raise CheckpointError(str(folder / "meta.json"), "lists no files with checksums (written by an older"
                               " slime-rl?), so the checkpoint cannot be checked" + _way_on(save_dir, broken))
     listed = {Path(name) for name in files}
@@ -166,7 +176,9 @@ def verify(folder: Path, meta: dict[str, Any]) -> None:
         if size != want.get("bytes"):
             raise CheckpointError(str(path), f"is damaged: {size} bytes, {want.get('bytes')} when written at step"
                                   f" {meta['step']}" + _way_on(save_dir, broken))
-        if file_crc32(path) != want.get("crc32"):
+    for (name, want), crc in zip(files.items(), _crc32s([folder / name for name in files]), strict=True):
+        path = folder / name
+        if crc != want.get("crc32"):
             raise CheckpointError(str(path), f"is damaged: its CRC-32 differs from the one written at step"
                                   f" {meta['step']}" + _way_on(save_dir, broken))
     for metadata_file in sorted(folder.rglob(".metadata")):
