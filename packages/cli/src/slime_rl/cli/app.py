@@ -201,8 +201,8 @@ def train(
     try:
         with show_progress(console, bar=cfg.logging.progress_bar and console.is_terminal) as (callback, state):
             result = run_training(cfg, callback=callback)
-    except (ConfigError, PluginError) as err:
-        fail(str(err), 2)
+    except (ConfigError, PluginError) as err:  # raised in an actor (a checkpoint the loader refused): its message
+        fail(str(getattr(err, "cause", None) or err), 2)
     except KeyboardInterrupt:
         fail("interrupted", 130)
     except Exception as err:  # a failure at run time: the traceback is the bug report
