@@ -482,7 +482,7 @@ class MegatronTrainer(PolicyTrainer):
         if self.dtype == torch.float16:  # Megatron's loss scaler skips inf/nan gradients and lowers the scale
             return None
         grads = [g for p in self.model.parameters() if (g := getattr(p, "main_grad", None)) is not None]
-        finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        finite = torch.stack([_finite(g) for g in grads]).all() if grads else torch.tensor(True)
         finite = finite.to(device=self.device, dtype=torch.int32)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # a DP or TP/PP peer may hold the bad shard
         return None if finite.item() else "gradient"
@@ -601,7 +601,7 @@ class MegatronTrainer(PolicyTrainer):
         """NonFiniteError on every rank when any rank's weights or optimizer state hold a nan or inf."""
         tensors = itertools.chain(self.model.named_parameters(),
                                   (("optimizer state", t) for t in _optimizer_tensors(self.optimizer)))
-        local = next((name for name, t in tensors if t.is_floating_point() and not torch.isfinite(t).all()), None)
+        local = next((name for name, t in tensors if t.is_floating_point() and not _finite(t)), None)
         found: list[str | None] = [None] * dist.get_world_size()
         dist.all_gather_object(found, local)  # every rank decides alike: a collective save follows
         bad = [f"{name} (rank {rank})" for rank, name in enumerate(found) if name is not None]
@@ -624,6 +624,15 @@ class MegatronTrainer(PolicyTrainer):
         """Bring back what ``offload`` moved."""
         onload_storages(self._offloaded)
         self._offloaded = []
+
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` holds no nan or inf, as a 0-d bool tensor on its device. min and max propagate
+    nan: one pass without a bool copy (``isfinite(t).all()`` took 30x longer on a 135M-value CPU tensor)."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    low, high = torch.aminmax(t)
+    return torch.isfinite(low) & torch.isfinite(high)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
