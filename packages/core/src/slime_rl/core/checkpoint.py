@@ -27,6 +27,13 @@ _CHUNK = 8 << 20
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from. ``str(err)`` is one line: ``<file>: <what is wrong and the way on>``."""
 
+    def __init__(self, where: str, message: str):
+        super().__init__(where, message)
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a trainer actor: Ray rebuilds it from both parts
+        return type(self), (self.field, self.message)
+
 
 def step_dir(save_dir: str | Path, step: int) -> Path:
     return Path(save_dir) / f"step_{step:06d}"

@@ -15,9 +15,11 @@ for more is refused, so what torch and Megatron unpickle afterwards is plain dat
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,18 +83,38 @@ def load_dcp_metadata(path: Path) -> Any:
 
 
 def load_plain(source: Path | io.BytesIO, where: str) -> Any:
-    """``torch.load`` with the weights-only unpickler; CheckpointError naming ``where`` if it refuses.
-    torch's own message is dropped: it suggests turning the check off."""
+    """``torch.load`` with the weights-only unpickler; CheckpointError naming ``where`` if it refuses."""
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as err:  # UnpicklingError when refused, RuntimeError/EOFError when damaged
-        refused = _REFUSED.search(str(err))
-        if refused:
-            raise CheckpointError(where, f"refused: unpickling it would call {refused.group(1)}, which a checkpoint"
-                                  f" never needs{_UNTRUSTED}") from None
-        if isinstance(err, pickle.UnpicklingError):
-            raise CheckpointError(where, f"refused: it holds more than tensors and plain data{_UNTRUSTED}") from None
-        raise CheckpointError(where, f"is damaged ({type(err).__name__}); resume from another checkpoint") from None
+        raise _refusal(err, where) or CheckpointError(
+            where, f"is damaged ({type(err).__name__}); resume from another checkpoint") from None
+
+
+@contextlib.contextmanager
+def refusals_named(where: str) -> Iterator[None]:
+    """Around a loader that reads tensor items with torch's weights-only unpickler (torch's
+    FileSystemReader does; `check_dcp_folder` leaves those items to it): a refusal becomes a
+    CheckpointError naming ``where``, without torch's advice to turn the check off."""
+    try:
+        yield
+    except BaseException as err:  # torch's CheckpointException, which wraps each rank's, is a BaseException
+        refused = _refusal(err, where)
+        if refused is None:
+            raise
+        raise refused from None
+
+
+def _refusal(err: BaseException, where: str) -> CheckpointError | None:
+    """The CheckpointError for torch's weights-only unpickler refusing something, else None.
+    torch's own message is dropped: it suggests turning the check off."""
+    text = str(err)
+    if not (isinstance(err, pickle.UnpicklingError) or "weights_only" in text or "Weights only load failed" in text):
+        return None
+    refused = _REFUSED.search(text)
+    what = (f"unpickling it would call {refused.group(1)}, which a checkpoint never needs" if refused
+            else "it holds more than tensors and plain data")
+    return CheckpointError(where, f"refused: {what}{_UNTRUSTED}")
 
 
 def check_dcp_folder(folder: Path) -> None:

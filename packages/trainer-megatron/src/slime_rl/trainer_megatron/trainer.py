@@ -47,7 +47,7 @@ from megatron.core.transformer.module import Float16Module
 from slime_rl.core import losses
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
-from slime_rl.core.safe_pickle import check_dcp_folder
+from slime_rl.core.safe_pickle import check_dcp_folder, refusals_named
 from slime_rl.core.sample import Sample
 from slime_rl.trainer_megatron import batching, convert
 from slime_rl.trainer_megatron import device as dev
@@ -584,7 +584,8 @@ class MegatronTrainer(PolicyTrainer):
             raise ValueError(f"checkpoint: {path} holds a {info['role']}, this trainer is a {self.role}")
         same_world = info["world_size"] == dist.get_world_size()
         check_dcp_folder(Path(path))  # every pickle in it is plain data before Megatron unpickles any
-        state = dist_checkpointing.load(self._sharded_state(loading=True, with_rng=same_world), path)
+        with refusals_named(path):  # tensor items: torch reads them weights-only; a refusal names the folder
+            state = dist_checkpointing.load(self._sharded_state(loading=True, with_rng=same_world), path)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
