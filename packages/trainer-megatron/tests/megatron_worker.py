@@ -99,6 +99,14 @@ def run_offload(spec: dict) -> dict:
     held = torch.cuda.memory_allocated()
     trainer.offload()
     offloaded = torch.cuda.memory_allocated()
+    saved = {}
+    if spec.get("ckpt"):  # saved while offloaded, as the loop does: the weights written are the real ones
+        trainer.save(spec["ckpt"])
+        saved["offloaded_after_save"] = torch.cuda.memory_allocated()
+        fresh = MegatronTrainer.from_config(cfg)
+        fresh.load(spec["ckpt"])
+        saved["saved_log_probs_match"] = fresh.compute_log_probs(samples) == before
+        del fresh
     trainer.onload()
     after = trainer.compute_log_probs(samples)
     for s, lp in zip(samples, after, strict=True):
@@ -106,7 +114,7 @@ def run_offload(spec: dict) -> dict:
     metrics = trainer.train_step(samples)  # gradients must still reach Megatron's grad buffers
     trained = trainer.compute_log_probs(samples)
     return {"held": held, "offloaded": offloaded, "same_log_probs": before == after,
-            "grad_norm_after_onload": metrics["grad_norm"], "step_changed_log_probs": trained != after}
+            "grad_norm_after_onload": metrics["grad_norm"], "step_changed_log_probs": trained != after, **saved}
 
 
 SCENARIOS = {"train": run_scenario, "hf_parity": run_hf_parity, "offload": run_offload}

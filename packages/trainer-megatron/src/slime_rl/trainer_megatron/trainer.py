@@ -563,11 +563,12 @@ class MegatronTrainer(PolicyTrainer):
     def save(self, path: str) -> None:
         """Model, optimizer, LR scheduler and RNG with Megatron's distributed checkpointing (collective).
         Refuses (NonFiniteError, nothing written) when any weight or optimizer state is nan or inf."""
-        self._check_finite(f"checkpoint: refusing to save {path}", "the update of an earlier step made them so; lower"
-                           " trainer.lr or trainer.clip_grad")
-        Path(path).mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state(), path, sharded_strategy=InProcessTorchDistSave())
+        with self._onloaded():  # the loop saves after the trainer handed its GPU memory over
+            self._check_finite(f"checkpoint: refusing to save {path}", "the update of an earlier step made them so;"
+                               " lower trainer.lr or trainer.clip_grad")
+            Path(path).mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save(self._sharded_state(), path, sharded_strategy=InProcessTorchDistSave())
         if dist.get_rank() == 0:
             info = {"role": self.role, "step": self.step_count, "architecture": self.shape.architecture,
                     "world_size": dist.get_world_size()}
@@ -625,6 +626,19 @@ class MegatronTrainer(PolicyTrainer):
         """Bring back what ``offload`` moved."""
         onload_storages(self._offloaded)
         self._offloaded = []
+
+    @contextlib.contextmanager
+    def _onloaded(self) -> Iterator[None]:
+        """On the GPU for the duration, offloaded again after if it was: offloaded storages hold no
+        bytes on the device, and reading them (a save does) would read freed memory."""
+        was_offloaded = bool(self._offloaded)
+        if was_offloaded:
+            self.onload()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                self.offload()
 
 
 def _finite(t: torch.Tensor) -> torch.Tensor:
