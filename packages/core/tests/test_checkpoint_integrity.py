@@ -102,6 +102,10 @@ def test_resume_without_any_checkpoint_says_to_start_again_without_it(tmp_path):
         checkpoint.resume_point(tmp_path / "never")
     assert str(err.value).startswith(f"checkpoint.resume: {tmp_path / 'never'} holds no checkpoint to resume from"
                                      " (the folder does not exist); start again without --resume")
+    _save(tmp_path / "unpointed", 2)
+    (tmp_path / "unpointed" / "latest").unlink()
+    with pytest.raises(CheckpointError, match=r"unpointed/latest: is missing, though complete checkpoints are here \(step_000002\)"):
+        checkpoint.resume_point(tmp_path / "unpointed")
     checkpoint.prepare(tmp_path / "killed", 2)  # killed during its first save
     with pytest.raises(CheckpointError, match=r"\(step_000002 without meta.json: saves that did not finish\);"
                                               r" start again without --resume .*the data from the beginning"):

@@ -198,6 +198,10 @@ def resume_point(save_dir: str | Path) -> tuple[Path, dict[str, Any]]:
     save_dir = Path(save_dir)
     found = latest(save_dir)
     if found is None:
+        complete = sorted(p.name for p in save_dir.glob("step_*") if (p / "meta.json").is_file())
+        if complete:  # the pointer was removed: which one to trust is the user's call
+            raise CheckpointError(str(save_dir / "latest"), f"is missing, though complete checkpoints are here"
+                                  f" ({', '.join(complete[-3:])}); to resume from one, write its folder name into it")
         partial = sorted(p.name for p in save_dir.glob("step_*") if p.is_dir())
         seen = (f" ({', '.join(partial)} without meta.json: saves that did not finish)" if partial
                 else "" if save_dir.is_dir() else " (the folder does not exist)")
