@@ -11,6 +11,8 @@ pickle can run any code when loaded, and checkpoints are passed around.
 only the classes such an index holds, every byte item and ``.pt`` file with torch's
 weights-only unpickler (tensors and plain containers). A folder where anything asks
 for more is refused, so what torch and Megatron unpickle afterwards is plain data.
+Tensor items torch reads weights-only itself; `refusals_named` gives its refusal our
+message (torch's own advises turning the check off).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import torch
 from slime_rl.core.checkpoint import CheckpointError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-# What torch's FileSystemWriter and Megatron's planner put in ``.metadata`` (torch 2.4-2.13,
-# megatron-core 0.16 and 0.19): the index dataclasses, sizes, dtypes, layouts and the path it was
-# saved to. Constructing any of them runs no code from the file.
+# What torch's FileSystemWriter and Megatron's planner put in ``.metadata`` (seen with torch 2.13 and
+# megatron-core 0.16.1 and 0.19.2): the index dataclasses, sizes, dtypes, layouts and the path it
+# was saved to. Constructing any of them runs no code from the file.
 _METADATA_GLOBALS = {
     *((_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
                                          "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
