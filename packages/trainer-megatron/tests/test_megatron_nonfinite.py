@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from megatron_testlib import ensure_single_rank_group, make_config, make_hf_model, make_samples
+from megatron_testlib import ensure_single_rank_group, launch, make_config, make_hf_model, make_samples
 
 from slime_rl.trainer_megatron.trainer import InProcessTorchDistSave, MegatronTrainer, NonFiniteError
 
@@ -109,3 +109,13 @@ def test_nonfinite_weights_are_never_saved_nor_loaded(model_dir, tmp_path):
         {"role": "actor", "step": 1, "architecture": trainer.shape.architecture, "world_size": 1}))
     with pytest.raises(NonFiniteError, match=rf"checkpoint: {tmp_path / 'raw'}: nan or inf in {name} \(rank 0\)"):
         trainer_for(model_dir).load(str(tmp_path / "raw"))
+
+
+def test_an_inf_gradient_on_one_rank_is_skipped_on_every_rank(model_dir, tmp_path):
+    """TP=2: only rank 1's shard of a weight gets the inf; rank 0 must not step alone (the ranks
+    would part ways, and the next collective would hang)."""
+    out = launch(2, dict(scenario="nonfinite_on_one_rank", model=str(model_dir), num_samples=4, vocab=VOCAB,
+                         overrides=["parallel.tensor_model_parallel_size=2", "cluster.actor_num_gpus_per_node=2"]),
+                 tmp_path)
+    assert [m["nonfinite_skipped"] for m in out["metrics"]] == [0.0, 1.0, 0.0]
+    assert out["unchanged"] == [False, True, False]
