@@ -34,9 +34,11 @@ def test_a_step_folder_being_rewritten_is_not_a_checkpoint_until_committed(tmp_p
     for step in (10, 20):  # an earlier run; latest -> step 20
         _save(tmp_path, step)
     folder = checkpoint.prepare(tmp_path, 20)  # a new run starts writing step 20 over it
-    assert checkpoint.latest(tmp_path) is None  # a crash now must not resume from half-written files
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000020/meta.json: is missing.*\(step_000010\)"):
+        checkpoint.latest(tmp_path)  # a crash now must not resume from half-written files, nor start over
     checkpoint.commit(tmp_path, 20, {"run": "new"}, keep_last=2)
-    assert checkpoint.latest(tmp_path) == (folder, {"step": 20, "run": "new"})
+    latest_folder, meta = checkpoint.latest(tmp_path)
+    assert latest_folder == folder and (meta["step"], meta["run"]) == (20, "new")
 
 
 def test_a_fresh_run_refuses_a_save_dir_holding_an_earlier_run(tmp_path):
@@ -46,6 +48,6 @@ def test_a_fresh_run_refuses_a_save_dir_holding_an_earlier_run(tmp_path):
     _save(tmp_path / "ckpt", 4)
     cfg = load_config(None, [f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'run'}"],
                       check=False)
-    with pytest.raises(ConfigError, match=r"checkpoint.save_dir: .* step 4\); continue it with --resume"):
+    with pytest.raises(ConfigError, match=r"checkpoint.save_dir: .* step_000004\); continue it with --resume"):
         train(cfg)  # before Ray or any backend starts
     assert checkpoint.latest(tmp_path / "ckpt")[1]["step"] == 4

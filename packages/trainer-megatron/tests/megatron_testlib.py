@@ -132,4 +132,4 @@ def launch(world_size: int, spec: dict, tmp_path: Path, timeout: float = 300.0) 
         failed |= proc.returncode != 0
     if failed:
         raise AssertionError("multi-rank run failed:\n" + "\n".join(logs))
-    return torch.load(out_file, weights_only=False)
+    return torch.load(out_file, weights_only=True)

@@ -99,6 +99,14 @@ def run_offload(spec: dict) -> dict:
     held = torch.cuda.memory_allocated()
     trainer.offload()
     offloaded = torch.cuda.memory_allocated()
+    saved = {}
+    if spec.get("ckpt"):  # saved while offloaded, as the loop does: the weights written are the real ones
+        trainer.save(spec["ckpt"])
+        saved["offloaded_after_save"] = torch.cuda.memory_allocated()
+        fresh = MegatronTrainer.from_config(cfg)
+        fresh.load(spec["ckpt"])
+        saved["saved_log_probs_match"] = fresh.compute_log_probs(samples) == before
+        del fresh
     trainer.onload()
     after = trainer.compute_log_probs(samples)
     for s, lp in zip(samples, after, strict=True):
@@ -106,10 +114,36 @@ def run_offload(spec: dict) -> dict:
     metrics = trainer.train_step(samples)  # gradients must still reach Megatron's grad buffers
     trained = trainer.compute_log_probs(samples)
     return {"held": held, "offloaded": offloaded, "same_log_probs": before == after,
-            "grad_norm_after_onload": metrics["grad_norm"], "step_changed_log_probs": trained != after}
+            "grad_norm_after_onload": metrics["grad_norm"], "step_changed_log_probs": trained != after, **saved}
 
 
-SCENARIOS = {"train": run_scenario, "hf_parity": run_hf_parity, "offload": run_offload}
+def run_nonfinite_on_one_rank(spec: dict) -> dict:
+    """Three steps; in the second, rank 1 alone gets an inf gradient (a hook on its tensor-parallel
+    shard) while the loss stays finite. Per step: the metrics, and whether every rank's weights stayed."""
+    from megatron_testlib import make_config, make_samples
+
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    trainer = MegatronTrainer.from_config(make_config(Path(spec["model"]), spec.get("overrides", [])))
+    samples = make_samples(spec["num_samples"], spec["vocab"])
+    param = next(p for n, p in trainer.model.named_parameters() if "linear_fc1" in n)
+    result: dict = {"metrics": [], "unchanged": []}
+    for k in range(3):
+        hook = param.register_hook(lambda g: g * float("inf")) if k == 1 and torch.distributed.get_rank() == 1 else None
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        result["metrics"].append(trainer.train_step(samples))
+        if hook is not None:
+            hook.remove()
+        same = all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters(), strict=True))
+        everywhere = torch.tensor(int(same), device=trainer.device)
+        torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN)
+        result["unchanged"].append(bool(everywhere))
+    return result
+
+
+SCENARIOS = {"train": run_scenario, "hf_parity": run_hf_parity, "offload": run_offload,
+             "nonfinite_on_one_rank": run_nonfinite_on_one_rank}
 
 
 def main() -> None:

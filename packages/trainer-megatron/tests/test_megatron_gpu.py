@@ -55,9 +55,11 @@ def test_bf16_log_probs_match_transformers(qwen_05b, tmp_path):
 
 def test_offload_frees_the_gpu_and_onload_resumes_training(qwen_05b, tmp_path):
     out = launch(1, dict(scenario="offload", model=str(qwen_05b), num_samples=8, vocab=QWEN25_05B["vocab"],
-                         prompt=(32, 64), response=(32, 64), overrides=CUDA), tmp_path)
+                         prompt=(32, 64), response=(32, 64), overrides=CUDA, ckpt=str(tmp_path / "ckpt")), tmp_path)
     print(f"\noffload: {out['held'] / 2**30:.2f} GiB held -> {out['offloaded'] / 2**30:.2f} GiB; "
           f"grad norm of the step after onload {out['grad_norm_after_onload']:.4g}")
     assert out["offloaded"] < 0.1 * out["held"]
     assert out["same_log_probs"]
     assert out["grad_norm_after_onload"] > 0 and out["step_changed_log_probs"]
+    # a save while offloaded writes the real weights and hands the memory back after
+    assert out["saved_log_probs_match"] and out["offloaded_after_save"] < 0.1 * out["held"]

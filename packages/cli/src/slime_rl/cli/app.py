@@ -239,13 +239,15 @@ def train(
         with show_progress(console, bar=cfg.logging.progress_bar and console.is_terminal) as (callback, state):
             result = run_training(cfg, callback=callback)
     except (ConfigError, PluginError, DataError) as err:  # also from a Ray actor: local_ray unwraps them
-        fail(str(err), 2)
+        fail(str(getattr(err, "cause", None) or err), 2)
     except KeyboardInterrupt:
         fail("interrupted", 130)
     except RunFailedError as err:  # the run stopped for a reason it states: no traceback
         fail(str(err), 1)
     except Exception as err:  # a failure at run time: the traceback is the bug report
         traceback.print_exc()
+        cause = getattr(err, "cause", None)  # a Ray task's error: the exception its actor raised, without the trace
+        err = cause if isinstance(cause, Exception) else err
         fail(f"training failed: {type(err).__name__}: {err}", 1)
     console.print(summary_table(result or {}, cfg, state, time.perf_counter() - state.began))
 

@@ -165,6 +165,7 @@ class TrainerConfig(_Section):
     # true: full activation recompute; a list: Megatron's selective recompute of those modules
     recompute: bool | list[str] = False
     critic_lr: float | None = Field(None, gt=0)  # PPO critic; defaults to lr
+    on_nonfinite: Literal["skip", "stop"] = "skip"  # a step whose loss or gradient is nan/inf: skip it, or fail
 
     @field_validator("recompute", mode="before")
     @classmethod

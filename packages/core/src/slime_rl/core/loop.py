@@ -147,11 +147,14 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     # the old policy's, so it computes them in the training forward instead of a second pass.
     separate_old_pass = cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs
     summary: dict[str, Any] = {"log_dir": str(log_dir), "checkpoint_dir": str(save_dir)}
-    previous = checkpoint.latest(save_dir)
-    if previous is not None and not cfg.checkpoint.resume:  # before anything starts: nothing gets overwritten
+    # Before anything starts: a resume's checkpoint is there and verified (CheckpointError says what is
+    # wrong and the way on), and a fresh run overwrites nothing.
+    resumed = checkpoint.resume_point(save_dir) if cfg.checkpoint.resume else None
+    previous = checkpoint.latest_name(save_dir)
+    if previous is not None and not cfg.checkpoint.resume:
         raise ConfigError(
             "checkpoint.save_dir",
-            f"{save_dir} holds the checkpoints of an earlier run (latest: step {previous[1]['step']}); continue"
+            f"{save_dir} holds the checkpoints of an earlier run (latest: {previous}); continue"
             " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
         )
     resumed = previous if cfg.checkpoint.resume else None
