@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,10 +22,10 @@ from slime_rl.core import checkpoint
 from slime_rl.core.actors import RolloutManager, TrainerWorker
 from slime_rl.core.advantages import compute_advantages
 from slime_rl.core.config import Config, ConfigError
+from slime_rl.core.leftovers import weights_folder
 from slime_rl.core.metrics import MetricsLogger
 from slime_rl.core.ray_cluster import free_port, local_ray, resolve_device
 from slime_rl.core.sample import Sample
-from slime_rl.core.tensor_transport import shared_memory_dir
 
 Callback = Callable[[str, dict[str, Any]], None]  # (event, payload): "start", "step", "eval", "done"
 
@@ -96,8 +95,7 @@ def sync_weights(cfg: Config, actor: TrainerGroup, manager: Any, *, version: int
     sender = ray.get(manager.weight_sender.remote())
     if sender is None:
         same_node = len(set(ray.get([manager.node_id.remote(), actor.workers[0].node_id.remote()]))) == 1
-        files = (tempfile.TemporaryDirectory(prefix="slime-rl-weights-", dir=shared_memory_dir()) if same_node
-                 else contextlib.nullcontext())
+        files = weights_folder() if same_node else contextlib.nullcontext()
         with files as folder:  # None: through the object store
             refs = actor.call_async("weight_buckets", bucket_bytes, folder)
             ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
