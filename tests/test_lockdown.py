@@ -120,14 +120,17 @@ def test_a_local_run_listens_on_loopback_only_and_ray_wants_the_token(tiny_model
         assert any(name.startswith("ray::TrainerWorker") for name in names), found  # and the trainer's store
         assert [entry for entry in found if not is_loopback(entry[1])] == []
 
-        # A client without the token (as anyone else on the machine would be) is refused.
+        # A client without the token (anyone else on the machine) is refused; with it, answered.
         gcs = next(p for p in processes if p.name() == "gcs_server")
-        gcs_port = next(arg.split("=")[1] for arg in gcs.cmdline() if arg.startswith("--gcs_server_port="))
-        client = subprocess.run(
-            [sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{gcs_port}')"],
-            env=clean_env(tmp_path / "stranger"), capture_output=True, text=True, timeout=180)
-        assert client.returncode != 0
-        assert "AuthenticationError" in client.stderr, client.stderr[-2000:]
+        gcs_port = next(port for name, _, port in found if name == "gcs_server")
+        connect = f"from ray._raylet import GcsClient; GcsClient(address='127.0.0.1:{gcs_port}'); print('connected')"
+        stranger = subprocess.run([sys.executable, "-c", connect], env=clean_env(tmp_path / "stranger"),
+                                  capture_output=True, text=True, timeout=120)
+        assert stranger.returncode != 0 and "AuthenticationError" in stranger.stderr, stranger.stderr[-2000:]
+        token = gcs.environ()["RAY_AUTH_TOKEN"]
+        insider = subprocess.run([sys.executable, "-c", connect], capture_output=True, text=True, timeout=120,
+                                 env=clean_env(tmp_path / "stranger", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token))
+        assert insider.stdout.strip() == "connected", insider.stderr[-2000:]
 
         # The run's own folders are the user's only; a dead run's are gone.
         (ray_tmp,) = ray_folder_of(driver.pid)
@@ -209,8 +212,9 @@ def test_weight_buckets_are_private_and_a_dead_runs_folders_go(tmp_path):
     planted = plant_dead_run_leftovers()
     live = leftovers.private_folder(leftovers.RAY_PREFIX)  # this process's: alive, kept
     try:
-        removed = leftovers.remove_dead()
-        assert sorted(removed) == sorted(planted)
-        assert live.exists()
+        removed = leftovers.remove_dead()  # (and any other dead run's of this user)
+        assert set(planted) <= set(removed)
+        assert [p for p in planted if p.exists()] == []
+        assert live.exists() and live not in removed
     finally:
         live.rmdir()

@@ -1,8 +1,8 @@
 """What a run keeps outside its logging dir, private to the user and gone when the run is.
 
 Ray's temporary folder and the weight buckets in /dev/shm live in folders (mode 0700) named
-after the driver that owns them: ``slime-rl-ray-<pid>.<start>-xxxx``, where ``start`` is the
-process's start time, so a reused pid is not taken for the owner. A run removes them when it
+after the driver that owns them: ``slime-rl-ray-<pid>.<start>-xxxx`` (base 36), where ``start``
+is the process's start time, so a reused pid is not taken for the owner. A run removes them when it
 ends; a run killed with SIGKILL cannot, so the next run removes every such folder whose owner
 is gone (`remove_dead`), and a reaper process (`start_reaper`, this file run as a script)
 removes them at once and ends the dead driver's Ray processes: Ray kills its GCS and raylet
@@ -62,17 +62,31 @@ def process_start(pid: int) -> str | None:
     return None if stat is None or stat[0] == "Z" else stat[19]
 
 
+def _base36(number: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        number, digit = divmod(number, 36)
+        out = digits[digit] + out
+        if not number:
+            return out
+
+
 def owner_tag(pid: int | None = None) -> str:
+    """``<pid>.<start>`` in base 36: short, since Ray's socket paths under its folder must fit
+    in 107 bytes."""
     pid = os.getpid() if pid is None else pid
-    return f"{pid}.{process_start(pid) or ''}"
+    start = process_start(pid)
+    return f"{_base36(pid)}.{_base36(int(start)) if start else ''}"
 
 
 def owner_alive(tag: str) -> bool:
     pid, _, start = tag.partition(".")
-    if not pid.isdigit():
+    try:
+        now = process_start(int(pid, 36))
+    except ValueError:
         return True  # not one of ours: leave it
-    now = process_start(int(pid))
-    return now is not None and (not start or not now or now == start)
+    return now is not None and (not start or not now or _base36(int(now)) == start)
 
 
 def private_folder(prefix: str, parent: str | None = None) -> Path:
@@ -165,7 +179,7 @@ def _reap(tag: str, interval_s: float = 1.0) -> None:
     """The reaper's loop: track the driver's process tree while it lives."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the driver's normal end
-    pid = int(tag.split(".")[0])
+    pid = int(tag.split(".")[0], 36)
     tracked: dict[int, str] = {}
     while owner_alive(tag):
         tracked.update(descendants(pid))

@@ -128,6 +128,8 @@ def local_ray(cfg: Config) -> Iterator[None]:
             ray.shutdown()
         return
     leftovers.remove_dead()
+    # Ray makes its folder 0777 ("so others can use it"), again whenever a process of it starts:
+    # it goes inside one of ours (0700). "r": Ray's socket paths below it must fit in 107 bytes.
     temp_dir = leftovers.private_folder(leftovers.RAY_PREFIX)
     reaper = leftovers.start_reaper()
     try:
@@ -135,12 +137,11 @@ def local_ray(cfg: Config) -> Iterator[None]:
             num_cpus=cfg.cluster.num_cpus or max(os.cpu_count() or 1, 2),
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
-            _temp_dir=str(temp_dir),
+            _temp_dir=str(temp_dir / "r"),
             object_store_memory=2 * 1024**3,
             log_to_driver=True,
             configure_logging=False,
         )
-        temp_dir.chmod(0o700)  # Ray makes its temporary folder 0777 ("so others can use it")
         yield
     finally:
         ray.shutdown()
