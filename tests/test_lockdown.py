@@ -218,3 +218,77 @@ def test_weight_buckets_are_private_and_a_dead_runs_folders_go(tmp_path):
         assert live.exists() and live not in removed
     finally:
         live.rmdir()
+
+
+JOIN = ("import slime_rl.core, ray\nfrom slime_rl.core.ray_cluster import local_ray\n"
+        "with local_ray(None): print('joined', ray.cluster_resources()['CPU'])")
+
+
+def start_head(temp_dir: str, **auth: str) -> tuple[subprocess.Popen, str]:
+    """A one-node Ray cluster on loopback (``ray start --head --block``) and its address."""
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = clean_env(Path(temp_dir), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **auth)
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+                             "--include-dashboard=false", f"--temp-dir={temp_dir}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return head, f"127.0.0.1:{port}"
+
+
+def stop_head(head: subprocess.Popen) -> None:
+    processes = tree(head.pid)
+    for proc in processes:
+        proc.kill()
+    psutil.wait_procs(processes, timeout=30)
+
+
+def join(address: str, home: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", JOIN], capture_output=True, text=True, timeout=300,
+                          env=clean_env(home, RAY_ADDRESS=address, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **env))
+
+
+def wait_until_joinable(address: str, home: Path, token: str | None) -> None:
+    deadline = time.time() + 120
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token} if token else {"RAY_AUTH_MODE": "disabled"}
+    code = f"from ray._raylet import GcsClient; GcsClient(address='{address}')"
+    while subprocess.run([sys.executable, "-c", code], env=clean_env(home, **auth), capture_output=True,
+                         timeout=120).returncode != 0:
+        assert time.time() < deadline, "the head did not start"
+        time.sleep(1)
+
+
+@pytest.mark.slow
+def test_joining_a_cluster_needs_its_token_and_its_authentication(tmp_path):
+    import secrets
+
+    token = secrets.token_urlsafe(32)
+    home = tmp_path / "home"
+    home.mkdir()
+    temp_dir = tempfile.mkdtemp(prefix="lk-")  # short: Ray's socket paths must fit in 107 bytes
+    head, address = start_head(temp_dir, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+    try:
+        wait_until_joinable(address, home, token)
+        joined = join(address, home, RAY_AUTH_TOKEN=token)
+        assert joined.stdout.startswith("joined 1.0"), joined.stderr[-2000:]
+        refused = join(address, home, RAY_AUTH_TOKEN="not-the-token")
+        assert "ConfigError: RAY_AUTH_TOKEN: the Ray cluster at" in refused.stderr
+        assert "refused our token: set RAY_AUTH_TOKEN" in refused.stderr
+        missing = join(address, home)
+        assert "ConfigError: RAY_AUTH_TOKEN: no token for the Ray cluster" in missing.stderr
+    finally:
+        stop_head(head)
+
+    head, address = start_head(temp_dir, RAY_AUTH_MODE="disabled")
+    try:
+        wait_until_joinable(address, home, None)
+        refused = join(address, home)
+        assert "ConfigError: RAY_ADDRESS: the Ray cluster at" in refused.stderr
+        assert "has authentication off" in refused.stderr and "SLIME_RL_ALLOW_RAY_WITHOUT_AUTH=1" in refused.stderr
+        opted_out = join(address, home, RAY_AUTH_MODE="disabled", SLIME_RL_ALLOW_RAY_WITHOUT_AUTH="1")
+        assert opted_out.stdout.startswith("joined 1.0"), opted_out.stderr[-2000:]
+    finally:
+        stop_head(head)
+        __import__("shutil").rmtree(temp_dir, ignore_errors=True)
+    assert not (home / ".ray").exists()

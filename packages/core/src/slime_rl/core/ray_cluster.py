@@ -79,6 +79,8 @@ def check_cluster(address: str) -> None:
 
     if address.startswith("ray://"):  # Ray Client: its server checks the token; ray.init reports
         return
+    if not _auth_mode():  # ray_env.prepare came after ray's import
+        raise ConfigError("import order", _IMPORT_ORDER)
     gcs = canonicalize_bootstrap_address_or_die(address)
     if _gcs_answers(gcs, {}):
         if not ray_env.no_auth_allowed():
@@ -97,7 +99,7 @@ def check_cluster(address: str) -> None:
     loader = AuthenticationTokenLoader.instance()
     fix = ("set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, a file) to the cluster's token; `ray get-auth-token` on"
            " its head node prints it")
-    if not loader.has_token():
+    if not loader.has_token(ignore_auth_mode=True):  # (without it, no token raises)
         raise ConfigError("RAY_AUTH_TOKEN", f"no token for the Ray cluster at {gcs}: {fix}")
     if _gcs_answers(gcs, loader.get_token_for_http_header()) is False:
         raise ConfigError("RAY_AUTH_TOKEN", f"the Ray cluster at {gcs} refused our token: {fix}")
