@@ -156,6 +156,7 @@ def test_a_killed_run_leaves_no_processes_or_folders(tiny_model_dir, tmp_path):
     _, alive = psutil.wait_procs(processes, timeout=20)
     elapsed = time.time() - killed_at
     assert [p.name() for p in alive] == [], f"still running {elapsed:.0f} s after the driver died"
+    print(f"the run's {len(processes)} processes were gone {elapsed:.1f} s after the driver died")
     assert not ray_tmp.exists()
     assert list(Path(leftovers.shared_memory_dir()).glob(f"{leftovers.WEIGHTS_PREFIX}{tag}-*")) == []
 
@@ -292,3 +293,13 @@ def test_joining_a_cluster_needs_its_token_and_its_authentication(tmp_path):
         stop_head(head)
         __import__("shutil").rmtree(temp_dir, ignore_errors=True)
     assert not (home / ".ray").exists()
+
+
+@pytest.mark.slow
+def test_the_opt_out_lets_a_run_train_without_authentication(tiny_model_dir, tmp_path):
+    config = write_yaml(tmp_path / "config.yaml", overrides(tiny_model_dir, tmp_path, num_rollout=1))
+    env = clean_env(tmp_path, RAY_AUTH_MODE="disabled", SLIME_RL_ALLOW_RAY_WITHOUT_AUTH="1")
+    result = subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", str(config)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert steps_done(tmp_path / "run") == 1
