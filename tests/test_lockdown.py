@@ -11,7 +11,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -185,15 +187,15 @@ def write_yaml(path: Path, dotted: list[str]) -> Path:
     """A config file from dotted ``key=value`` overrides."""
     import yaml
 
-    tree_: dict = {}
+    nested: dict = {}
     for item in dotted:
         key, value = item.split("=", 1)
         *parents, leaf = key.split(".")
-        node = tree_
+        node = nested
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
-    path.write_text(yaml.safe_dump(tree_))
+    path.write_text(yaml.safe_dump(nested))
     return path
 
 
@@ -227,7 +229,7 @@ JOIN = ("import slime_rl.core, ray\nfrom slime_rl.core.ray_cluster import local_
 
 def start_head(temp_dir: str, **auth: str) -> tuple[subprocess.Popen, str]:
     """A one-node Ray cluster on loopback (``ray start --head --block``) and its address."""
-    with __import__("socket").socket() as sock:
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = clean_env(Path(temp_dir), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **auth)
@@ -291,7 +293,7 @@ def test_joining_a_cluster_needs_its_token_and_its_authentication(tmp_path):
         assert opted_out.stdout.startswith("joined 1.0"), opted_out.stderr[-2000:]
     finally:
         stop_head(head)
-        __import__("shutil").rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
     assert not (home / ".ray").exists()
 
 
