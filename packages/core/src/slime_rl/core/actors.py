@@ -22,6 +22,7 @@ import torch
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import WeightSender
 from slime_rl.core.host_memory import trims_after
+from slime_rl.core.net import is_loopback, use_interface_of
 from slime_rl.core.plugins import load_attr, load_plugin
 from slime_rl.core.ray_cluster import KeepsInitMistake, keep_init_mistake
 from slime_rl.core.rollout import Group, RolloutRunner
@@ -66,6 +67,8 @@ class TrainerWorker(KeepsInitMistake):
         local_rank = 0 if len(visible) == 1 else rank % cfg.cluster.actor_num_gpus_per_node
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+        if not is_loopback(master_addr):  # gloo and NCCL on this node's address (core.distributed says why)
+            use_interface_of(ray.util.get_node_ip_address())
         _set_threads(cfg)
         _cap_onednn_cache()
         self.rank, self.cfg = rank, cfg

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,13 +23,14 @@ from slime_rl.core import checkpoint
 from slime_rl.core.actors import RolloutManager, TrainerWorker
 from slime_rl.core.advantages import compute_advantages
 from slime_rl.core.config import Config, ConfigError, RunFailedError
+from slime_rl.core.leftovers import weights_folder
 from slime_rl.core.metrics import MetricsLogger
+from slime_rl.core.net import free_port
 from slime_rl.core.placement import plan_placement, resolve_device
-from slime_rl.core.ray_cluster import free_port, local_ray
+from slime_rl.core.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.ray_placement import Reservation, reserve
 from slime_rl.core.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
 from slime_rl.core.sample import Sample
-from slime_rl.core.tensor_transport import shared_memory_dir
 
 # (event, payload): "start", "step" (a failed step's payload has "failure": why), "eval", "done"
 Callback = Callable[[str, dict[str, Any]], None]
@@ -99,8 +99,7 @@ def sync_weights(cfg: Config, actor: TrainerGroup, manager: Any, *, version: int
     sender = ray.get(manager.weight_sender.remote())
     if sender is None:
         same_node = len(set(ray.get([manager.node_id.remote(), actor.workers[0].node_id.remote()]))) == 1
-        files = (tempfile.TemporaryDirectory(prefix="slime-rl-weights-", dir=shared_memory_dir()) if same_node
-                 else contextlib.nullcontext())
+        files = weights_folder() if same_node else contextlib.nullcontext()
         with files as folder:  # None: through the object store
             refs = actor.call_async("weight_buckets", bucket_bytes, folder)
             ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
@@ -157,7 +156,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             f"{save_dir} holds the checkpoints of an earlier run (latest: {previous}); continue"
             " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
         )
-    resumed = previous if cfg.checkpoint.resume else None
+    check_ray_environment()  # Ray's network and authentication: refused before anything is written
     # A run's buffer, rollout state and logs are its own (run_dir.py): a fresh run neither
     # consumes nor mixes with an earlier one's; a resumed run continues its own.
     run_id = (resumed[1].get("run_id") if resumed is not None else None) or new_run_id()

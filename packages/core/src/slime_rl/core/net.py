@@ -1,4 +1,4 @@
-"""Listening sockets that bind only the address a run chose.
+"""Sockets that bind only the address a run chose, and the interface that holds it.
 
 torch's ``TCPStore`` server listens on every interface (``*:PORT``) whatever host it is
 given, and so does a ``tcp://`` rendezvous (measured with torch 2.13: ``ss -ltn`` shows
@@ -8,14 +8,51 @@ given, and so does a ``tcp://`` rendezvous (measured with torch 2.13: ``ss -ltn`
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
+import os
 import socket
+import struct
 from datetime import timedelta
 
 LOOPBACK = "127.0.0.1"
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 def is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port the OS reports free on ``host`` right now (bind to port 0)."""
+    with listening_socket(host) as sock:
+        return sock.getsockname()[1]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds ``address`` (IPv4, Linux), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
+def use_interface_of(address: str) -> None:
+    """Have gloo and NCCL open their sockets on the interface holding ``address`` (unless the
+    user named one): gloo otherwise takes the host name's interface (the machine's external
+    one) and NCCL any non-loopback one. With loopback, nothing is reachable from another machine."""
+    name = interface_of(address)
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", name)
 
 
 def listening_socket(host: str, port: int = 0, backlog: int = 512) -> socket.socket:

@@ -14,8 +14,6 @@ and all, once the tensors read from it are freed (`write_bucket_file`, `read_buc
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import numpy as np
 import torch
 
 from slime_rl.core.contracts import NamedTensors
+from slime_rl.core.leftovers import shared_memory_dir  # noqa: F401  (where buckets go; re-exported)
 
 HostArrays = list[tuple[str, str, np.ndarray]]  # (name, torch dtype name, array)
 _BIT_VIEWS = {torch.bfloat16: torch.int16}
@@ -49,12 +48,6 @@ def from_host_arrays(arrays: HostArrays) -> NamedTensors:
     return out
 
 
-def shared_memory_dir() -> str:
-    """/dev/shm where the machine has it (RAM-backed), else the temporary folder."""
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else tempfile.gettempdir()
-
-
 def write_bucket_file(named_tensors: NamedTensors, folder: str | Path) -> str:
     """One bucket as a safetensors file in ``folder``; returns its path."""
     from safetensors.torch import save_file
@@ -63,6 +56,7 @@ def write_bucket_file(named_tensors: NamedTensors, folder: str | Path) -> str:
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
     # safetensors sorts its entries; the order the trainer sent travels in the metadata
     save_file(tensors, str(path), metadata={"order": json.dumps(list(tensors))})
+    path.chmod(0o600)  # the model's weights: the user's only (its folder is 0700 too, see leftovers)
     return str(path)
 
 

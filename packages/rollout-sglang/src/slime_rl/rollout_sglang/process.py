@@ -6,19 +6,11 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free right now (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import httpx
 
+from slime_rl.core.net import free_port
 from slime_rl.rollout_sglang.keys import bearer
-from slime_rl.rollout_sglang.process import ChildProcess, free_port, start_process
+from slime_rl.rollout_sglang.process import ChildProcess, start_process
 
 # The router's key travels in its environment, not on its command line (which every user can list).
 _KEY_ENV = "SLIME_RL_ROUTER_KEY"

@@ -16,8 +16,9 @@ from typing import Any
 
 import httpx
 
+from slime_rl.core.net import free_port
 from slime_rl.rollout_sglang.keys import EngineKeys, bearer
-from slime_rl.rollout_sglang.process import ChildProcess, free_port, start_process
+from slime_rl.rollout_sglang.process import ChildProcess, start_process
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from slime_rl.core.distributed import init_process_group
+
 Device = Literal["cpu", "cuda"]
 
 # The Megatron modules that create tensors on "cuda" or call torch.cuda.* on the
@@ -278,10 +280,8 @@ def init_distributed(device: Device, timeout_minutes: int = 30) -> None:
         # Rollout engines (SGLang, vLLM) run NCCL with cuMem off; a weight-update group whose sides
         # disagree hangs at its first broadcast, and NCCL reads this once, at the first communicator.
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend="nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=timeout_minutes)
-        )
+    if not torch.distributed.is_initialized():  # the store and gloo on MASTER_ADDR only, not every interface
+        init_process_group("nccl" if device == "cuda" else "gloo", datetime.timedelta(minutes=timeout_minutes))
 
 
 def current_device(device: Device) -> torch.device:
