@@ -4,14 +4,11 @@ all-reduce, and print every TCP socket they listen on (all must be loopback).
     python3 scripts/gpu/check_rendezvous.py
 """
 
-import importlib.util
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
-
-SRC = Path(__file__).resolve().parents[2] / "packages/core/src/slime_rl/core/distributed.py"
 
 
 def listening_sockets(pid: int) -> list[str]:
@@ -37,12 +34,11 @@ def listening_sockets(pid: int) -> list[str]:
 
 
 def rank_main(rank: int) -> None:
-    spec = importlib.util.spec_from_file_location("distributed", SRC)  # torch + stdlib only
-    distributed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(distributed)
     import datetime
 
     import torch
+
+    from slime_rl.core import distributed
 
     torch.cuda.set_device(rank)
     distributed.init_process_group("nccl", datetime.timedelta(minutes=2))
