@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_e2e_sglang_standin import fake_sglang_python
 
 from slime_rl.core import checkpoint
 
@@ -36,7 +37,12 @@ TRAIN = ("import json, sys; from slime_rl.core.config import load_config; from s
 
 
 @pytest.mark.slow
-def test_trainer_and_engine_on_two_nodes_train_checkpoint_and_resume(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "sglang"])
+def test_trainer_and_engine_on_two_nodes_train_checkpoint_and_resume(engine, tiny_model_dir, tmp_path):
+    """With the SGLang engine (stand-in servers on the CPU), the trainer rank on the other node
+    pushes the weights to the servers itself, over their private address and with their key."""
+    if engine == "sglang":
+        pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input": f"x{i} = ", "label": str(i)}) + "\n" for i in range(20)))
     run_dir = tmp_path / "run"
@@ -56,6 +62,10 @@ def test_trainer_and_engine_on_two_nodes_train_checkpoint_and_resume(tiny_model_
             "cluster.colocate=false", "cluster.num_gpus_per_node=1",  # the plan: trainer node 0, engine node 1
             f"logging.dir={run_dir}", "logging.tensorboard=false", "checkpoint.save_interval=2",
         ]
+        if engine == "sglang":
+            overrides += ["rollout.engine=sglang", f"rollout.engine_python={fake_sglang_python(tmp_path)}",
+                          "rollout.update_weight_transport=tensor", "rollout.check_weight_update=true"]
+        sync = "object_store" if engine == "hf" else "engine"  # hf: no same-machine shared-memory files
 
         def run(*extra: str) -> dict:
             done = subprocess.run([sys.executable, "-c", TRAIN, *overrides, *extra], capture_output=True, text=True,
@@ -65,11 +75,11 @@ def test_trainer_and_engine_on_two_nodes_train_checkpoint_and_resume(tiny_model_
 
         first = run("data.num_rollout=2")
         assert len(first["trainer"]) == 1 and first["rollout"] not in first["trainer"], first
-        assert first["sync"] == "object_store", first  # across nodes: no same-machine shared-memory files
+        assert first["sync"] == sync, first
         assert checkpoint.latest(run_dir / "checkpoints")[1]["step"] == 2
 
         second = run("data.num_rollout=4", "checkpoint.resume=true")
-        assert second["rollout"] not in second["trainer"] and second["sync"] == "object_store", second
+        assert second["rollout"] not in second["trainer"] and second["sync"] == sync, second
     finally:
         cluster.stdin.close()
         cluster.wait(timeout=120)

@@ -26,6 +26,13 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def node_address() -> str:
+    """This node's address in the Ray cluster this process belongs to; loopback outside one."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else LOOPBACK
+
+
 def free_port(host: str = LOOPBACK) -> int:
     """A port the OS reports free on ``host`` right now (bind to port 0)."""
     with listening_socket(host) as sock:

@@ -31,6 +31,8 @@ import httpx
 import torch
 
 from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
+from slime_rl.core.net import LOOPBACK, node_address
+from slime_rl.core.placement import plan_placement
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.client import GenerateClient
 from slime_rl.rollout_sglang.keys import EngineKeys
@@ -144,15 +146,21 @@ class SGLangEngine(RolloutEngine):
         if not r.stop:  # token ids in and out; stop strings need SGLang's detokenizer
             engine_args.setdefault("skip_tokenizer_init", True)
         gpu_ids = None if c.device == "cpu" else _engine_gpu_ids(cfg)
+        # Trainer ranks on other nodes push weights to the servers themselves: then they listen on
+        # this node's private address (keys on, as always), else on loopback.
+        host = LOOPBACK if plan_placement(cfg).num_nodes == 1 else node_address()
         return cls.launch(model_path, num_engines=cfg.num_engines, tp_size=c.rollout_num_gpus_per_engine,
-                          engine_args=engine_args, python=r.engine_python, gpu_ids=gpu_ids, **common)
+                          engine_args=engine_args, python=r.engine_python, gpu_ids=gpu_ids, host=host, **common)
 
     @classmethod
     def launch(cls, model_path: str, *, num_engines: int = 1, tp_size: int = 1, engine_args: dict | None = None,
                python: str | None = None, gpu_ids: list[list[int]] | None = None, work_dir: str | Path | None = None,
-               policy: str = "round_robin", startup_timeout: float = 900.0, **kwargs) -> SGLangEngine:
-        """Start the servers (all at once), wait until each is healthy, then the router. All listen on
-        loopback and refuse requests without this run's fresh keys (``/health`` excepted)."""
+               policy: str = "round_robin", startup_timeout: float = 900.0, host: str = LOOPBACK,
+               **kwargs) -> SGLangEngine:
+        """Start the servers (all at once), wait until each is healthy, then the router. The servers
+        listen on ``host`` (loopback, or the node's private address when trainer ranks on other nodes
+        push weights to them), the router on loopback; all refuse requests without this run's fresh
+        keys (``/health`` excepted)."""
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
         log_dir = work_dir / "logs"
         engine_args = dict(engine_args or {})
@@ -163,7 +171,7 @@ class SGLangEngine(RolloutEngine):
             for i in range(num_engines):
                 servers.append(start_server(i, model_path, log_dir=log_dir, python=python, tp_size=tp_size,
                                             engine_args=engine_args, gpu_ids=gpu_ids[i] if gpu_ids else None,
-                                            keys=keys))
+                                            host=host, keys=keys))
             for server in servers:
                 wait_healthy(server, startup_timeout)
             router = launch_router(log_dir, policy=policy, extra_args=_router_args(kwargs), key=keys.router_key)
