@@ -33,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import torch
 
 from slime_rl.cli.app import resolve_builtin_models, wire
 from slime_rl.cli.default_run import prepare_default
 from slime_rl.core.config import load_config
+from slime_rl.core.cpu import cpu_info
 from slime_rl.core.loop import train
 
 STEP_TARGET_S = 4.5
@@ -141,6 +143,7 @@ def main() -> None:
         cfg = load_config(prepare_default(workdir), [*args.overrides, f"data.num_rollout={args.steps}"])
         wire(cfg)
         resolve_builtin_models(cfg)  # converts the GGUF once; a no-op after that
+        dtype_asked = cfg.model.dtype  # the loop resolves auto
 
         memory = TreeMemory()
         steps: list[dict[str, float]] = []
@@ -178,6 +181,8 @@ def main() -> None:
     print(f"\n## CPU GRPO step: the demo configuration ({Path(cfg.model.path).name}, {d.rollout_batch_size} prompts"
           f" x {d.n_samples_per_prompt} samples, <= {cfg.rollout.max_response_len} new tokens, trainer"
           f" {cfg.trainer.backend}, engine {cfg.rollout.engine})")
+    print(f"CPU: {cpu_info().describe()}; trained in {cfg.model.dtype} (model.dtype={dtype_asked});"
+          f" recompute {cfg.trainer.recompute}; {torch.get_num_threads()} torch threads in the driver")
     print(f"steps {args.warmup + 1}-{len(steps)} of {len(steps)} (first {args.warmup} left out as warm-up);"
           f" startup {checks.get('startup_s', float('nan')):.1f} s; whole run {wall:.0f} s;"
           f" eval accuracy {summary.get('eval_before', {})} -> {summary.get('eval_after', {})}")

@@ -50,8 +50,8 @@ async def addition_reward(sample: Sample) -> float:
 
 def default_config(workdir: Path) -> dict:
     return {
-        # bf16: this CPU's AMX units run bf16 matmuls ~4x faster than fp32 (trainer keeps fp32 masters)
-        "model": {"path": "builtin:smollm2-135m-instruct", "dtype": "bfloat16"},
+        # auto: bf16 or fp32, whichever trains faster on this CPU (core.cpu: its flags, else a calibration)
+        "model": {"path": "builtin:smollm2-135m-instruct", "dtype": "auto"},
         "data": {"prompt_data": str(workdir / "train.jsonl"), "rollout_batch_size": 4, "n_samples_per_prompt": 8,
                  "num_rollout": 30, "seed": 0},
         # 64 MiB weight-sync buckets and full recompute keep every process together under 5 GiB
@@ -69,14 +69,17 @@ def default_config(workdir: Path) -> dict:
 
 
 def owns_workdir(workdir: Path) -> bool:
-    """Whether the example wrote ``workdir`` before: its marker, or (from before the marker) its exact config."""
+    """Whether the example wrote ``workdir`` before: its marker, or (from before the marker) its config,
+    which then named bfloat16 where it now says auto."""
     workdir = Path(workdir).resolve()
     if (workdir / MARKER).is_file():
         return True
     try:
-        return yaml.safe_load((workdir / "config.yaml").read_text()) == default_config(workdir)
-    except (OSError, ValueError, yaml.YAMLError):
+        found = yaml.safe_load((workdir / "config.yaml").read_text())
+        found["model"]["dtype"] = "auto"
+    except (OSError, ValueError, yaml.YAMLError, TypeError, KeyError):
         return False
+    return found == default_config(workdir)
 
 
 def foreign_files(workdir: Path) -> list[str]:

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
+from slime_rl.core.cpu import choose_cpu_dtype, cpu_info
 from slime_rl.core.plugins import GROUPS, PluginError, installed, load_plugin
 
 # distribution -> module it provides
@@ -66,6 +67,10 @@ def collect() -> Report:
             report.add("torch", "devices", f"{len(names)}: {', '.join(names)}")
         else:
             report.add("torch", "devices", "none (runs on CPU)")
+        info = cpu_info()
+        report.add("cpu", "model", info.describe())
+        choice = choose_cpu_dtype(info)
+        report.add("cpu", "model.dtype=auto", f"{choice.dtype} on this CPU: {choice.reason}")
     except ImportError as err:
         report.add("torch", "torch", f"does not import: {_one_line(err)}", ok=False)
 

@@ -59,7 +59,7 @@ class ModelConfig(_Section):
     path: str = "builtin:smollm2-135m-instruct"  # an HF folder, or "builtin:smollm2-135m-instruct"
     tokenizer_path: str | None = None  # defaults to path
     ref_path: str | None = None  # reference model; defaults to path
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU; on CPU per core.cpu
 
 
 class DataConfig(_Section):

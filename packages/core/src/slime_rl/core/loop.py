@@ -23,6 +23,7 @@ from slime_rl.core import checkpoint
 from slime_rl.core.actors import RolloutManager, TrainerWorker
 from slime_rl.core.advantages import compute_advantages
 from slime_rl.core.config import Config, ConfigError, RunFailedError
+from slime_rl.core.cpu import MatmulShape, choose_cpu_dtype, cpu_info
 from slime_rl.core.leftovers import weights_folder
 from slime_rl.core.metrics import MetricsLogger
 from slime_rl.core.net import free_port
@@ -157,6 +158,8 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
         )
     check_ray_environment()  # Ray's network and authentication: refused before anything is written
+    if note := resolve_cpu_dtype(cfg, resumed[1] if resumed is not None else None):
+        print(f"slime-rl: {note}", file=sys.stderr, flush=True)
     # A run's buffer, rollout state and logs are its own (run_dir.py): a fresh run neither
     # consumes nor mixes with an earlier one's; a resumed run continues its own.
     run_id = (resumed[1].get("run_id") if resumed is not None else None) or new_run_id()
@@ -309,6 +312,21 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     return summary
 
 
+def resolve_cpu_dtype(cfg: Config, resumed_meta: dict[str, Any] | None) -> str | None:
+    """Set ``model.dtype: auto`` of a CPU run to what this CPU trains fastest in (core.cpu), or to
+    the dtype of the checkpoint a resume continues; returns the line saying which and why. An
+    explicit dtype, or a GPU run, is left as it is (None)."""
+    if cfg.model.dtype != "auto" or resolve_device(cfg) != "cpu":
+        return None
+    if resumed_meta is not None and resumed_meta.get("model_dtype"):
+        cfg.model.dtype = resumed_meta["model_dtype"]
+        return f"model.dtype=auto -> {cfg.model.dtype}, as the checkpoint this run resumes was trained"
+    info = cpu_info()
+    choice = choose_cpu_dtype(info, MatmulShape.of_model(cfg.model.path))
+    cfg.model.dtype = choice.dtype
+    return f"model.dtype=auto -> {choice.dtype} on {info.describe()}: {choice.reason}"
+
+
 def _save(cfg: Config, save_dir: Path, step: int, actor: TrainerGroup, critic: TrainerGroup | None,
           manager: Any, run_id: str) -> None:
     import ray
@@ -318,4 +336,5 @@ def _save(cfg: Config, save_dir: Path, step: int, actor: TrainerGroup, critic: T
     if critic is not None:
         critic.call("save", str(folder / "critic"))
     state = ray.get(manager.state_dict.remote())
-    checkpoint.commit(save_dir, step, {"rollout_state": state, "run_id": run_id}, keep_last=cfg.checkpoint.keep_last)
+    meta = {"rollout_state": state, "run_id": run_id, "model_dtype": cfg.model.dtype}  # dtype: auto resolved
+    checkpoint.commit(save_dir, step, meta, keep_last=cfg.checkpoint.keep_last)
