@@ -33,6 +33,7 @@ def test_grpo_learns_toy_reward(tp, one_step_off, tiny_model_dir, tmp_path, monk
         "data.rollout_batch_size=4", "data.n_samples_per_prompt=8", "data.num_rollout=60",
         "rollout.max_response_len=8", "rollout.temperature=1.0", "rollout.reward=toy_rewards:digit_token_fraction",
         "trainer.lr=0.01", "trainer.adam_beta2=0.99", "cluster.device=cpu",
+        "model.dtype=float32",  # the step-0 log-prob gap below is fp32's; auto may pick bf16 on this CPU
         f"cluster.actor_num_gpus_per_node={tp}", f"parallel.tensor_model_parallel_size={tp}",
         f"logging.dir={tmp_path / 'run'}", "logging.tensorboard=false",
         f"cluster.async={one_step_off}", f"cluster.colocate={not one_step_off}",

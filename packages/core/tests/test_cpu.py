@@ -93,6 +93,8 @@ def test_a_resume_keeps_the_checkpoints_dtype_on_another_cpu(monkeypatch):
     cfg = cpu_config()
     assert "as the checkpoint" in loop.resolve_cpu_dtype(cfg, {"step": 4, "model_dtype": "bfloat16"})
     assert cfg.model.dtype == "bfloat16"
+    cfg = cpu_config()  # a checkpoint from before auto chose by CPU: auto meant fp32 there
+    assert "as the checkpoint" in loop.resolve_cpu_dtype(cfg, {"step": 4}) and cfg.model.dtype == "float32"
 
 
 def test_a_gpu_run_leaves_auto_to_the_backends():

@@ -318,8 +318,9 @@ def resolve_cpu_dtype(cfg: Config, resumed_meta: dict[str, Any] | None) -> str |
     explicit dtype, or a GPU run, is left as it is (None)."""
     if cfg.model.dtype != "auto" or resolve_device(cfg) != "cpu":
         return None
-    if resumed_meta is not None and resumed_meta.get("model_dtype"):
-        cfg.model.dtype = resumed_meta["model_dtype"]
+    if resumed_meta is not None:
+        # A checkpoint written before auto chose by CPU has no model_dtype: auto then meant fp32 on the CPU.
+        cfg.model.dtype = resumed_meta.get("model_dtype") or "float32"
         return f"model.dtype=auto -> {cfg.model.dtype}, as the checkpoint this run resumes was trained"
     info = cpu_info()
     choice = choose_cpu_dtype(info, MatmulShape.of_model(cfg.model.path))
