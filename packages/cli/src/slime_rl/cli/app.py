@@ -63,11 +63,12 @@ def _field(cfg: Config, dotted: str) -> Any:
 
 
 def wire(cfg: Config) -> None:
-    """Check every backend the config names and load every user function, before anything starts:
-    `plan` and `train` both call this, so a name that resolves to nothing never reaches Ray.
-    Backends are found, not imported: the driver never runs them, and importing megatron and
-    transformers held 170 MiB in it. Raises ConfigError naming the field (the message says which
-    package provides a missing backend)."""
+    """Check every backend the config names, load every user function and read the prompt files
+    through, before anything starts: `plan` and `train` both call this, so a name that resolves to
+    nothing, or a bad data line, never reaches Ray. Backends are found, not imported: the driver
+    never runs them, and importing megatron and transformers held 170 MiB in it. Raises ConfigError
+    naming the field (the message says which package provides a missing backend), or DataError
+    naming file:line."""
     for dotted, group in BACKENDS.items():
         try:
             check_plugin(group, _field(cfg, dotted))
@@ -84,6 +85,7 @@ def wire(cfg: Config) -> None:
             field, _, rest = str(err).partition(": ")
             raise (ConfigError(field, rest) if field.startswith("rollout.") and " " not in field
                    else ConfigError(dotted, str(err))) from None
+    check_data(cfg)
 
 
 def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
@@ -164,7 +166,6 @@ def plan(
     try:
         wire(cfg)
         placement = plan_placement(cfg)
-        check_data(cfg)
     except (ConfigError, DataError) as err:
         fail(str(err), 2)
     derived = {
@@ -217,7 +218,6 @@ def train(
     cfg = _load(config, overrides)
     try:
         wire(cfg)
-        check_data(cfg)  # the prompt files, read through before Ray starts
         resolve_builtin_models(cfg)
     except (ConfigError, DataError) as err:
         fail(str(err), 2)

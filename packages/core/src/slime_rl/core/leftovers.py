@@ -1,7 +1,7 @@
 """What a run keeps outside its logging dir, private to the user and gone when the run is.
 
-Ray's temporary folder and the weight buckets in /dev/shm live in folders (mode 0700) named
-after the driver that owns them: ``slime-rl-ray-<pid>.<start>-xxxx`` (base 36), where ``start``
+Ray's temporary folder, the weight buckets in /dev/shm and the SGLang servers' key files live
+in folders (mode 0700) named after the process that owns them: ``slime-rl-ray-<pid>.<start>-xxxx`` (base 36), where ``start``
 is the process's start time, so a reused pid is not taken for the owner. A run removes them when it
 ends; a run killed with SIGKILL cannot, so the next run removes every such folder whose owner
 is gone (`remove_dead`), and a reaper process (`start_reaper`, this file run as a script)
@@ -26,6 +26,7 @@ from pathlib import Path
 
 RAY_PREFIX = "slime-rl-ray-"
 WEIGHTS_PREFIX = "slime-rl-weights-"
+KEYS_PREFIX = "slime-rl-sglang-keys-"  # an SGLang server's --config with the run's keys, until it starts
 
 
 def shared_memory_dir() -> str:
@@ -36,7 +37,8 @@ def shared_memory_dir() -> str:
 
 def _kinds() -> list[tuple[str, str]]:
     """(prefix, parent folder) of every kind of folder a run leaves."""
-    return [(RAY_PREFIX, tempfile.gettempdir()), (WEIGHTS_PREFIX, shared_memory_dir())]
+    return [(RAY_PREFIX, tempfile.gettempdir()), (WEIGHTS_PREFIX, shared_memory_dir()),
+            (KEYS_PREFIX, tempfile.gettempdir())]
 
 
 def _stat(pid: int) -> list[str] | None:

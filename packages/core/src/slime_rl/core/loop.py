@@ -26,7 +26,7 @@ from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.cpu import MatmulShape, choose_cpu_dtype, cpu_info
 from slime_rl.core.leftovers import weights_folder
 from slime_rl.core.metrics import MetricsLogger
-from slime_rl.core.net import free_port
+from slime_rl.core.net import LOOPBACK, free_port
 from slime_rl.core.placement import plan_placement, resolve_device
 from slime_rl.core.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.ray_placement import Reservation, reserve
@@ -68,11 +68,12 @@ def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
     import ray
 
     if reservation.group is None:
-        return "127.0.0.1", free_port()
+        return LOOPBACK, free_port()
     one_node = len({r.node for r in reservation.plan.trainer}) == 1
 
     def address() -> tuple[str, int]:
-        return ("127.0.0.1" if one_node else ray.util.get_node_ip_address()), free_port()
+        host = LOOPBACK if one_node else ray.util.get_node_ip_address()
+        return host, free_port(host)
 
     options = reservation.trainer_options(0, colocate=False)
     options.pop("num_gpus", None)  # a lookup: it needs the node, not the GPU

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from slime_rl.core.leftovers import KEYS_PREFIX, private_folder
 from slime_rl.core.net import free_port
 from slime_rl.rollout_sglang.keys import EngineKeys, bearer
 from slime_rl.rollout_sglang.process import ChildProcess, start_process
@@ -100,7 +100,7 @@ def write_key_config(keys: EngineKeys, engine_args: dict[str, Any]) -> tuple[Pat
             raise ValueError(f"rollout.engine_args.config: {user_config} must be a mapping without api-key or "
                              "admin-api-key (slime-rl sets the run's keys itself)")
     merged.update(keys.server_config())
-    folder = Path(tempfile.mkdtemp(prefix="slime-rl-sglang-keys-"))  # 0700
+    folder = private_folder(KEYS_PREFIX)  # 0700, owner-tagged: a killed run's is removed by the next (leftovers)
     path = folder / "server.yaml"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
