@@ -2,8 +2,8 @@
 
 Small pure functions over padded ``[batch, response_len]`` tensors (or
 ``[num_groups, n_samples_per_prompt]`` sequence rewards), and
-:func:`compute_advantages`, which applies the configured one to a list of
-samples. docs/algorithms.md has every formula.
+:func:`compute_advantages`, which applies the configured one to a trainer rank's
+`RolloutBatch` shard. docs/algorithms.md has every formula.
 
 Conventions: ``valid`` is 1 on real response tokens and 0 on padding;
 ``loss_mask`` is 1 on the tokens trained on (0 on padding and on tool or
@@ -13,13 +13,21 @@ ref_log_probs`` (k1), counted only where ``loss_mask`` is 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import AlgorithmConfig
-from slime_rl.core.sample import Sample
+
+#: Sums a tensor over the data-parallel ranks (the trainer's all-reduce); one rank: itself.
+SumOverDP = Callable[[Tensor], Tensor]
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor
+
 
 # ---------------------------------------------------------------- sequence-level estimators
 
@@ -96,119 +104,100 @@ def gae(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lambd: flo
     return advantages, (advantages + values) * valid
 
 
-def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """``(x - mean) / sqrt(var + eps)`` with mean and (unbiased) variance over the masked entries."""
-    count = mask.sum()
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, *, sum_over_dp: SumOverDP | None = None) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` with mean and (unbiased) variance over the masked entries
+    (of every data-parallel rank, their sums added by ``sum_over_dp``)."""
+    total = sum_over_dp or _local
+    count, x_sum = total(torch.stack([mask.sum(), (x * mask).sum()]).to(torch.float64))
     if count < 1:
         return x
-    mean = (x * mask).sum() / count
-    var = (((x - mean) * mask) ** 2).sum() / (count - 1).clamp(min=1)
+    mean = x_sum / count
+    var = total((((x - mean) * mask) ** 2).sum().to(torch.float64).reshape(1))[0] / (count - 1).clamp(min=1)
     return (x - mean) * torch.rsqrt(var + eps)
 
 
-# ---------------------------------------------------------------- samples -> advantages
+# ---------------------------------------------------------------- a batch's advantages
 
 
-def compute_advantages(
-    samples: list[Sample], algo: AlgorithmConfig, *, n_samples_per_prompt: int, reward_key: str | None = None
-) -> None:
-    """Fill ``sample.advantages`` (and ``sample.returns`` for ppo) for every sample.
+def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig, *, n_samples_per_prompt: int,
+                       sum_over_dp: SumOverDP = _local) -> None:
+    """Fill ``batch.advantages`` (and ``batch.returns`` for ppo) on one data-parallel rank's shard.
 
-    Groups are consecutive runs of ``n_samples_per_prompt`` samples sharing
-    ``group_index``. Advantages are 0 on tokens with ``loss_mask`` 0 (an empty
-    ``loss_mask`` trains every token).
-    ``algo.kl_coef`` charges ``old_log_probs - ref_log_probs`` as a reward
-    penalty (no penalty when the samples carry no ``ref_log_probs``)."""
-    if not samples:
+    Groups are runs of ``n_samples_per_prompt`` consecutive step positions sharing a group id; a
+    group may span ranks: per-sample values are summed over the ranks (``sum_over_dp``, the
+    trainer's all-reduce over its data-parallel group) into the whole step before group
+    statistics, and batch whitening sums its moments the same way. Advantages are 0 where
+    ``loss_mask`` is 0. ``algo.kl_coef`` charges ``old_log_probs - ref_log_probs`` as a reward
+    penalty (none when the batch has no ``ref_log_probs``). Computed in float64, stored float32."""
+    if len(batch) == 0:
         return
-    _check_groups(samples, n_samples_per_prompt)
-    for s in samples:
-        if s.loss_mask:  # empty: every response token is trained on
-            _check_per_token(s, "loss_mask")
-    rewards = torch.tensor([s.reward_value(reward_key) for s in samples], dtype=torch.float64)
-    lengths = [s.response_length for s in samples]
-    loss_mask = _pad([s.loss_mask or [1] * s.response_length for s in samples], lengths)
-    valid = _pad([[1.0] * n for n in lengths], lengths)
-    kl = _token_kl(samples, lengths) * loss_mask
     n = n_samples_per_prompt
+    loss_mask = batch.padded(batch.loss_mask, dtype=torch.float64)
+    valid = batch.response_mask().to(torch.float64)
+    kl = _token_kl(batch) * loss_mask
+    rewards = batch.rewards.to(torch.float64)
     estimator = algo.advantage_estimator
     whiten_batch = algo.normalize_advantages
     returns = None
 
+    def whole_step(per_sample: Tensor) -> Tensor:
+        """This shard's per-sample values -> ``[num_groups, n]`` over the whole step."""
+        full = torch.zeros(batch.step_size, dtype=torch.float64)
+        full[batch.positions] = per_sample.to(torch.float64)
+        return sum_over_dp(full).view(-1, n)
+
+    def mine(grouped: Tensor) -> Tensor:
+        return grouped.reshape(-1)[batch.positions]
+
+    if estimator in ("grpo", "gspo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"):
+        _check_groups(whole_step(batch.group_ids.to(torch.float64) + 1), whole_step(torch.ones(len(batch))), n)
     if estimator in ("grpo", "gspo", "dr_grpo", "rloo"):
-        grouped = (rewards - algo.kl_coef * kl.sum(-1)).view(-1, n)
+        grouped = whole_step(rewards - algo.kl_coef * kl.sum(-1))
         if estimator == "dr_grpo":
             seq_adv = dr_grpo_advantages(grouped)
         elif estimator == "rloo":
             seq_adv = rloo_advantages(grouped)
         else:
             seq_adv = grpo_advantages(grouped, normalize_std=algo.grpo_std_normalization)
-        advantages = seq_adv.reshape(-1, 1) * valid
+        advantages = mine(seq_adv)[:, None] * valid
     elif estimator == "reinforce_plus_plus":
         token_rewards = outcome_token_rewards(rewards, loss_mask, valid) - algo.kl_coef * kl
         advantages = discounted_returns(token_rewards, valid, algo.gamma)
         whiten_batch = True
     elif estimator == "reinforce_plus_plus_baseline":
-        centered = dr_grpo_advantages(rewards.view(-1, n)).reshape(-1, 1)
+        centered = mine(dr_grpo_advantages(whole_step(rewards)))[:, None]
         advantages = centered * valid - algo.kl_coef * kl
         whiten_batch = True
     elif estimator == "ppo":
-        for s in samples:
-            _check_per_token(s, "values", hint="ppo needs critic values (PolicyTrainer.compute_values)")
-        values = _pad([s.values for s in samples], lengths)
+        if batch.values is None:
+            raise ValueError("ppo needs critic values (PolicyTrainer.compute_values) on the batch")
+        values = batch.padded(batch.values, dtype=torch.float64)
         token_rewards = outcome_token_rewards(rewards, loss_mask, valid) - algo.kl_coef * kl
         advantages, returns = gae(token_rewards, values, valid, algo.gamma, algo.lambd)
     else:
         raise ValueError(f"algorithm.advantage_estimator: unknown estimator {estimator!r}")
 
     if whiten_batch:
-        advantages = whiten(advantages, loss_mask)
-    advantages = advantages * loss_mask
-    for i, s in enumerate(samples):
-        s.advantages = advantages[i, : lengths[i]].tolist()
-        if returns is not None:
-            s.returns = returns[i, : lengths[i]].tolist()
+        advantages = whiten(advantages, loss_mask, sum_over_dp=sum_over_dp)
+    batch.advantages = batch.unpad(advantages * loss_mask).to(torch.float32)
+    if returns is not None:
+        batch.returns = batch.unpad(returns).to(torch.float32)
 
 
-def _check_groups(samples: list[Sample], n: int) -> None:
-    if n < 1 or len(samples) % n:
-        raise ValueError(f"{len(samples)} samples do not split into groups of n_samples_per_prompt={n}")
-    for start in range(0, len(samples), n):
-        group = samples[start : start + n]
-        if any(s.group_index != group[0].group_index for s in group):
+def _check_groups(group_ids: Tensor, present: Tensor, n: int) -> None:
+    """Every step position filled by exactly one rank, and each run of ``n`` one group."""
+    if not torch.equal(present, torch.ones_like(present)):
+        raise ValueError("the data-parallel shards do not cover the step exactly once (positions missing or repeated)")
+    for row, ids in enumerate(group_ids.tolist()):
+        if len(set(ids)) != 1:
             raise ValueError(
-                f"samples {start}..{start + n - 1} should form one group but carry group_index "
-                f"{sorted({s.group_index for s in group})}; keep each prompt's samples together, in runs of {n}"
-            )
+                f"step samples {row * n}..{row * n + n - 1} should form one group but carry group ids "
+                f"{sorted({int(i) - 1 for i in ids})}; keep each prompt's samples together, in runs of {n}")
 
 
-def _check_per_token(sample: Sample, name: str, hint: str = "") -> None:
-    got = len(getattr(sample, name))
-    if got != sample.response_length:
-        extra = f"; {hint}" if hint else ""
-        raise ValueError(f"sample {sample.index}: {name} has {got} entries for {sample.response_length} "
-                         f"response tokens{extra}")
-
-
-def _token_kl(samples: list[Sample], lengths: list[int]) -> Tensor:
-    """``old_log_probs - ref_log_probs`` per token (the engine's log-probs when the trainer's are absent)."""
-    with_ref = [bool(s.ref_log_probs) for s in samples]
-    if not any(with_ref):
-        return _pad([[] for _ in samples], lengths)
-    if not all(with_ref):
-        raise ValueError("some samples carry ref_log_probs and some do not; compute them for the whole batch")
-    old = []
-    for s in samples:
-        _check_per_token(s, "ref_log_probs")
-        name = "old_log_probs" if s.old_log_probs else "rollout_log_probs"
-        _check_per_token(s, name, hint="the KL penalty needs the policy's log-probs")
-        old.append(getattr(s, name))
-    return _pad(old, lengths) - _pad([s.ref_log_probs for s in samples], lengths)
-
-
-def _pad(rows: Sequence[Sequence[float]], lengths: Sequence[int]) -> Tensor:
-    out = torch.zeros(len(rows), max(lengths, default=0), dtype=torch.float64)
-    for i, row in enumerate(rows):
-        if len(row):
-            out[i, : len(row)] = torch.as_tensor(row, dtype=torch.float64)
-    return out
+def _token_kl(batch: RolloutBatch) -> Tensor:
+    """``old - ref`` log-probs per token, ``[B, longest]`` (the engine's log-probs when the trainer's are absent)."""
+    if batch.ref_log_probs is None:
+        return batch.response_mask().to(torch.float64) * 0
+    old = batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs
+    return batch.padded(old.to(torch.float64) - batch.ref_log_probs.to(torch.float64), dtype=torch.float64)

@@ -22,6 +22,7 @@ import torch
 from slime_rl.core.sample import Reward, Sample
 
 if TYPE_CHECKING:
+    from slime_rl.core.batch import RolloutBatch
     from slime_rl.core.config import Config
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -118,9 +119,12 @@ class WeightSender(ABC):
 
 
 class PolicyTrainer(ABC):
-    """One rank of a (possibly TP x PP x DP) trainer. Every rank receives the same
-    full list of samples; the trainer shards by data-parallel rank itself and
-    returns results that are identical on all ranks."""
+    """One rank of a (possibly TP x PP x DP) trainer.
+
+    Each rank receives its data-parallel rank's shard of the step (`RolloutBatch`, batch.py): the
+    tensor- and pipeline-parallel peers of one DP rank get the same shard. Per-token results come
+    back as float32 tensors over the shard's response tokens (``[batch.num_response_tokens]``),
+    identical on every rank of the shard."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, role: Literal["actor", "critic"] = "actor") -> PolicyTrainer:
@@ -129,16 +133,27 @@ class PolicyTrainer(ABC):
         initialises the process group (gloo on CPU, nccl on CUDA) and its model-parallel groups."""
         raise NotImplementedError(f"{cls.__name__} does not implement from_config")
 
-    @abstractmethod
-    def compute_log_probs(self, samples: list[Sample], *, model: Literal["actor", "ref"] = "actor") -> list[list[float]]:
-        """Per sample, one log-prob per response token (at the rollout temperature)."""
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel index: which shard it trains on."""
+        return 0
+
+    def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the data-parallel ranks (every rank gets the sum): group statistics
+        and batch whitening span the whole step. One DP rank: ``tensor`` itself."""
+        return tensor
 
     @abstractmethod
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """Train on one rollout: an optimizer step per ``global_batch_size`` samples (so
-        ``num_steps_per_rollout`` steps), over ``samples`` (which carry ``advantages``,
-        ``old_log_probs`` and, with a KL loss, ``ref_log_probs``); returns metrics
-        (loss, grad_norm, clip_frac, kl, entropy, lr, ...)."""
+    def compute_log_probs(self, batch: RolloutBatch, *, model: Literal["actor", "ref"] = "actor") -> torch.Tensor:
+        """One log-prob per response token of the shard (at the rollout temperature)."""
+
+    @abstractmethod
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """Train on the shard: one optimizer step per `RolloutBatch.optimizer_steps` entry (the loss of
+        each divides by that step's token and sample counts over all shards), using ``advantages``,
+        ``old_log_probs`` (absent: the ratio is 1 at the current weights) and, with a KL loss,
+        ``ref_log_probs``; a critic uses ``values`` and ``returns``. Returns metrics reduced over
+        the data-parallel ranks (loss, grad_norm, clip_frac, kl, entropy, lr, ...)."""
 
     @abstractmethod
     def named_weights(self, bucket_bytes: int) -> Iterator[NamedTensors]:
@@ -157,8 +172,8 @@ class PolicyTrainer(ABC):
     def onload(self) -> None:
         """Bring back what ``offload`` moved. Optional."""
 
-    def compute_values(self, samples: list[Sample]) -> list[list[float]]:
-        """Critic values, one per response token (PPO). Only trainers with a value head."""
+    def compute_values(self, batch: RolloutBatch) -> torch.Tensor:
+        """Critic values, one per response token of the shard (PPO). Only trainers with a value head."""
         raise NotImplementedError(f"{type(self).__name__} has no value head")
 
 
