@@ -222,15 +222,18 @@ class RolloutWorker(KeepsInitMistake):
         if self.cfg.logging.save_rollouts and self.log_dir is not None and samples:
             _save_rollouts(self.log_dir / "rollouts" / f"step_{step:06d}.jsonl", samples)
         out = RolloutStep([], result.metrics, result.exhausted, result.failure)
-        if result.failure is not None or not samples:
-            return out
+        if result.failure is None and samples:
+            # In a thread: a batch of millions of tokens takes a while, and requests keep being served meanwhile.
+            await asyncio.to_thread(self._put_shards, samples, out)
+        return out
+
+    def _put_shards(self, samples: list[Sample], out: RolloutStep) -> None:
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)
         out.shards = [ray.put(shard) for shard in batch.shard(self.cfg.data_parallel_size, self.cfg.global_batch_size)]
         out.num_samples, out.num_tokens = len(batch), len(batch.tokens)
         out.mean_weight_version = float(batch.weight_versions.double().mean())
         out.metrics["perf/batch_tensor_bytes"] = float(batch.tensor_bytes())
         out.metrics["perf/batch_object_bytes"] = float(sum(_object_sizes(out.shards)))
-        return out
 
     @trims_after
     async def evaluate(self) -> dict[str, float]:

@@ -37,7 +37,7 @@ Callback = Callable[[str, dict[str, Any]], None]
 
 class TrainerGroup:
     """The trainer's ranks as Ray actors. `call` runs a method on every rank and returns rank 0's
-    answer; `each` gives each rank its own arguments and returns the result references unread."""
+    answer; `start` and `each` (each rank its own arguments) return the result references unread."""
 
     def __init__(self, cfg: Config, role: str = "actor", reservation: Reservation | None = None):
         import ray
@@ -53,7 +53,11 @@ class TrainerGroup:
         ]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.first([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self.first(self.start(method, *args, **kwargs))
+
+    def start(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method(*args)`` on every rank; the result references, unread."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
     def each(self, method: str, *per_rank: list[Any], num_returns: int = 1) -> list[Any]:
         """``method(per_rank[0][r], per_rank[1][r], ...)`` on rank r; the result references, unread."""
@@ -333,12 +337,12 @@ def sync_weights(cfg: Config, actor: TrainerGroup, rollout: Any, *, version: int
         same_node = len(set(ray.get([rollout.node_id.remote(), actor.workers[0].node_id.remote()]))) == 1
         files = weights_folder() if same_node else contextlib.nullcontext()
         with files as folder:  # None: through the object store
-            refs = actor.call_async("weight_buckets", bucket_bytes, folder)
+            refs = actor.start("weight_buckets", bucket_bytes, folder)
             ray.get([rollout.update_weights.remote(refs[0], version), *refs[1:]])
         return "files" if same_node else "object_store"
     transport = weight_transport(cfg)
     handle = ray.get(rollout.begin_weight_sync.remote(version, transport))
-    ray.get(actor.call_async("push_weights", sender, handle, bucket_bytes, version, transport))
+    ray.get(actor.start("push_weights", sender, handle, bucket_bytes, version, transport))
     ray.get(rollout.end_weight_sync.remote(version))
     return "engine"
 
