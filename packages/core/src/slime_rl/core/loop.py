@@ -24,10 +24,11 @@ from slime_rl.core.actors import RolloutManager, TrainerWorker
 from slime_rl.core.advantages import compute_advantages
 from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.cpu import MatmulShape, choose_cpu_dtype, cpu_info
+from slime_rl.core.device import resolve_device
 from slime_rl.core.leftovers import weights_folder
 from slime_rl.core.metrics import MetricsLogger
 from slime_rl.core.net import LOOPBACK, free_port
-from slime_rl.core.placement import plan_placement, resolve_device
+from slime_rl.core.placement import plan_placement
 from slime_rl.core.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.ray_placement import Reservation, reserve
 from slime_rl.core.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
@@ -40,14 +41,13 @@ Callback = Callable[[str, dict[str, Any]], None]
 class TrainerGroup:
     """The trainer's ranks as Ray actors; each method runs on all ranks and returns rank 0's answer."""
 
-    def __init__(self, cfg: Config, role: str = "actor", reservation: Reservation | None = None):
+    def __init__(self, cfg: Config, role: str, reservation: Reservation):
         import ray
 
-        reservation = reservation or Reservation(plan_placement(cfg))
         world = cfg.actor_num_gpus
         master_addr, master_port = _rendezvous_address(reservation)
         self.workers = [
-            ray.remote(**reservation.trainer_options(rank, colocate=cfg.cluster.colocate))(TrainerWorker).remote(
+            ray.remote(**reservation.trainer_options(rank))(TrainerWorker).remote(
                 cfg.to_dict(), rank=rank, world_size=world, master_addr=master_addr, master_port=master_port,
                 role=role)
             for rank in range(world)
@@ -75,7 +75,7 @@ def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
         host = LOOPBACK if one_node else ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    options = reservation.trainer_options(0, colocate=False)
+    options = reservation.trainer_options(0)
     options.pop("num_gpus", None)  # a lookup: it needs the node, not the GPU
     return ray.get(ray.remote(**options)(address).remote())
 
@@ -143,7 +143,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     needs_ref = algo.use_kl_loss or algo.kl_coef != 0
     needs_critic = algo.advantage_estimator == "ppo"
     # Colocated on GPUs, trainer and engines take turns with the memory (slime's --offload).
-    offload = cfg.offload and resolve_device(cfg) == "cuda"
+    offload = cfg.offload and resolve_device(cfg.cluster.device) == "cuda"
     # One step per rollout and on-policy: the trainer's own log-probs before the update are
     # the old policy's, so it computes them in the training forward instead of a second pass.
     separate_old_pass = cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs
@@ -169,7 +169,8 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
 
     with local_ray(cfg):
         started = time.perf_counter()
-        reservation = reserve(cfg)
+        plan = plan_placement(cfg)
+        reservation = reserve(plan)
         actor = TrainerGroup(cfg, "actor", reservation)
         critic = TrainerGroup(cfg, "critic", reservation) if needs_critic else None  # on the actor's GPUs
         manager = ray.remote(**reservation.rollout_options())(RolloutManager).remote(
@@ -317,7 +318,7 @@ def resolve_cpu_dtype(cfg: Config, resumed_meta: dict[str, Any] | None) -> str |
     """Set ``model.dtype: auto`` of a CPU run to what this CPU trains fastest in (core.cpu), or to
     the dtype of the checkpoint a resume continues; returns the line saying which and why. An
     explicit dtype, or a GPU run, is left as it is (None)."""
-    if cfg.model.dtype != "auto" or resolve_device(cfg) != "cpu":
+    if cfg.model.dtype != "auto" or resolve_device(cfg.cluster.device) != "cpu":
         return None
     if resumed_meta is not None:
         # A checkpoint written before auto chose by CPU has no model_dtype: auto then meant fp32 on the CPU.
