@@ -25,7 +25,6 @@ from slime_rl.core.advantages import compute_advantages
 from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.cpu import MatmulShape, choose_cpu_dtype, cpu_info
 from slime_rl.core.device import resolve_device
-from slime_rl.core.leftovers import weights_folder
 from slime_rl.core.metrics import MetricsLogger
 from slime_rl.core.net import LOOPBACK, free_port
 from slime_rl.core.placement import plan_placement
@@ -33,6 +32,7 @@ from slime_rl.core.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.ray_placement import Reservation, reserve
 from slime_rl.core.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
 from slime_rl.core.sample import Sample
+from slime_rl.core.weight_sync import WeightSync
 
 # (event, payload): "start", "step" (a failed step's payload has "failure": why), "eval", "done"
 Callback = Callable[[str, dict[str, Any]], None]
@@ -78,39 +78,6 @@ def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
     options = reservation.trainer_options(0)
     options.pop("num_gpus", None)  # a lookup: it needs the node, not the GPU
     return ray.get(ray.remote(**options)(address).remote())
-
-
-def weight_transport(cfg: Config) -> str:
-    """``auto``: CUDA IPC tensors when colocated, an NCCL broadcast when not."""
-    if cfg.rollout.update_weight_transport != "auto":
-        return cfg.rollout.update_weight_transport
-    return "tensor" if cfg.cluster.colocate else "nccl"
-
-
-def sync_weights(cfg: Config, actor: TrainerGroup, manager: Any, *, version: int) -> str:
-    """Send the trainer's weights to the engines as ``version``.
-
-    Engines with a trainer-side `weight_sender` (SGLang) get them straight from the trainer
-    ranks; otherwise rank 0's buckets go to the rollout process (the driver never holds them):
-    as shared-memory files the engine deletes when both run on one machine, else through the
-    object store (tensor_transport says why files are preferred). Returns which path it took:
-    ``engine`` (the engine's own sender), ``files`` or ``object_store``."""
-    import ray
-
-    bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
-    sender = ray.get(manager.weight_sender.remote())
-    if sender is None:
-        same_node = len(set(ray.get([manager.node_id.remote(), actor.workers[0].node_id.remote()]))) == 1
-        files = weights_folder() if same_node else contextlib.nullcontext()
-        with files as folder:  # None: through the object store
-            refs = actor.call_async("weight_buckets", bucket_bytes, folder)
-            ray.get([manager.update_weights.remote(refs[0], version), *refs[1:]])
-        return "files" if same_node else "object_store"
-    transport = weight_transport(cfg)
-    handle = ray.get(manager.begin_weight_sync.remote(version, transport))
-    ray.get(actor.call_async("push_weights", sender, handle, bucket_bytes, version, transport))
-    ray.get(manager.end_weight_sync.remote(version))
-    return "engine"
 
 
 def save_rollouts(path: Path, samples: list[Sample]) -> None:
@@ -177,6 +144,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             cfg.to_dict(), str(rollout_state_dir(log_dir, run_id)))
         ray.get(manager.ping.remote())
         actor.call("ready")  # every rank built: a broken backend fails here, before any rollout
+        weight_sync = WeightSync(cfg, plan, actor, manager)
         summary["nodes"] = {"trainer": sorted(set(ray.get([w.node_id.remote() for w in actor.workers]))),
                             "rollout": ray.get(manager.node_id.remote())}
         logger = MetricsLogger(log_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
@@ -190,7 +158,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 critic.call("load", str(folder / "critic"))
             ray.get(manager.load_state_dict.remote(meta["rollout_state"]))
             start_step = meta["step"]
-            sync_weights(cfg, actor, manager, version=start_step)
+            weight_sync.sync(version=start_step)
         if offload:
             actor.call("offload")
         summary["start_step"] = start_step
@@ -278,7 +246,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 with phase(timings, "onload_rollout"):
                     ray.get(manager.resume_memory.remote())
             with phase(timings, "weight_sync"):
-                summary["weight_sync"] = sync_weights(cfg, actor, manager, version=step + 1)
+                summary["weight_sync"] = weight_sync.sync(version=step + 1)
             if offload:
                 with phase(timings, "offload_train"):
                     actor.call("offload")
