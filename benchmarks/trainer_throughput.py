@@ -122,12 +122,9 @@ def timed(fn, device: str) -> tuple[float, float]:
 
 def init_single_rank() -> None:
     if not torch.distributed.is_initialized():
-        import socket
+        from slime_rl.core.net import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
 def megatron_trainer(model_dir: Path, args):

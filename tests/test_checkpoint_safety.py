@@ -21,6 +21,7 @@ import yaml
 
 from slime_rl.core import checkpoint
 from slime_rl.core.checkpoint import CheckpointError
+from slime_rl.core.net import free_port
 
 # One trainer step of the tiny model, saved as step 1 of <save_dir> and committed as the loop does.
 BUILD = """
@@ -59,17 +60,9 @@ trainer.load(folder)
 """
 
 
-def free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def python(script: str, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-c", script, *map(str, args), free_port()], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-c", script, *map(str, args), str(free_port())], env=env, capture_output=True,
                           text=True, timeout=300)
 
 

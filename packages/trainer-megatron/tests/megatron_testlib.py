@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from slime_rl.core.net import free_port
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "megatron_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_single_rank_group() -> None:

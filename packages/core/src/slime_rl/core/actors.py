@@ -27,6 +27,7 @@ from slime_rl.core.advantages import compute_advantages
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import WeightSender
+from slime_rl.core.device import resolve_device
 from slime_rl.core.host_memory import trims_after
 from slime_rl.core.metrics import phase
 from slime_rl.core.net import is_loopback, use_interface_of
@@ -49,7 +50,7 @@ def _set_threads(cfg: Config) -> None:
     overrides (tests use 1). torch's setting is per thread: async actors call this again from
     their event-loop thread."""
     threads = int(os.environ.get("SLIME_RL_TORCH_THREADS", "0"))
-    if not threads and cfg.cluster.device == "cpu":
+    if not threads and resolve_device(cfg.cluster.device) == "cpu":
         threads = os.cpu_count() or 1
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

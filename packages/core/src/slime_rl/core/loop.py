@@ -11,7 +11,6 @@ The driver passes object references and reads metrics: it never holds per-token 
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -23,13 +22,14 @@ from slime_rl.core import checkpoint
 from slime_rl.core.actors import RolloutStep, RolloutWorker, TrainerWorker
 from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.cpu import MatmulShape, choose_cpu_dtype, cpu_info
-from slime_rl.core.leftovers import weights_folder
+from slime_rl.core.device import resolve_device
 from slime_rl.core.metrics import MetricsLogger, phase
 from slime_rl.core.net import LOOPBACK, free_port
-from slime_rl.core.placement import Placement, plan_placement, resolve_device
+from slime_rl.core.placement import Placement, plan_placement
 from slime_rl.core.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.ray_placement import Reservation, reserve
 from slime_rl.core.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
+from slime_rl.core.weight_sync import WeightSync
 
 # (event, payload): "start", "step" (a failed step's payload has "failure": why), "eval", "done"
 Callback = Callable[[str, dict[str, Any]], None]
@@ -39,14 +39,13 @@ class TrainerGroup:
     """The trainer's ranks as Ray actors. `call` runs a method on every rank and returns rank 0's
     answer; `start` and `each` (each rank its own arguments) return the result references unread."""
 
-    def __init__(self, cfg: Config, role: str = "actor", reservation: Reservation | None = None):
+    def __init__(self, cfg: Config, role: str, reservation: Reservation):
         import ray
 
-        reservation = reservation or Reservation(plan_placement(cfg))
         world = cfg.actor_num_gpus
         master_addr, master_port = _rendezvous_address(reservation)
         self.workers = [
-            ray.remote(**reservation.trainer_options(rank, colocate=cfg.cluster.colocate))(TrainerWorker).remote(
+            ray.remote(**reservation.trainer_options(rank))(TrainerWorker).remote(
                 cfg.to_dict(), rank=rank, world_size=world, master_addr=master_addr, master_port=master_port,
                 role=role)
             for rank in range(world)
@@ -81,6 +80,7 @@ class Run:
     actor: TrainerGroup
     critic: TrainerGroup | None  # PPO's value model, on the actor's GPUs
     rollout: Any  # the RolloutWorker actor
+    weight_sync: WeightSync
     run_id: str
     offload: bool  # colocated on GPUs: trainer and engines take turns with the memory (slime's --offload)
 
@@ -210,7 +210,8 @@ def _start(cfg: Config, run_id: str, summary: dict[str, Any]) -> Run:
     wait until every one is built: a broken backend fails here, before any rollout."""
     import ray
 
-    reservation = reserve(cfg)
+    plan = plan_placement(cfg)  # the plan `slime-cli plan` prints
+    reservation = reserve(plan)
     actor = TrainerGroup(cfg, "actor", reservation)
     critic = TrainerGroup(cfg, "critic", reservation) if cfg.algorithm.advantage_estimator == "ppo" else None
     log_dir = Path(cfg.logging.dir)
@@ -222,8 +223,8 @@ def _start(cfg: Config, run_id: str, summary: dict[str, Any]) -> Run:
         critic.call("ready")
     summary["nodes"] = {"trainer": sorted(set(ray.get([w.node_id.remote() for w in actor.workers]))),
                         "rollout": ray.get(rollout.node_id.remote())}
-    offload = cfg.offload and resolve_device(cfg) == "cuda"
-    return Run(cfg, reservation.plan, actor, critic, rollout, run_id, offload)
+    offload = cfg.offload and plan.device == "cuda"
+    return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout), run_id, offload)
 
 
 def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
@@ -239,7 +240,7 @@ def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
             run.critic.call("load", str(folder / "critic"))
         ray.get(run.rollout.load_state_dict.remote(meta["rollout_state"]))
         start_step = meta["step"]
-        sync_weights(run.cfg, run.actor, run.rollout, version=start_step)
+        run.weight_sync.sync(version=start_step)
     if run.offload:
         run.actor.call("offload")
     return start_step
@@ -278,7 +279,7 @@ def _sync_after_train(run: Run, version: int, timings: dict[str, float]) -> str:
         with phase(timings, "onload_rollout"):
             ray.get(run.rollout.resume_memory.remote())
     with phase(timings, "weight_sync"):
-        path = sync_weights(run.cfg, run.actor, run.rollout, version=version)
+        path = run.weight_sync.sync(version=version)
     if run.offload:
         with phase(timings, "offload_train"):
             run.actor.call("offload")
@@ -309,49 +310,16 @@ def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
         host = LOOPBACK if one_node else ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    options = reservation.trainer_options(0, colocate=False)
+    options = reservation.trainer_options(0)
     options.pop("num_gpus", None)  # a lookup: it needs the node, not the GPU
     return ray.get(ray.remote(**options)(address).remote())
-
-
-def weight_transport(cfg: Config) -> str:
-    """``auto``: CUDA IPC tensors when colocated, an NCCL broadcast when not."""
-    if cfg.rollout.update_weight_transport != "auto":
-        return cfg.rollout.update_weight_transport
-    return "tensor" if cfg.cluster.colocate else "nccl"
-
-
-def sync_weights(cfg: Config, actor: TrainerGroup, rollout: Any, *, version: int) -> str:
-    """Send the trainer's weights to the engines as ``version``.
-
-    Engines with a trainer-side `weight_sender` (SGLang) get them straight from the trainer
-    ranks; otherwise rank 0's buckets go to the rollout process (the driver never holds them):
-    as shared-memory files the engine deletes when both run on one machine, else through the
-    object store (tensor_transport says why files are preferred). Returns which path it took:
-    ``engine`` (the engine's own sender), ``files`` or ``object_store``."""
-    import ray
-
-    bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
-    sender = ray.get(rollout.weight_sender.remote())
-    if sender is None:
-        same_node = len(set(ray.get([rollout.node_id.remote(), actor.workers[0].node_id.remote()]))) == 1
-        files = weights_folder() if same_node else contextlib.nullcontext()
-        with files as folder:  # None: through the object store
-            refs = actor.start("weight_buckets", bucket_bytes, folder)
-            ray.get([rollout.update_weights.remote(refs[0], version), *refs[1:]])
-        return "files" if same_node else "object_store"
-    transport = weight_transport(cfg)
-    handle = ray.get(rollout.begin_weight_sync.remote(version, transport))
-    ray.get(actor.start("push_weights", sender, handle, bucket_bytes, version, transport))
-    ray.get(rollout.end_weight_sync.remote(version))
-    return "engine"
 
 
 def resolve_cpu_dtype(cfg: Config, resumed_meta: dict[str, Any] | None) -> str | None:
     """Set ``model.dtype: auto`` of a CPU run to what this CPU trains fastest in (core.cpu), or to
     the dtype of the checkpoint a resume continues; returns the line saying which and why. An
     explicit dtype, or a GPU run, is left as it is (None)."""
-    if cfg.model.dtype != "auto" or resolve_device(cfg) != "cpu":
+    if cfg.model.dtype != "auto" or resolve_device(cfg.cluster.device) != "cpu":
         return None
     if resumed_meta is not None:
         # A checkpoint written before auto chose by CPU has no model_dtype: auto then meant fp32 on the CPU.
