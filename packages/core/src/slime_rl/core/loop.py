@@ -22,6 +22,7 @@ from typing import Any
 from slime_rl.core import checkpoint
 from slime_rl.core.actors import RolloutManager, TrainerWorker
 from slime_rl.core.advantages import compute_advantages
+from slime_rl.core.builtin_models import resolve_model_paths
 from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.cpu import MatmulShape, choose_cpu_dtype, cpu_info
 from slime_rl.core.leftovers import weights_folder
@@ -134,6 +135,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     """Run (or resume) a training job; returns a summary (steps, eval before and after, paths).
 
     ``cluster.async`` runs one step off-policy: rollout k+1 overlaps training on rollout k."""
+    resolve_model_paths(cfg)  # builtin: model paths -> HF folders, before any backend sees them (a no-op after slime-cli's wire)
     import ray
 
     notify = callback or (lambda event, payload: None)

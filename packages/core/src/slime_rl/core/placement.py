@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from slime_rl.core.config import Config, ConfigError
+from slime_rl.core.config_schema import Config, ConfigError  # not .config: its checks import this module
 
 Device = Literal["cuda", "cpu"]
 

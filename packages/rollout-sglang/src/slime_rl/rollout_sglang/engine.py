@@ -134,8 +134,6 @@ class SGLangEngine(RolloutEngine):
         if r.engine_urls:
             return cls.attach(r.engine_urls, **common)
         model_path = cfg.model.path
-        if model_path.startswith("builtin:"):
-            raise ValueError(f"model.path: SGLang needs a local HF model folder, not {model_path!r}")
         engine_args = dict(r.engine_args)
         if cfg.model.tokenizer_path:
             engine_args.setdefault("tokenizer_path", cfg.model.tokenizer_path)
