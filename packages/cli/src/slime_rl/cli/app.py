@@ -38,6 +38,8 @@ BACKENDS = {
     "trainer.backend": "slime_rl.trainers",
     "rollout.engine": "slime_rl.rollout_engines",
     "data.source": "slime_rl.data_sources",
+    "data.buffer": "slime_rl.buffers",
+    "eval.source": "slime_rl.data_sources",
 }
 # Config fields naming a user function: a built-in name or module:attr (see check_user_function).
 USER_FUNCTIONS = ("rollout.reward", "rollout.generate_fn", "rollout.dynamic_sampling_filter", "rollout.buffer_filter")

@@ -15,6 +15,8 @@ from slime_rl.core.builtin_models import BUILTIN_PREFIX, MODEL_PATH_FIELDS
 from slime_rl.core.config_schema import Config, ConfigError
 from slime_rl.core.placement import plan_placement
 
+FILE_SOURCES = ("jsonl", "parquet")  # the built-in data sources, which read prompt files; a user's may read anything
+
 
 def read_model_shape(path: str) -> dict[str, Any] | None:
     """num_layers / heads from an HF config.json, when the model folder has one."""
@@ -103,16 +105,17 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("algorithm.eps_clip_c", f"dual-clip needs a value > 1, got {a.eps_clip_c}")
     if a.advantage_estimator == "ppo" and a.loss_type == "sft":
         raise ConfigError("algorithm.loss_type", "sft has no advantages; drop advantage_estimator=ppo")
-    if d.source in ("jsonl", "parquet"):
+    if d.source in FILE_SOURCES:
         if d.prompt_data is None:
             raise ConfigError("data.prompt_data", "set it to a JSONL or Parquet file of prompts")
         if not Path(d.prompt_data).is_file():
             raise ConfigError("data.prompt_data", f"{d.prompt_data} is a directory; give the file of prompts in it"
                               if Path(d.prompt_data).is_dir() else f"file {d.prompt_data} does not exist")
-    for name, eval_path in cfg.eval.prompt_data.items():
-        if not Path(eval_path).is_file():
-            raise ConfigError(f"eval.prompt_data.{name}", f"{eval_path} is a directory; give the file of prompts in it"
-                              if Path(eval_path).is_dir() else f"file {eval_path} does not exist")
+    if cfg.eval.source in FILE_SOURCES:
+        for name, eval_path in cfg.eval.prompt_data.items():
+            if not Path(eval_path).is_file():
+                raise ConfigError(f"eval.prompt_data.{name}", f"{eval_path} is a directory; give the file of prompts"
+                                  " in it" if Path(eval_path).is_dir() else f"file {eval_path} does not exist")
     for dotted, folder in (("logging.dir", cfg.logging.dir), ("checkpoint.save_dir", cfg.checkpoint.save_dir)):
         if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
             raise ConfigError(dotted, f"{folder} is a file; give a directory (it is created when missing)")

@@ -59,6 +59,7 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     source: str = "jsonl"  # data source plugin name or module:attr
+    buffer: str = "default"  # sample buffer plugin name or module:attr
     prompt_data: str | None = None  # JSONL or Parquet file of prompts
     input_key: str = "input"
     label_key: str | None = "label"
@@ -195,6 +196,7 @@ class ClusterConfig(_Section):
 
 
 class EvalConfig(_Section):
+    source: str = "jsonl"  # data source plugin (its for_eval) reading each eval set: name or module:attr
     interval: int | None = Field(None, ge=1)  # rollout steps between evals; None: only before and after
     prompt_data: dict[str, str] = Field(default_factory=dict)  # eval set name -> file
     n_samples_per_prompt: int = Field(1, ge=1)

@@ -190,6 +190,16 @@ class DataSource(ABC):
         slime-cli calls it in the driver before Ray starts (``train`` and ``plan``), so keep it
         streaming and cheap. The default checks nothing: errors then surface as the run reads."""
 
+    @classmethod
+    def for_eval(cls, cfg: Config, name: str, tokenizer: Any = None) -> DataSource:
+        """For a source named by ``eval.source``: eval set ``name`` (a key of ``eval.prompt_data``), every
+        prompt once and in order, ``eval.n_samples_per_prompt`` samples a group. Built in the rollout process."""
+        raise NotImplementedError(f"{cls.__name__} does not read eval sets; set eval.source to a source that does")
+
+    @classmethod
+    def check_eval(cls, cfg: Config) -> None:
+        """Optional: `check` for every eval set `for_eval` will read (``eval.source``'s; the same rules)."""
+
     @abstractmethod
     def get_groups(self, num_groups: int) -> list[list[Sample]]:
         """The next ``num_groups`` prompt groups; fewer (possibly none) at the end of the data."""
