@@ -96,7 +96,7 @@ def wire(cfg: Config) -> None:
 
 def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
     """Load what ``dotted`` names as the run will, and check that it can be called as the run calls it."""
-    from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS
+    from slime_rl.core.filters import BUFFER_FILTERS, DYNAMIC_SAMPLING_FILTERS
     from slime_rl.core.rewards import load_reward
 
     r = cfg.rollout
@@ -110,12 +110,7 @@ def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
     elif dotted == "rollout.dynamic_sampling_filter":
         load_function(spec, DYNAMIC_SAMPLING_FILTERS, what="dynamic-sampling filter")
     elif dotted == "rollout.buffer_filter":
-        try:  # the default buffer's names; a buffer package that is not installed is named by data.source's check
-            from slime_rl.buffer.filters import BUFFER_FILTERS
-        except ModuleNotFoundError:
-            BUFFER_FILTERS = {}
-        if ":" in spec or BUFFER_FILTERS:
-            load_function(spec, BUFFER_FILTERS, what="buffer filter")
+        load_function(spec, BUFFER_FILTERS, what="buffer filter")
 
 
 def _load(config: Path | None, overrides: list[str]) -> Config:
