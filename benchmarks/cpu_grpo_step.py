@@ -36,7 +36,7 @@ from typing import Any
 import psutil
 import torch
 
-from slime_rl.cli.app import resolve_builtin_models, wire
+from slime_rl.cli.app import wire
 from slime_rl.cli.default_run import prepare_default
 from slime_rl.core.config import load_config
 from slime_rl.core.cpu import cpu_info
@@ -143,8 +143,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cpu_grpo_step-") as tmp:
         workdir = args.workdir or Path(tmp)
         cfg = load_config(prepare_default(workdir), [*args.overrides, f"data.num_rollout={args.steps}"])
-        wire(cfg)
-        resolve_builtin_models(cfg)  # converts the GGUF once; a no-op after that
+        wire(cfg)  # converts the built-in model's GGUF once; a no-op after that
         dtype_asked = cfg.model.dtype  # the loop resolves auto
 
         memory = TreeMemory()

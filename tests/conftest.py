@@ -10,6 +10,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from tiny import make_tiny_model
+    """A random 2-layer Qwen2 (hidden 64) and a 1,024-id BPE trained offline."""
+    from slime_rl.core.testing import tiny_model_folder
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"))
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-qwen2"))

@@ -36,10 +36,10 @@ ENGINE_ARGS = {"attention_backend": "triton", "sampling_backend": "pytorch", "gr
 
 @pytest.fixture(scope="module")
 def gpu_model(tmp_path_factory) -> Path:
-    from tiny import make_tiny_model
+    from slime_rl.core.testing import tiny_model_folder
 
-    return make_tiny_model(tmp_path_factory.mktemp("gpu-llama"), family="llama", hidden_size=256, num_heads=4,
-                           dtype="bfloat16")
+    return tiny_model_folder(tmp_path_factory.mktemp("gpu-llama"), "llama", hidden_size=256, num_heads=4,
+                             dtype=torch.bfloat16)
 
 
 def test_b_logprob_parity_sglang_vs_megatron(gpu_model, tmp_path, monkeypatch):

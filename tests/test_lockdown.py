@@ -149,7 +149,7 @@ def test_a_killed_run_leaves_no_processes_or_folders(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     driver = start_run(overrides(tiny_model_dir, tmp_path, num_rollout=40), clean_env(tmp_path), run_dir, steps=2)
     processes = tree(driver.pid)[1:]
-    assert len(processes) >= 6  # GCS, raylet, agents, the trainer ranks, the rollout manager, the reaper
+    assert len(processes) >= 6  # GCS, raylet, agents, the trainer ranks, the rollout worker, the reaper
     (ray_tmp,) = ray_folder_of(driver.pid)
     tag = leftovers.owner_tag(driver.pid)
     killed_at = time.time()

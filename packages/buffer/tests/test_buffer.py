@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pickle
-import statistics
 
 import pytest
 from buffer_testdata import finished_group
 
-from slime_rl.buffer import BUFFER_FILTERS, DYNAMIC_SAMPLING_FILTERS, SampleBuffer, nonzero_std
+from slime_rl.buffer import SampleBuffer
 from slime_rl.core.config import Config
-from slime_rl.core.plugins import PluginError, load_function, load_plugin
+from slime_rl.core.plugins import PluginError, load_plugin
 from slime_rl.core.sample import Sample, SampleStatus
 
 
@@ -131,27 +130,9 @@ def test_stale_partial_samples_restart_from_their_prompt(tmp_path):
 # ---------------------------------------------------------------- filters
 
 
-def test_dapo_filter_drops_exactly_the_zero_variance_groups():
-    patterns = [[0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0], [0.5, 0.5, 0.5, 0.25], [1.0, 1, 1.0, 1],
-                [-1, -1, -1, -1], [0.2, 0.2, 0.2, 0.2000001], [3], [2, 2]]
-    groups = [finished_group(i, len(r), rewards=list(r)) for i, r in enumerate(patterns)]
-    kept = [g[0].group_index for g in groups if nonzero_std(g)]
-    assert kept == [i for i, r in enumerate(patterns) if statistics.pstdev(r) > 0] == [2, 3, 6]
-    as_dicts = [finished_group(0, 2, rewards=[{"acc": 1.0, "fmt": 0.0}, {"acc": 1.0, "fmt": 0.0}]),
-                finished_group(1, 2, rewards=[{"acc": 1.0, "fmt": 0.0}, {"acc": 1.0, "fmt": 1.0}])]
-    assert [nonzero_std(g) for g in as_dicts] == [False, True]
-    unscored = finished_group(0, 2)
-    unscored[1].reward = None
-    with pytest.raises(ValueError, match="has no reward"):
-        nonzero_std(unscored)
-
-
-def test_filters_load_by_name_and_module_attr():
-    assert load_function("nonzero_std", DYNAMIC_SAMPLING_FILTERS, what="filter") is nonzero_std
-    assert load_function("slime_rl.buffer.filters:nonzero_std", {}, what="filter") is nonzero_std
+def test_a_buffer_filter_name_that_is_not_built_in_is_refused():
     with pytest.raises(PluginError, match="no built-in buffer filter named 'newest'"):
         SampleBuffer(filter="newest")
-    assert set(BUFFER_FILTERS) == {"oldest_first", "freshest_first"}
 
 
 def pick_odd_groups(groups: list[list[Sample]], num_groups: int) -> list[int]:

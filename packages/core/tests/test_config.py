@@ -172,8 +172,11 @@ def test_files_exist(tmp_path, prompts):
     assert err.field == "eval.prompt_data.aime"
     err = refused(None, [f"data.prompt_data={prompts}", f"model.path={tmp_path / 'no-model'}"])
     assert err.field == "model.path"
-    # a user's own data source decides what it reads
+    # a user's own data source decides what it reads, and so does a user's own eval source
     assert load_config(None, ["data.source=my_pkg.data:Source"]).data.prompt_data is None
+    cfg = load_config(None, [f"data.prompt_data={prompts}", "eval.source=my_pkg.data:EvalSource",
+                             "eval.prompt_data={aime: aime-2024}"])
+    assert cfg.eval.source == "my_pkg.data:EvalSource" and cfg.data.buffer == "default"
 
 
 def test_model_shape_checks(tmp_path, prompts):

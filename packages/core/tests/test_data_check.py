@@ -37,3 +37,26 @@ def test_a_source_that_does_not_load_names_the_field():
     with pytest.raises(ConfigError) as err:
         check_data(cfg)
     assert str(err.value).startswith("data.source: data_source 'no_such_module:Source': cannot import module")
+
+
+class EvalSetSource:
+    """A user's eval source with the optional check_eval."""
+
+    @classmethod
+    def check_eval(cls, cfg: Config) -> None:
+        raise DataError(f"{cfg.eval.prompt_data['aime']}:2", "the record has no answer; fix the line")
+
+
+def test_check_data_runs_the_eval_sources_check_eval():
+    cfg = Config()
+    cfg.data.source = f"{__name__}:UncheckedSource"
+    cfg.eval.source = f"{__name__}:EvalSetSource"
+    check_data(cfg)  # no eval sets: nothing to check
+    cfg.eval.prompt_data = {"aime": "aime.jsonl"}
+    with pytest.raises(DataError) as err:
+        check_data(cfg)
+    assert str(err.value) == "aime.jsonl:2: the record has no answer; fix the line"
+    cfg.eval.source = "no_such_module:Source"
+    with pytest.raises(ConfigError) as err:
+        check_data(cfg)
+    assert str(err.value).startswith("eval.source: data_source 'no_such_module:Source': cannot import module")

@@ -232,17 +232,6 @@ def test_value_loss_clipped_by_hand():
     assert values.grad[0].tolist() == pytest.approx([0.0, 0.5 * 2 * (0.0 - 2.0) / 2])
 
 
-def test_value_loss_through_compute_loss_for_a_value_head():
-    log_probs = torch.zeros(1, 2, dtype=F64, requires_grad=True)
-    values = t([[1.0, 0.0]]).requires_grad_()
-    batch = LossBatch(log_probs, torch.zeros(1, 2, dtype=F64), torch.zeros(1, 2, dtype=F64),
-                      torch.ones(1, 2, dtype=F64), values=values, old_values=t([[0.5, 0.5]]),
-                      returns=t([[2.0, 2.0]]))
-    loss, m = compute_loss(AlgorithmConfig(advantage_estimator="ppo"), batch, eps_clip_high=0.2, num_tokens=2,
-                           num_seqs=1)
-    assert loss.item() == pytest.approx(0.5 * (1.69 + 4.0) / 2) and "value_loss" in m
-
-
 def test_sft_loss_masked_nll():
     log_probs = t([[-1.0, -2.0, -9.0], [-3.0, -9.0, -9.0]])
     mask = t([[1, 1, 0], [1, 0, 0]])
@@ -271,10 +260,14 @@ def random_batch(seed, batch=4, length=6, dtype=F64):
         rollout_log_probs=old + torch.randn(batch, length, generator=g, dtype=dtype) * 0.5,
         ref_log_probs=old + torch.randn(batch, length, generator=g, dtype=dtype) * 0.3,
         entropy=torch.rand(batch, length, generator=g, dtype=dtype).requires_grad_(),
-        values=torch.randn(batch, length, generator=g, dtype=dtype).requires_grad_(),
-        old_values=torch.randn(batch, length, generator=g, dtype=dtype),
-        returns=torch.randn(batch, length, generator=g, dtype=dtype),
     )
+
+
+def random_values(seed, mask):
+    """A critic's ``(values, old_values, returns)`` over ``mask``'s shape; ``values`` requires grad."""
+    g = torch.Generator().manual_seed(seed)
+    values, old_values, returns = (torch.randn(*mask.shape, generator=g, dtype=mask.dtype) for _ in range(3))
+    return values.requires_grad_(), old_values, returns
 
 
 ALGOS = {
@@ -297,26 +290,26 @@ def test_gradcheck(name, mode):
     b = random_batch(seed=5)
     fixed_log_ratio = (b.log_probs - b.old_log_probs).detach()
 
-    def fn(log_probs, entropy, values):
-        fields = {**b.__dict__, "log_probs": log_probs, "entropy": entropy, "values": values}
+    def fn(log_probs, entropy):
+        fields = {**b.__dict__, "log_probs": log_probs, "entropy": entropy}
         if name == "cispo":
             # CISPO's weight is under stop-gradient by design: hold the ratio fixed so the
             # finite differences see the same function the analytic gradient describes.
             fields["old_log_probs"] = log_probs.detach() - fixed_log_ratio
         return compute_loss(algo, LossBatch(**fields), eps_clip_high=0.28, **counts(b.loss_mask))[0]
 
-    assert torch.autograd.gradcheck(fn, (b.log_probs, b.entropy, b.values))
+    assert torch.autograd.gradcheck(fn, (b.log_probs, b.entropy))
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_gradcheck_value_loss(mode):
-    b = random_batch(seed=6)
+    mask = random_batch(seed=6).loss_mask
+    values, old_values, returns = random_values(6, mask)
 
     def fn(values):
-        return value_loss(values, b.old_values, b.returns, b.loss_mask, value_clip=0.2, loss_agg=mode,
-                          **counts(b.loss_mask))[0]
+        return value_loss(values, old_values, returns, mask, value_clip=0.2, loss_agg=mode, **counts(mask))[0]
 
-    assert torch.autograd.gradcheck(fn, (b.values,))
+    assert torch.autograd.gradcheck(fn, (values,))
 
 
 def split(batch, rows):
@@ -346,16 +339,40 @@ def test_halves_sum_to_the_whole(name, mode):
         total += part_loss.item()
         part_metrics.append(m)
     assert total == pytest.approx(loss.item(), rel=1e-12, abs=1e-12)
-    for field in ("log_probs", "entropy", "values"):
+    for field in ("log_probs", "entropy"):
         grads = [p.__dict__[field].grad for p in parts]
         if whole.__dict__[field].grad is None:
             assert all(g is None for g in grads)
             continue
         torch.testing.assert_close(torch.cat(grads), whole.__dict__[field].grad)
+    assert_parts_combine(part_metrics, metrics)
+
+
+def assert_parts_combine(part_metrics, metrics):
+    """reduce_metrics over the parts' metrics gives the whole batch's."""
     combined = reduce_metrics(part_metrics)
     assert combined.keys() == metrics.keys()
     for key, value in metrics.items():
         assert combined[key] == pytest.approx(value.item(), rel=1e-10, abs=1e-12), key
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_value_loss_halves_sum_to_the_whole(mode):
+    """The critic's loss splits over micro-batches and DP ranks like the policy's."""
+    mask = random_batch(seed=7).loss_mask
+    values, old_values, returns = random_values(7, mask)
+    n = counts(mask)
+    loss, metrics = value_loss(values, old_values, returns, mask, value_clip=0.2, loss_agg=mode, **n)
+    loss.backward()
+    grads, parts = [], []
+    for rows in (slice(0, 1), slice(1, 4)):
+        part = values[rows].detach().clone().requires_grad_()
+        part_loss, m = value_loss(part, old_values[rows], returns[rows], mask[rows], value_clip=0.2, loss_agg=mode, **n)
+        part_loss.backward()
+        grads.append(part.grad)
+        parts.append(m)
+    torch.testing.assert_close(torch.cat(grads), values.grad)
+    assert_parts_combine(parts, metrics)
 
 
 def test_bf16_inputs_are_computed_in_float32():

@@ -124,7 +124,7 @@ def test_each_trainer_process_asks_ray_for_the_planned_share_of_its_gpu(prompts,
 
 
 def test_the_reservation_schedules_what_the_plan_says(prompts):
-    """Trainer rank i goes to its planned bundle with the plan's GPU share; the rollout manager to engine
+    """Trainer rank i goes to its planned bundle with the plan's GPU share; the rollout worker to engine
     0's first bundle (disaggregated: the first after the trainer's)."""
     from slime_rl.core.ray_placement import Reservation
 

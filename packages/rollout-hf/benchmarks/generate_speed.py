@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from slime_rl.core.builtin_models import resolve_model_path
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.rollout_hf.engine import HFEngine
 
@@ -34,11 +35,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    path = args.model
-    if path.startswith("builtin:"):
-        from slime_rl.cli.builtin_model import resolve_model_path
-
-        path = resolve_model_path(path)
+    path = resolve_model_path(args.model)  # builtin: -> the HF folder converted once
     engine = HFEngine.from_pretrained(path, device="cpu")
     prompts = [engine.tokenizer(f"Question: What is {a} + {b}?\nAnswer:").input_ids for a, b in QUESTIONS]
 

@@ -1,10 +1,9 @@
-"""Fixtures for the CPU tests: a tiny model folder (tokenizer.json trained offline, config.json,
-small safetensors) and an interpreter wrapper that runs the stand-in SGLang server
+"""Fixtures for the CPU tests: a tiny model folder (slime_rl.core.testing: tokenizer trained offline,
+config.json, small safetensors) and an interpreter wrapper that runs the stand-in SGLang server
 (standin_sglang.py, a test double) where slime-rl would run ``python -m sglang.launch_server``."""
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import sys
@@ -13,46 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from slime_rl.core.testing import tiny_model_folder, train_tokenizer
+
 HERE = Path(__file__).resolve().parent
 VOCAB = 300
 
 
-def make_tiny_model(path: Path) -> Path:
-    """tokenizer.json (byte-level BPE trained on a few lines), config.json and small weights."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    lines = ["the quick brown fox jumps over the lazy dog", "what is 1 + 2? the answer is 3",
-             "def add(a, b): return a + b", "reinforcement learning from verifiable rewards"] * 20
-    tok.train_from_iterator(lines, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}))
-    vocab = tok.get_vocab_size()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": 8,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "bos_token_id": tok.token_to_id("<s>"), "eos_token_id": tok.token_to_id("</s>"),
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
-    gen = torch.Generator().manual_seed(0)
-    weights = {
-        "model.embed_tokens.weight": torch.randn(vocab, 8, generator=gen).to(torch.bfloat16),
-        "model.norm.weight": torch.ones(8, dtype=torch.bfloat16),
-        "lm_head.weight": torch.randn(vocab, 8, generator=gen).to(torch.bfloat16),
-    }
-    save_file(weights, str(path / "model.safetensors"))
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    """A random 1-layer Llama of hidden size 8 in bf16; its BPE (<s>, </s>, <pad>) trained on a few lines."""
+    lines = ["the quick brown fox jumps over the lazy dog", "what is 1 + 2? the answer is 3",
+             "def add(a, b): return a + b", "reinforcement learning from verifiable rewards"] * 20
+    tokenizer = train_tokenizer(lines, vocab_size=VOCAB, special_tokens=["<s>", "</s>", "<pad>"], bos_token="<s>",
+                                eos_token="</s>", pad_token="<pad>")
+    return tiny_model_folder(tmp_path_factory.mktemp("tiny-model"), "llama", tokenizer=tokenizer, dtype=torch.bfloat16,
+                             hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=2)
 
 
 @pytest.fixture(scope="session")

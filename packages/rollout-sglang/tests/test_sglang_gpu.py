@@ -14,9 +14,7 @@ takes them with the keys.
 from __future__ import annotations
 
 import asyncio
-import glob
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ import torch
 
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import SamplingParams
+from slime_rl.core.testing import save_model, stdlib_text, tiny_config, tiny_model, train_tokenizer
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import bearer
@@ -43,30 +42,17 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
 
 
 def make_tiny_llama(out: Path) -> Path:
-    """A random 2-layer Llama (hidden 256, vocab 1024) and a byte-level BPE tokenizer trained
-    offline on the Python standard library's sources."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    """A random 2-layer Llama (hidden 256, vocab 1024: more ids than its tokenizer has) and a byte-level
+    BPE tokenizer trained offline on the Python standard library's sources."""
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
-    tok.train(sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))[:100],
-              trainers.BpeTrainer(vocab_size=VOCAB - 24, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1],
-                                     pad_token=specials[2])
-    hf_tok.save_pretrained(out)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      max_position_embeddings=2048,
-                      bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
-                      pad_token_id=hf_tok.pad_token_id, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    return out
+    # line by line: the tokenizer of the recorded GPU runs was trained so
+    lines = [line for text in stdlib_text(100) for line in text.splitlines(keepends=True)]
+    tok = train_tokenizer(lines, vocab_size=VOCAB - 24, special_tokens=specials, bos_token=specials[0],
+                          eos_token=specials[1], pad_token=specials[2])
+    config = tiny_config("llama", vocab_size=VOCAB, hidden_size=256, num_layers=LAYERS, num_heads=4,
+                         num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return save_model(out, tiny_model(config, seed=0), tok, dtype=torch.bfloat16)
 
 
 def gpu_config(model: Path, work: Path, *, colocate: bool = True, **rollout) -> Config:

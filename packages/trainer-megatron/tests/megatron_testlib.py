@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from slime_rl.core.net import free_port
+from slime_rl.core.testing import save_model, tiny_config, tiny_model
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "megatron_worker.py"
@@ -28,34 +29,15 @@ def ensure_single_rank_group() -> None:
 def make_hf_model(path: Path, family: str = "llama", *, tie: bool = False, seed: int = 0, vocab: int = 256,
                   layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
                   rope_scaling: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """A random HF model folder (config.json + model.safetensors); norms and biases perturbed
+    """A random HF model folder (config.json + model.safetensors, no tokenizer); norms and biases perturbed
     so that every parameter matters."""
-    import transformers
-
-    common = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                  tie_word_embeddings=tie, max_position_embeddings=512)
-    if family == "llama":
-        config = transformers.LlamaConfig(**common)
-        cls = transformers.LlamaForCausalLM
-    elif family == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        cls = transformers.Qwen2ForCausalLM
-    elif family == "qwen3":
-        config = transformers.Qwen3Config(head_dim=hidden // heads * 2, **common)  # head_dim != hidden/heads
-        cls = transformers.Qwen3ForCausalLM
-    else:
-        raise ValueError(family)
+    extra = {"head_dim": hidden // heads * 2} if family == "qwen3" else {}  # head_dim != hidden/heads
+    config = tiny_config(family, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, tie_word_embeddings=tie,
+                         max_position_embeddings=512, **extra)
     if rope_scaling is not None:
         config.rope_parameters = {**config.rope_parameters, **rope_scaling}
-    torch.manual_seed(seed)
-    model = cls(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.to(dtype).save_pretrained(path)
-    return path
+    return save_model(path, tiny_model(config, seed=seed, perturb_norms=True), dtype=dtype)
 
 
 def load_hf(path: Path):

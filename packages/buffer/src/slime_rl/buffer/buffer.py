@@ -19,13 +19,12 @@ Every ``add`` is committed to SQLite before it returns (see store.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from slime_rl.buffer.filters import BUFFER_FILTERS
 from slime_rl.buffer.store import UNFINISHED, GroupStore, is_partial
-from slime_rl.core.contracts import Buffer
+from slime_rl.core.contracts import Buffer, BufferFilter
+from slime_rl.core.filters import BUFFER_FILTERS
 from slime_rl.core.plugins import load_function
 from slime_rl.core.sample import Sample
 
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BufferFilter = Callable[[list[list[Sample]], int], list[int]]
 StalenessPolicy = Literal["drop", "downweight"]
 DB_FILE = "buffer.sqlite"
 DB_SUFFIXES = (".sqlite", ".sqlite3", ".db")

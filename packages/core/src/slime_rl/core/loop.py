@@ -20,6 +20,7 @@ from typing import Any
 
 from slime_rl.core import checkpoint
 from slime_rl.core.actors import RolloutStep, RolloutWorker, TrainerWorker
+from slime_rl.core.builtin_models import resolve_model_paths
 from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.cpu import MatmulShape, choose_cpu_dtype, cpu_info
 from slime_rl.core.device import resolve_device
@@ -96,6 +97,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     import ray
 
     notify = callback or (lambda event, payload: None)
+    resolve_model_paths(cfg)  # builtin: -> HF folders before any backend sees them (done already under slime-cli)
     resumed, run_id = _check_start(cfg)
     summary: dict[str, Any] = {"log_dir": cfg.logging.dir, "checkpoint_dir": str(cfg.checkpoint_dir)}
     with local_ray(cfg):

@@ -36,9 +36,6 @@ class LossBatch:
     rollout_log_probs: Tensor | None = None  # the engine's (TIS, mismatch metrics)
     ref_log_probs: Tensor | None = None  # reference model (KL loss)
     entropy: Tensor | None = None  # per-token entropy of the current policy (entropy bonus)
-    values: Tensor | None = None  # value head output, requires grad (PPO with a value head)
-    old_values: Tensor | None = None  # values the advantages were computed with
-    returns: Tensor | None = None  # value targets
 
 
 def pad_sequences(rows: Sequence[Tensor | Sequence[float]], *, value: float = 0.0,
@@ -177,8 +174,8 @@ def compute_loss(algo: AlgorithmConfig, batch: LossBatch, *, eps_clip_high: floa
 
     ``num_tokens`` (sum of loss_mask) and ``num_seqs`` (number of samples) count
     the whole optimizer step across micro-batches and data-parallel ranks.
-    loss = policy surrogate [* TIS weight] + kl_loss_coef * KL(ref) - entropy_coef * entropy
-    [+ clipped value loss when the batch carries values]."""
+    loss = policy surrogate [* TIS weight] + kl_loss_coef * KL(ref) - entropy_coef * entropy.
+    A critic trains on :func:`value_loss` instead."""
     if num_tokens <= 0 or num_seqs <= 0:
         raise ValueError(f"compute_loss: num_tokens={num_tokens} and num_seqs={num_seqs} must be > 0 "
                          "(the global counts of the optimizer step)")
@@ -242,14 +239,6 @@ def compute_loss(algo: AlgorithmConfig, batch: LossBatch, *, eps_clip_high: floa
         loss = loss - algo.entropy_coef * entropy
     elif algo.entropy_coef != 0:
         raise ValueError("algorithm.entropy_coef is set but LossBatch.entropy is None; compute the entropy")
-
-    if b.values is not None:
-        if b.old_values is None or b.returns is None:
-            raise ValueError("a LossBatch with values also needs old_values and returns for the value loss")
-        v_loss, v_metrics = value_loss(b.values, b.old_values, b.returns, mask, value_clip=algo.value_clip,
-                                       loss_agg=algo.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-        loss = loss + v_loss
-        metrics.update(v_metrics)
 
     metrics["loss"] = loss
     return loss, {name: value.detach() for name, value in metrics.items()}

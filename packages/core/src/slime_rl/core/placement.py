@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slime_rl.core.config import Config, ConfigError
+from slime_rl.core.config_schema import Config, ConfigError  # not .config: its checks import this module
 from slime_rl.core.device import Device, resolve_device
 
 COLOCATED_GPU_SHARE = 0.4  # a trainer process's share of a GPU it shares with an engine (slime's)

@@ -1,7 +1,7 @@
 """The placement plan (`placement.plan_placement`) reserved on a Ray cluster.
 
 On GPUs: one ``{GPU: 1}`` bundle per planned GPU, packed, as slime does; trainer rank i
-takes its planned bundle with the plan's share of its GPU, and the rollout manager goes to
+takes its planned bundle with the plan's share of its GPU, and the rollout worker goes to
 the node of engine 0's first bundle, where it starts the engines on their planned GPUs. On the CPU: nothing to reserve while the plan has one node
 (every process runs on the driver's Ray node); a plan over several nodes
 (``cluster.num_gpus_per_node`` smaller than what the run needs) reserves one bundle per
@@ -37,7 +37,7 @@ class Reservation:
         return {"num_cpus": 0, "num_gpus": self.plan.trainer_gpu_share, **self._in_bundle(planned.bundle)}
 
     def rollout_options(self) -> dict[str, Any]:
-        """ray.remote options for the rollout manager: on the node of engine 0's first GPU (slot on the
+        """ray.remote options for the rollout worker: on the node of engine 0's first GPU (slot on the
         CPU), asking for none of it; the engine starts its servers there on the GPUs the plan gives them."""
         if self.group is None:
             return {"num_cpus": 0}

@@ -133,9 +133,6 @@ class HFEngine(RolloutEngine):
     def from_config(cls, cfg: Config) -> HFEngine:
         """Reads model.path / tokenizer_path / dtype, cluster.device, rollout.max_concurrency
         (the default batch cap) and rollout.engine_args (max_batch_size, seed, gather_window_s, num_threads)."""
-        if cfg.model.path.startswith("builtin:"):
-            raise ValueError(f"model.path: {cfg.model.path} must be resolved to a folder before the engine starts "
-                             "(slime_rl.cli.builtin_model.resolve_model_path; slime-cli does it)")
         args = dict(cfg.rollout.engine_args)
         unknown = sorted(set(args) - ENGINE_ARGS)
         if unknown:

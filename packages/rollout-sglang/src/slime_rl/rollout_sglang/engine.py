@@ -127,8 +127,6 @@ class SGLangEngine(RolloutEngine):
                       startup_timeout=r.engine_startup_timeout, sync_timeout=r.weight_sync_timeout)
         if r.engine_urls:
             return cls.attach(r.engine_urls, **common)
-        if cfg.model.path.startswith("builtin:"):
-            raise ValueError(f"model.path: SGLang needs a local HF model folder, not {cfg.model.path!r}")
         plan = plan_placement(cfg)
         return cls.launch(cfg.model.path, num_engines=len(plan.engines), tp_size=c.rollout_num_gpus_per_engine,
                           engine_args=fleet.engine_args(cfg), python=r.engine_python,

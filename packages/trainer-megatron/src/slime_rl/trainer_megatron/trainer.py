@@ -75,11 +75,6 @@ class MegatronTrainer(PolicyTrainer):
     def __init__(self, cfg: Config, *, role: Literal["actor", "critic"] = "actor"):
         if role not in ("actor", "critic"):
             raise ValueError(f"role: {role!r}; use 'actor' or 'critic'")
-        if cfg.model.path.startswith("builtin:"):
-            raise ValueError(
-                f"model.path: {cfg.model.path} must be resolved to an HF folder first"
-                " (slime_rl.cli.builtin_model.resolve_model_path; slime-cli does it)"
-            )
         self.cfg, self.role = cfg, role
         self._setup_parallel()
         self.dtype = self._resolve_dtype(cfg.model.dtype)

