@@ -3,7 +3,8 @@
 Runs the configuration `slime-cli train` runs with no CONFIG (GRPO on SmolLM2-135M-Instruct
 over addition problems: slime_rl.cli.default_run) through slime_rl.core.loop.train for --steps
 steps, drops the first --warmup, and prints the median of each phase the loop times
-(time/rollout, time/log_probs, time/ref_log_probs, time/train, time/weight_sync, time/step).
+(time/rollout, time/prepare, time/train, time/weight_sync, time/step; inside prepare, rank 0's
+time/log_probs, time/ref_log_probs and time/advantages).
 
 Memory: a thread sums the RSS of this process and all its descendants every 0.2 s (Ray's
 GCS and raylet are children of this process, the trainer and engine actors the raylet's
@@ -43,7 +44,8 @@ from slime_rl.core.loop import train
 
 STEP_TARGET_S = 4.5
 RSS_TARGET_GIB = 5.0
-PHASES = ("rollout", "log_probs", "ref_log_probs", "values", "train", "wait_rollout", "weight_sync")
+PHASES = ("rollout", "prepare", "train", "wait_rollout", "weight_sync")  # one after the other: they add up
+PREPARE_PARTS = ("log_probs", "ref_log_probs", "advantages")  # rank 0's parts of prepare
 GIB = 1024**3
 
 
@@ -187,19 +189,20 @@ def main() -> None:
           f" eval accuracy {summary.get('eval_before', {})} -> {summary.get('eval_after', {})}")
     print("| phase | median s | min s | max s | target |")
     print("|---|---|---|---|---|")
-    for name in (*PHASES, "step"):
+    for name in (*PHASES[:2], *PREPARE_PARTS, *PHASES[2:], "step"):
         values = [m[f"time/{name}"] for m in measured if f"time/{name}" in m]
         if not values:
             if name in ("rollout", "log_probs", "ref_log_probs", "train", "weight_sync"):
                 print(f"| {name} | - | - | - | not run in this configuration |")
             continue
+        label = f"prepare: {name}" if name in PREPARE_PARTS else name
         median = statistics.median(values)
         target = ""
         if name == "step":
             target = f"<= {STEP_TARGET_S} s: {'met' if median <= STEP_TARGET_S else 'MISSED'}"
-        print(f"| {name} | {median:.3f} | {min(values):.3f} | {max(values):.3f} | {target} |")
+        print(f"| {label} | {median:.3f} | {min(values):.3f} | {max(values):.3f} | {target} |")
     other = [m["time/step"] - sum(m.get(f"time/{p}", 0.0) for p in PHASES) for m in measured]
-    print(f"| (rest of the step: advantages, object puts) | {statistics.median(other):.3f} | {min(other):.3f}"
+    print(f"| (rest of the step: the driver, eval) | {statistics.median(other):.3f} | {min(other):.3f}"
           f" | {max(other):.3f} | |")
 
     run, steady = memory.run_peak, memory.steps_peak

@@ -89,8 +89,18 @@ def make_samples(n: int, prompt_len: int, response_len: int, vocab: int, jitter:
         tokens = torch.randint(0, vocab, (p + r,), generator=g).tolist()
         adv = float(torch.randn((), generator=g))
         out.append(Sample(index=i, group_index=i // 8, tokens=tokens, response_length=r, loss_mask=[1] * r,
-                          advantages=[adv] * r))
+                          rollout_log_probs=[0.0] * r, reward=adv, advantages=[adv] * r))
     return out
+
+
+def megatron_batch(samples):
+    """The trainer's input: the samples as one `RolloutBatch` (one DP rank, one optimizer step), with
+    the samples' advantages as its column."""
+    from slime_rl.core.batch import RolloutBatch
+
+    batch = RolloutBatch.from_samples(samples)
+    batch.advantages = torch.tensor([a for s in samples for a in s.advantages], dtype=torch.float32)
+    return batch
 
 
 def sync(device: str) -> None:
@@ -112,12 +122,9 @@ def timed(fn, device: str) -> tuple[float, float]:
 
 def init_single_rank() -> None:
     if not torch.distributed.is_initialized():
-        import socket
+        from slime_rl.core.net import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
 def megatron_trainer(model_dir: Path, args):
@@ -188,6 +195,7 @@ class TransformersBaseline:
 def step_table(args, model_dir: Path) -> list[dict]:
     vocab = SHAPES[args.shape][1]
     samples = make_samples(args.samples, args.prompt_len, args.response_len, vocab, args.jitter)
+    batch = megatron_batch(samples)
     tokens = sum(len(s.tokens) for s in samples)
     seq = tokens / len(samples)
     flops = model_flops_per_token(args.shape, int(seq)) * tokens
@@ -203,10 +211,9 @@ def step_table(args, model_dir: Path) -> list[dict]:
             lp_times, train_times = [], []
             for it in range(args.warmup + args.steps):
                 if name == "megatron":
-                    lp = timed(lambda: holder.update(lp=trainer.compute_log_probs(samples)), args.device)
-                    for s, v in zip(samples, holder["lp"], strict=True):
-                        s.old_log_probs = v
-                    tr = timed(lambda: trainer.train_step(samples), args.device)
+                    lp = timed(lambda: holder.update(lp=trainer.compute_log_probs(batch)), args.device)
+                    batch.old_log_probs = holder["lp"]
+                    tr = timed(lambda: trainer.train_step(batch), args.device)
                 else:
                     lp = timed(lambda: holder.update(lp=baseline.log_probs(samples)), args.device)
                     tr = timed(lambda: baseline.train_step(samples, holder["lp"]), args.device)
@@ -222,21 +229,21 @@ def step_table(args, model_dir: Path) -> list[dict]:
                              mfu=flops / tr_s / (args.peak_tflops * 1e12) if args.peak_tflops else None,
                              wall_train_s=statistics.median(t[0] for t in train_times)))
     if args.profile:
-        profile_updates(args, samples, trainer, baseline)
+        profile_updates(args, samples, batch, trainer, baseline)
     return rows
 
 
-def profile_updates(args, samples, trainer, baseline) -> None:
+def profile_updates(args, samples, batch, trainer, baseline) -> None:
     """Where one update's time goes: the top ops of each contender by self device time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     sort_by = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
-    old_log_probs = baseline.log_probs(samples)  # the trainer's samples carry theirs already
+    old_log_probs = baseline.log_probs(samples)  # the trainer's batch carries its own already
     for name in ("megatron", "transformers"):
         with profile(activities=activities) as prof:
             if name == "megatron":
-                trainer.train_step(samples)
+                trainer.train_step(batch)
             else:
                 baseline.train_step(samples, old_log_probs)
             sync(args.device)
@@ -274,7 +281,8 @@ def memory_probe(args, model_dir: Path, variant: str) -> int:
     if variant == "megatron":
         trainer = megatron_trainer(model_dir, argparse.Namespace(**{**vars(args), "micro_batch_size": args.memory_samples,
                                                                      "max_tokens_per_gpu": None}))
-        run = lambda: trainer.compute_log_probs(samples)  # noqa: E731
+        batch = megatron_batch(samples)
+        run = lambda: trainer.compute_log_probs(batch)  # noqa: E731
     else:
         baseline = TransformersBaseline(model_dir, args.device, autocast=False, micro_batch_size=args.memory_samples)
         if args.dtype == "bfloat16":

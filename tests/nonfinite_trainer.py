@@ -11,12 +11,11 @@ from slime_rl.trainer_megatron.trainer import MegatronTrainer
 class NanAdvantagesAtStepTwo(MegatronTrainer):
     calls = 0
 
-    def train_step(self, samples):
+    def train_step(self, batch):
         self.calls += 1
         if self.calls == 2:
-            for s in samples:
-                s.advantages = [float("nan")] * s.response_length
-        metrics = super().train_step(samples)
+            batch.advantages = torch.full_like(batch.advantages, float("nan"))
+        metrics = super().train_step(batch)
         # what the test checks afterwards: no nan reached the weights the engines get next
         metrics["weights_finite"] = float(all(bool(torch.isfinite(p).all()) for p in self.model.parameters()))
         return metrics

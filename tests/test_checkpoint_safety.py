@@ -21,6 +21,7 @@ import yaml
 
 from slime_rl.core import checkpoint
 from slime_rl.core.checkpoint import CheckpointError
+from slime_rl.core.net import free_port
 
 # One trainer step of the tiny model, saved as step 1 of <save_dir> and committed as the loop does.
 BUILD = """
@@ -29,6 +30,7 @@ import torch
 torch.set_num_threads(1)
 from slime_rl.core import checkpoint
 from slime_rl.core.config import load_config
+from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.sample import Sample
 from slime_rl.trainer_megatron.trainer import MegatronTrainer
 model, save_dir, port = sys.argv[1:4]
@@ -36,8 +38,10 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZ
 trainer = MegatronTrainer.from_config(load_config(None, [f"model.path={model}", "cluster.device=cpu"], check=False))
 g = torch.Generator().manual_seed(0)
 samples = [Sample(index=i, tokens=torch.randint(0, 200, (9,), generator=g).tolist(), response_length=4,
-                  loss_mask=[1] * 4, advantages=[(-1.0) ** i] * 4) for i in range(4)]
-trainer.train_step(samples)
+                  loss_mask=[1] * 4, rollout_log_probs=[-1.0] * 4, reward=0.0) for i in range(4)]
+batch = RolloutBatch.from_samples(samples)
+batch.advantages = torch.tensor([(-1.0) ** i for i in range(4) for _ in range(4)])
+trainer.train_step(batch)
 folder = checkpoint.prepare(save_dir, 1)
 trainer.save(str(folder / "actor"))
 checkpoint.commit(save_dir, 1, {"rollout_state": {"data_source": {"epoch": 0, "position": 2}}})
@@ -56,17 +60,9 @@ trainer.load(folder)
 """
 
 
-def free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def python(script: str, *args) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-c", script, *map(str, args), free_port()], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-c", script, *map(str, args), str(free_port())], env=env, capture_output=True,
                           text=True, timeout=300)
 
 

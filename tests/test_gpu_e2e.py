@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 
+from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import load_config
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.sample import Sample
@@ -62,16 +63,15 @@ def test_b_logprob_parity_sglang_vs_megatron(gpu_model, tmp_path, monkeypatch):
         asyncio.run(engine.shutdown())
     samples = []
     for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
-        s = Sample(index=i, tokens=list(prompt))
+        s = Sample(index=i, tokens=list(prompt), reward=0.0)
         s.append_response(out.token_ids, out.log_probs, trained=True)
         samples.append(s)
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "RANK": "0", "WORLD_SIZE": "1",
                        "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     trainer = MegatronTrainer.from_config(cfg)
-    trained = trainer.compute_log_probs(samples)
-    diffs = torch.tensor([abs(a - b) for s, lp in zip(samples, trained, strict=True)
-                          for a, b in zip(s.rollout_log_probs, lp, strict=True)])
+    batch = RolloutBatch.from_samples(samples)
+    diffs = (batch.rollout_log_probs - trainer.compute_log_probs(batch)).abs()
     print(f"\n[parity] SGLang vs Megatron bf16 log-probs over {diffs.numel()} tokens: "
           f"mean abs diff {diffs.mean():.5f}, max abs diff {diffs.max():.5f}")
     assert diffs.numel() == 16 * 64

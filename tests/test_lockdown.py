@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import psutil
 import pytest
 
 from slime_rl.core import leftovers
+from slime_rl.core.net import free_port
 
 TRAIN = "import sys; from slime_rl.core.config import load_config; from slime_rl.core.loop import train; " \
         "train(load_config(None, sys.argv[1:]))"
@@ -149,7 +149,7 @@ def test_a_killed_run_leaves_no_processes_or_folders(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     driver = start_run(overrides(tiny_model_dir, tmp_path, num_rollout=40), clean_env(tmp_path), run_dir, steps=2)
     processes = tree(driver.pid)[1:]
-    assert len(processes) >= 6  # GCS, raylet, agents, the trainer ranks, the rollout manager, the reaper
+    assert len(processes) >= 6  # GCS, raylet, agents, the trainer ranks, the rollout worker, the reaper
     (ray_tmp,) = ray_folder_of(driver.pid)
     tag = leftovers.owner_tag(driver.pid)
     killed_at = time.time()
@@ -229,9 +229,7 @@ JOIN = ("import slime_rl.core, ray\nfrom slime_rl.core.ray_cluster import local_
 
 def start_head(temp_dir: str, **auth: str) -> tuple[subprocess.Popen, str]:
     """A one-node Ray cluster on loopback (``ray start --head --block``) and its address."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = clean_env(Path(temp_dir), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", **auth)
     head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                              f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=1",

@@ -57,9 +57,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         rank_main(int(sys.argv[1]))
         sys.exit(0)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from slime_rl.core.net import free_port
+
+    port = free_port()
     import torch
 
     world = max(1, min(2, torch.cuda.device_count()))

@@ -106,3 +106,52 @@ def test_engines_bigger_than_a_node_take_whole_nodes(prompts):
                  "cluster.rollout_num_gpus_per_engine=8")
     p = plan_placement(cfg, device="cuda")
     assert len(p.engines) == 1 and {node for node, _ in p.engines[0].gpus} == {0, 1}
+
+
+@pytest.mark.parametrize(("overrides", "share"), [
+    ((), 0.4),  # colocated: an engine shares each trainer GPU (slime's fraction)
+    (("cluster.colocate=false", "cluster.rollout_num_gpus=2"), 1.0),
+    (("cluster.colocate=false", "cluster.rollout_num_gpus=2", "algorithm.advantage_estimator=ppo"), 0.5),
+    (("algorithm.advantage_estimator=ppo",), 0.4),  # actor and critic each 0.4 of a shared GPU
+])
+def test_each_trainer_process_asks_ray_for_the_planned_share_of_its_gpu(prompts, overrides, share):
+    cfg = config(prompts, "cluster.actor_num_gpus_per_node=2", *overrides)
+    plan = plan_placement(cfg, device="cuda")
+    assert plan.trainer_gpu_share == share
+    assert (1 + plan.critic) * share <= 1.0  # actor and critic fit in their one-GPU bundle
+    assert f"each trainer process takes {share:g} of its GPU" in plan.format()
+    assert "of its GPU" not in plan_placement(cfg, device="cpu").format()  # on the CPU Ray hands out no GPUs
+
+
+def test_the_reservation_schedules_what_the_plan_says(prompts):
+    """Trainer rank i goes to its planned bundle with the plan's GPU share; the rollout worker to engine
+    0's first bundle (disaggregated: the first after the trainer's)."""
+    from slime_rl.core.ray_placement import Reservation
+
+    cfg = config(prompts, "cluster.actor_num_gpus_per_node=2", "cluster.colocate=false", "cluster.rollout_num_gpus=2")
+    plan = plan_placement(cfg, device="cuda")
+    group = object()  # stands for a Ray placement group: the options only name it
+    reservation = Reservation(plan, group)
+    for rank in range(2):
+        options = reservation.trainer_options(rank)
+        strategy = options.pop("scheduling_strategy")
+        assert options == {"num_cpus": 0, "num_gpus": 1.0}
+        assert strategy.placement_group is group and strategy.placement_group_bundle_index == plan.trainer[rank].bundle
+    options = reservation.rollout_options()
+    assert "num_gpus" not in options  # the servers it starts are not Ray's to count
+    assert options["scheduling_strategy"].placement_group_bundle_index == plan.engines[0].bundles[0] == 2
+    # Nothing reserved (one CPU node): anywhere.
+    assert Reservation(plan).trainer_options(0) == Reservation(plan).rollout_options() == {"num_cpus": 0}
+
+
+def test_a_cpu_plan_over_several_nodes_reserves_one_bundle_per_node(prompts):
+    from slime_rl.core.ray_placement import Reservation
+
+    cfg = config(prompts, "cluster.actor_num_gpus_per_node=2", "cluster.num_gpus_per_node=2", "cluster.colocate=false",
+                 "cluster.rollout_num_gpus=2")
+    plan = plan_placement(cfg, device="cpu")
+    assert plan.num_nodes == 2
+    reservation = Reservation(plan, object(), by_node=True)
+    assert [reservation.trainer_options(r)["scheduling_strategy"].placement_group_bundle_index for r in range(2)] == [0, 0]
+    assert "num_gpus" not in reservation.trainer_options(0)
+    assert reservation.rollout_options()["scheduling_strategy"].placement_group_bundle_index == 1  # engine 0's node

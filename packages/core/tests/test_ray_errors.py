@@ -15,11 +15,11 @@ from slime_rl.core.plugins import PluginError
 from slime_rl.core.ray_cluster import KeepsInitMistake, keep_init_mistake, mistakes_unwrapped, users_mistake
 
 
-def from_actor(cause: BaseException, function: str = "RolloutManager.generate") -> RayTaskError:
+def from_actor(cause: BaseException, function: str = "RolloutWorker.run_step") -> RayTaskError:
     """What `ray.get` raises for an exception in an actor: the RayTaskError pickled in the actor, unpickled in
     the driver and made an instance of the cause's class too."""
     err = RayTaskError(function, f"Traceback (most recent call last):\n  ...\n{cause!r}", cause,
-                       proctitle="ray::RolloutManager", pid=1234, ip="127.0.0.1")
+                       proctitle="ray::RolloutWorker", pid=1234, ip="127.0.0.1")
     return pickle.loads(cloudpickle.dumps(err)).as_instanceof_cause()  # cloudpickle, as Ray does
 
 

@@ -3,7 +3,6 @@
 import asyncio
 import json
 import os
-import socket
 import textwrap
 import threading
 import time
@@ -14,6 +13,7 @@ import torch
 from math_verify import parse, verify
 
 from slime_rl.core.config import RolloutConfig
+from slime_rl.core.net import free_port
 from slime_rl.core.plugins import PluginError
 from slime_rl.core.rewards import BUILTIN_REWARDS, load_reward, score_samples
 from slime_rl.core.rewards.math_answer import (
@@ -338,12 +338,6 @@ def server():
     s.close()
 
 
-def dead_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # closed again: nothing listens there
-
-
 def test_remote_reward_scores_through_the_scorer(server):
     samples = [Sample(index=i, prompt="q", response=r, label="yes") for i, r in enumerate(["yes", "no"])]
     score(samples, reward="remote", reward_url=f"{server.url}/score")
@@ -361,7 +355,7 @@ def test_remote_reward_retries_busy_server_then_fails_clearly(server):
 
 
 def test_remote_reward_at_a_dead_port_fails_its_samples_with_a_reason(server, user_module):
-    url = f"http://127.0.0.1:{dead_port()}/score"
+    url = f"http://127.0.0.1:{free_port()}/score"  # free: nothing listens there
     samples = samples_with([None, None])
     score(samples, reward="remote", reward_url=url, on_reward_failure="drop")
     for s in samples:
@@ -372,7 +366,7 @@ def test_remote_reward_at_a_dead_port_fails_its_samples_with_a_reason(server, us
 
 def test_dead_remote_fails_only_its_samples(server, user_module):
     """One scoring pass where some samples go to a live server and some to a dead port."""
-    urls = [f"{server.url}/score", f"http://127.0.0.1:{dead_port()}/score"] * 2
+    urls = [f"{server.url}/score", f"http://127.0.0.1:{free_port()}/score"] * 2  # nothing listens there
     samples = [Sample(index=i, response="yes", label="yes", metadata={"url": u}) for i, u in enumerate(urls)]
     score(samples, reward="user_rewards_for_test:routed")
     assert [s.status for s in samples] == [SampleStatus.PENDING, SampleStatus.FAILED] * 2

@@ -319,6 +319,21 @@ def test_bad_requests_get_clear_errors(tokenizer, make_model):
         asyncio.run(engine.generate([1, 2], SamplingParams(top_p=0.0)))
 
 
+def test_device_comes_from_core_device(tmp_path, tokenizer, make_model, monkeypatch):
+    """cluster.device goes through slime_rl.core.device: auto follows torch, a typo names the field."""
+    model = make_model("qwen2", len(tokenizer))
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match="cluster.device: 'gpu' is not one of auto, cuda, cpu"):
+        HFEngine.from_pretrained(tmp_path / "model", device="gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="cluster.device: cuda requested but torch sees no GPU"):
+        HFEngine.from_pretrained(tmp_path / "model", device="cuda")
+    engine = HFEngine.from_pretrained(tmp_path / "model", device="auto", num_threads=1)
+    assert engine.device.type == "cpu" and engine.model.dtype == torch.float32
+    asyncio.run(engine.shutdown())
+
+
 def test_from_config_loads_an_hf_folder_and_shuts_down(tmp_path, tokenizer, make_model):
     model = make_model("qwen2", len(tokenizer))
     model.save_pretrained(tmp_path / "model")

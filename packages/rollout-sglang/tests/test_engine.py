@@ -20,6 +20,7 @@ from slime_rl.core.plugins import load_plugin
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import bearer
+from slime_rl.rollout_sglang.trainer_sync import SGLangWeightSender
 from slime_rl.rollout_sglang.weight_sync import WeightSyncError
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
@@ -243,6 +244,47 @@ def test_trainer_side_sync_with_the_weight_sync_functions(make_engine, tiny_mode
              if e["kind"] not in ("generate", "generate_body")]
     assert kinds[-5:] == ["pause_generation", "update_weights_from_tensor", "update_weights_from_tensor",
                           "flush_cache", "continue_generation"]
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk", "nccl"])
+def test_the_trainers_sender_pushes_by_the_engines_transports(tiny_model, standin_python, tmp_path, transport):
+    """SGLangWeightSender (in a trainer rank) and the engine push through the one BucketPusher: every
+    transport lands, the version is reported with the last bucket, a disk sync goes where the engine
+    looks for it (a restore after a memory release reloads it from there), the NCCL group is made once."""
+    cfg = make_config(tiny_model, standin_python, tmp_path, num_engines=1, update_weight_transport=transport,
+                      check_weight_update=True)
+    engine = SGLangEngine.from_config(cfg)
+    sender = SGLangWeightSender(cfg, rank=0)
+    url = engine.engine_urls[0]
+    try:
+        async def sync(version: int, weights) -> None:
+            targets = await engine.begin_weight_sync(version, transport=transport)
+            # ... this runs in trainer rank 0, given `targets` ...
+            sender.send(iter([weights[:1], weights[1:]]), targets, version=version, transport=transport)
+            await engine.end_weight_sync(version)
+
+        before = asyncio.run(engine.generate([5, 6, 7], GREEDY))
+        asyncio.run(sync(1, new_weights(tiny_model, 2.0)))
+        asyncio.run(sync(2, new_weights(tiny_model, 0.5)))
+        after = asyncio.run(engine.generate([5, 6, 7], GREEDY))
+        assert engine.weight_version == 2 and after.weight_version == 2 and after.token_ids != before.token_ids
+        update = {"tensor": "update_weights_from_tensor", "disk": "update_weights_from_disk",
+                  "nccl": "update_weights_from_distributed"}[transport]
+        versions = [e.get("weight_version") for e in events(url, update)]
+        assert versions == ([None, "1", None, "2"] if transport != "disk" else ["1", "2"])
+        assert len(events(url, "init_weights_update_group")) == (1 if transport == "nccl" else 0)
+        if transport == "disk":
+            weights_dir = engine.work_dir / "weights"
+            assert [e["model_path"] for e in events(url, update)] == [str(weights_dir / "v1"), str(weights_dir / "v2")]
+            assert not (weights_dir / "v1").exists()  # the previous version's folder goes once the next is in
+            asyncio.run(engine.release_memory())
+            asyncio.run(engine.resume_memory())  # no CPU backup: the weights must be loaded again before generating
+            again = asyncio.run(engine.generate([5, 6, 7], GREEDY))
+            assert events(url, update)[-1]["model_path"] == str(weights_dir / "v2")
+            assert again.token_ids == after.token_ids and again.weight_version == 2
+    finally:
+        sender.pusher.drop_group(sender.pusher.group_targets)
+        asyncio.run(engine.shutdown())
 
 
 def test_sync_errors_name_the_engine_and_the_step(make_engine, tiny_model):

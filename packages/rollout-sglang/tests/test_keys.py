@@ -163,7 +163,7 @@ def test_weight_update_group_store_listens_on_loopback_only(engine, tiny_model):
         assert mine and all(ip.startswith("127.") for ip in mine), mine
     finally:
         engine.transport = "auto"
-        engine._drop_nccl_group()
+        engine._pusher.drop_group(engine.targets())
 
 
 def test_attached_servers_take_their_keys_from_the_environment(tiny_model, standin_python, tmp_path, monkeypatch):

@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from slime_rl.core.net import free_port
 from slime_rl.core.testing import save_model, tiny_config, tiny_model
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "megatron_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_single_rank_group() -> None:
@@ -63,7 +57,8 @@ def hf_response_log_probs(hf_model, tokens: list[int], response_length: int, tem
 
 def make_samples(n: int, vocab: int, *, seed: int = 1, prompt: tuple[int, int] = (3, 9),
                  response: tuple[int, int] = (2, 12)) -> list:
-    """Random prompts and responses with GRPO-like advantages and a few masked tokens."""
+    """Random prompts and responses with GRPO-like advantages and a few masked tokens (the reward is
+    the advantage; the engine's log-probs a constant: neither drives the trainer unless a test says so)."""
     from slime_rl.core.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
@@ -77,8 +72,31 @@ def make_samples(n: int, vocab: int, *, seed: int = 1, prompt: tuple[int, int] =
             mask[1] = 0  # a tool-output token: not trained on
         adv = float(torch.randn((), generator=g))
         out.append(Sample(index=i, group_index=i // 4, tokens=tokens, response_length=r, loss_mask=mask,
-                          advantages=[adv] * r))
+                          rollout_log_probs=[-1.0] * r, reward=adv, advantages=[adv] * r))
     return out
+
+
+#: Sample fields that become the batch's trainer columns in `to_batch`.
+TRAINER_FIELDS = ("old_log_probs", "ref_log_probs", "advantages", "returns", "values")
+
+
+def to_batch(samples: list, *, dp_size: int = 1, dp_rank: int = 0, samples_per_step: int | None = None):
+    """The trainer's input for ``samples``: `RolloutBatch.from_samples`, with each per-token field of
+    TRAINER_FIELDS that every sample carries as a column, cut into optimizer steps of
+    ``samples_per_step`` (default: one step) and sharded as the loop shards it; rank ``dp_rank``'s shard."""
+    from slime_rl.core.batch import RolloutBatch
+
+    batch = RolloutBatch.from_samples(samples)
+    for name in TRAINER_FIELDS:
+        rows = [getattr(s, name) for s in samples]
+        if samples and all(rows):
+            setattr(batch, name, torch.tensor([x for row in rows for x in row], dtype=torch.float32))
+    return batch.shard(dp_size, samples_per_step or len(samples))[dp_rank]
+
+
+def per_sample(batch, per_token: torch.Tensor) -> list[list[float]]:
+    """A ``[num_response_tokens]`` result split into one list per sample of ``batch``."""
+    return [part.tolist() for part in per_token.split(batch.response_lengths.tolist())]
 
 
 def make_config(model_path: Path, overrides: list[str] | None = None):

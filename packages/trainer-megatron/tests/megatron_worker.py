@@ -1,14 +1,16 @@
 """One rank of a multi-rank trainer test (launched by megatron_testlib.launch), or the same
 scenario in-process at TP=1 (``run_scenario``), so both sides run identical code.
 
-Scenario: build the trainer, export its weights (HF round trip), compute actor and
-reference log-probs, train ``steps`` steps (saving a checkpoint after ``save_after``
+Scenario: build the trainer, take this rank's shard of the samples, export its weights (HF
+round trip), sum over the data-parallel ranks and compute GRPO advantages on the shards,
+compute actor and reference log-probs, train ``steps`` steps (saving a checkpoint after ``save_after``
 steps when asked), then resume a fresh trainer from that checkpoint and redo the
 remaining steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -16,9 +18,36 @@ from pathlib import Path
 import torch
 
 
+def shard_for(trainer, samples: list):
+    """This rank's shard of ``samples``, cut into optimizer steps of the config's global batch size."""
+    from megatron_testlib import to_batch
+
+    return to_batch(samples, dp_size=trainer.dp_size, dp_rank=trainer.data_parallel_rank,
+                    samples_per_step=trainer.cfg.global_batch_size)
+
+
+def whole_step(batch, per_token: torch.Tensor) -> tuple[list[list[float]], bool]:
+    """Every shard's per-token result put back in step order (``positions``), one list per sample,
+    and whether the ranks that hold the same shard (TP/PP peers) hold the same values."""
+    from megatron_testlib import per_sample
+
+    mine = (batch.positions.tolist(), per_sample(batch, per_token))
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    step: list = [None] * batch.step_size
+    peers_agree = True
+    for positions, rows in gathered:
+        for position, row in zip(positions, rows, strict=True):
+            peers_agree &= step[position] is None or step[position] == row
+            step[position] = row
+    assert all(row is not None for row in step), "the shards do not cover the step"
+    return step, peers_agree
+
+
 def run_scenario(spec: dict) -> dict:
     from megatron_testlib import make_config, make_samples
 
+    from slime_rl.core.advantages import compute_advantages
     from slime_rl.trainer_megatron.convert import SafetensorsFolder
     from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
@@ -27,6 +56,7 @@ def run_scenario(spec: dict) -> dict:
     samples = make_samples(spec["num_samples"], spec["vocab"], seed=spec.get("seed", 1),
                            prompt=tuple(spec.get("prompt", (3, 9))), response=tuple(spec.get("response", (2, 12))))
     trainer = MegatronTrainer.from_config(cfg)
+    batch = shard_for(trainer, samples)
     result: dict = {}
 
     # HF -> Megatron -> HF: every rank must see exactly the tensors of the checkpoint.
@@ -40,20 +70,27 @@ def run_scenario(spec: dict) -> dict:
     torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN)
     result["roundtrip_exact"] = bool(everywhere)
 
-    result["log_probs"] = trainer.compute_log_probs(samples)
-    ref = trainer.compute_log_probs(samples, model="ref") if spec.get("ref") else None
-    for s, lp in zip(samples, result["log_probs"], strict=True):
-        s.old_log_probs = list(lp)
-    if ref is not None:
-        for s, lp in zip(samples, ref, strict=True):
-            s.ref_log_probs = list(lp)
+    # sum_over_dp: every rank gets the sum over its data-parallel group, in the input's dtype
+    mine = torch.tensor([trainer.data_parallel_rank + 1.0, 0.5], dtype=torch.float64)
+    total = trainer.sum_over_dp(mine)
+    result["dp_sum"] = {"sum": total.tolist(), "dtype": str(total.dtype), "input": mine.tolist()}
+    # GRPO advantages on the shards, groups of two straddling them: the whole step's, put back in order
+    scored = dataclasses.replace(batch)
+    compute_advantages(scored, cfg.algorithm, n_samples_per_prompt=2, sum_over_dp=trainer.sum_over_dp)
+    result["advantages"], _ = whole_step(scored, scored.advantages)
+
+    log_probs = trainer.compute_log_probs(batch)
+    result["log_probs"], result["peers_agree"] = whole_step(batch, log_probs)
+    batch.old_log_probs = log_probs
+    if spec.get("ref"):
+        batch.ref_log_probs = trainer.compute_log_probs(batch, model="ref")
 
     steps, save_after = spec.get("steps", 3), spec.get("save_after")
     result["metrics"] = []
     for k in range(steps):
         if save_after is not None and k == save_after:
             trainer.save(spec["ckpt"])
-        result["metrics"].append(trainer.train_step(samples))
+        result["metrics"].append(trainer.train_step(batch))
     result["final"] = {n: t.cpu().clone() for b in trainer.named_weights(1 << 20) for n, t in b}
     if spec.get("save_hf"):
         trainer.save_hf(spec["save_hf"])
@@ -62,14 +99,14 @@ def run_scenario(spec: dict) -> dict:
         del trainer
         resumed = MegatronTrainer.from_config(cfg)
         resumed.load(spec["ckpt"])
-        result["resumed_metrics"] = [resumed.train_step(samples) for _ in range(save_after, steps)]
+        result["resumed_metrics"] = [resumed.train_step(batch) for _ in range(save_after, steps)]
         result["resumed_final"] = {n: t.cpu().clone() for b in resumed.named_weights(1 << 20) for n, t in b}
     return result
 
 
 def run_hf_parity(spec: dict) -> dict:
     """|trainer - transformers| log-probs (transformers in the trainer's dtype, on its device)."""
-    from megatron_testlib import hf_response_log_probs, load_hf, make_config, make_samples
+    from megatron_testlib import hf_response_log_probs, load_hf, make_config, make_samples, per_sample
 
     from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
@@ -77,7 +114,8 @@ def run_hf_parity(spec: dict) -> dict:
     samples = make_samples(spec["num_samples"], spec["vocab"], prompt=tuple(spec["prompt"]),
                            response=tuple(spec["response"]))
     trainer = MegatronTrainer.from_config(cfg)
-    ours = trainer.compute_log_probs(samples)
+    batch = shard_for(trainer, samples)
+    ours = per_sample(batch, trainer.compute_log_probs(batch))
     hf = load_hf(Path(spec["model"])).to(trainer.device, trainer.dtype)
     diffs = [(torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length).cpu()).abs()
              for s, lp in zip(samples, ours, strict=True)]
@@ -94,8 +132,9 @@ def run_offload(spec: dict) -> dict:
     samples = make_samples(spec["num_samples"], spec["vocab"], prompt=tuple(spec["prompt"]),
                            response=tuple(spec["response"]))
     trainer = MegatronTrainer.from_config(cfg)
-    trainer.train_step(samples)  # Adam moments exist
-    before = trainer.compute_log_probs(samples)
+    batch = shard_for(trainer, samples)
+    trainer.train_step(batch)  # Adam moments exist
+    before = trainer.compute_log_probs(batch)
     held = torch.cuda.memory_allocated()
     trainer.offload()
     offloaded = torch.cuda.memory_allocated()
@@ -105,16 +144,16 @@ def run_offload(spec: dict) -> dict:
         saved["offloaded_after_save"] = torch.cuda.memory_allocated()
         fresh = MegatronTrainer.from_config(cfg)
         fresh.load(spec["ckpt"])
-        saved["saved_log_probs_match"] = fresh.compute_log_probs(samples) == before
+        saved["saved_log_probs_match"] = torch.equal(fresh.compute_log_probs(batch), before)
         del fresh
     trainer.onload()
-    after = trainer.compute_log_probs(samples)
-    for s, lp in zip(samples, after, strict=True):
-        s.old_log_probs = list(lp)
-    metrics = trainer.train_step(samples)  # gradients must still reach Megatron's grad buffers
-    trained = trainer.compute_log_probs(samples)
-    return {"held": held, "offloaded": offloaded, "same_log_probs": before == after,
-            "grad_norm_after_onload": metrics["grad_norm"], "step_changed_log_probs": trained != after, **saved}
+    after = trainer.compute_log_probs(batch)
+    batch.old_log_probs = after
+    metrics = trainer.train_step(batch)  # gradients must still reach Megatron's grad buffers
+    trained = trainer.compute_log_probs(batch)
+    return {"held": held, "offloaded": offloaded, "same_log_probs": torch.equal(before, after),
+            "grad_norm_after_onload": metrics["grad_norm"], "step_changed_log_probs": not torch.equal(trained, after),
+            **saved}
 
 
 def run_nonfinite_on_one_rank(spec: dict) -> dict:
@@ -126,13 +165,13 @@ def run_nonfinite_on_one_rank(spec: dict) -> dict:
 
     torch.set_num_threads(1)
     trainer = MegatronTrainer.from_config(make_config(Path(spec["model"]), spec.get("overrides", [])))
-    samples = make_samples(spec["num_samples"], spec["vocab"])
+    batch = shard_for(trainer, make_samples(spec["num_samples"], spec["vocab"]))
     param = next(p for n, p in trainer.model.named_parameters() if "linear_fc1" in n)
     result: dict = {"metrics": [], "unchanged": []}
     for k in range(3):
         hook = param.register_hook(lambda g: g * float("inf")) if k == 1 and torch.distributed.get_rank() == 1 else None
         before = [p.detach().clone() for p in trainer.model.parameters()]
-        result["metrics"].append(trainer.train_step(samples))
+        result["metrics"].append(trainer.train_step(batch))
         if hook is not None:
             hook.remove()
         same = all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters(), strict=True))

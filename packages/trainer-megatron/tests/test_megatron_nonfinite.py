@@ -8,9 +8,18 @@ import json
 
 import pytest
 import torch
-from megatron_testlib import ensure_single_rank_group, launch, make_config, make_hf_model, make_samples
+from megatron_testlib import (
+    ensure_single_rank_group,
+    launch,
+    make_config,
+    make_hf_model,
+    make_samples,
+    to_batch,
+)
 
-from slime_rl.trainer_megatron.trainer import InProcessTorchDistSave, MegatronTrainer, NonFiniteError
+from slime_rl.trainer_megatron.checkpointing import InProcessTorchDistSave, sharded_state
+from slime_rl.trainer_megatron.optimizer import optimizer_tensors
+from slime_rl.trainer_megatron.trainer import MegatronTrainer, NonFiniteError
 
 VOCAB = 256
 
@@ -27,10 +36,8 @@ def trainer_for(model_dir, overrides=()):
 
 def state_of(trainer) -> dict[str, torch.Tensor]:
     """Weights, the fp32 main copies and Adam moments, and the LR schedule's position."""
-    from slime_rl.trainer_megatron.trainer import _optimizer_tensors
-
     state = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    state.update({f"opt{i}": t.detach().clone() for i, t in enumerate(_optimizer_tensors(trainer.optimizer))})
+    state.update({f"opt{i}": t.detach().clone() for i, t in enumerate(optimizer_tensors(trainer.optimizer))})
     state["schedule"] = torch.tensor(trainer.scheduler.num_steps)
     return state
 
@@ -41,19 +48,24 @@ def poisoned(samples, value: float):
     return samples
 
 
+def batch_of(seed: int, *, poison: float | None = None):
+    samples = make_samples(4, VOCAB, seed=seed)
+    return to_batch(poisoned(samples, poison) if poison is not None else samples)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_nonfinite_step_is_skipped_whole_and_counted(model_dir, dtype, bad):
     trainer = trainer_for(model_dir, [f"model.dtype={dtype}"])
-    good = trainer.train_step(make_samples(4, VOCAB, seed=1))
+    good = trainer.train_step(batch_of(1))
     assert good["nonfinite_skipped"] == 0 and good["update_skipped"] == 0
     before = state_of(trainer)
-    skipped = trainer.train_step(poisoned(make_samples(4, VOCAB, seed=2), bad))
+    skipped = trainer.train_step(batch_of(2, poison=bad))
     assert skipped["nonfinite_skipped"] == 1 and skipped["update_skipped"] == 1
     after = state_of(trainer)
     assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step changed the trainer's state"
     # and training goes on from there, finite
-    metrics = trainer.train_step(make_samples(4, VOCAB, seed=3))
+    metrics = trainer.train_step(batch_of(3))
     assert metrics["nonfinite_skipped"] == 0 and metrics["grad_norm"] > 0
     assert all(torch.isfinite(t).all() for t in state_of(trainer).values())
     assert any(not torch.equal(before[k], t) for k, t in state_of(trainer).items())
@@ -63,17 +75,17 @@ def test_a_rollout_of_several_steps_counts_its_skipped_ones(model_dir):
     trainer = trainer_for(model_dir, ["trainer.global_batch_size=2"])
     samples = make_samples(6, VOCAB, seed=4)
     poisoned(samples[2:4], float("nan"))  # the second of three optimizer steps
-    metrics = trainer.train_step(samples)
+    metrics = trainer.train_step(to_batch(samples, samples_per_step=trainer.cfg.global_batch_size))
     assert metrics["optimizer_steps"] == 3 and metrics["nonfinite_skipped"] == 1
 
 
 def test_on_nonfinite_stop_fails_naming_the_step(model_dir):
     trainer = trainer_for(model_dir, ["trainer.on_nonfinite=stop"])
-    trainer.train_step(make_samples(4, VOCAB, seed=1))
+    trainer.train_step(batch_of(1))
     before = state_of(trainer)
     with pytest.raises(NonFiniteError, match=r"trainer.on_nonfinite=stop: optimizer step 2 \(actor\) has a"
                                              r" non-finite loss \(nan\); the update was not applied"):
-        trainer.train_step(poisoned(make_samples(4, VOCAB, seed=2), float("nan")))
+        trainer.train_step(batch_of(2, poison=float("nan")))
     assert all(torch.equal(before[k], t) for k, t in state_of(trainer).items())
 
 
@@ -84,7 +96,7 @@ def test_a_nonfinite_gradient_with_a_finite_loss_is_caught(model_dir):
     handle = param.register_hook(lambda g: g * float("inf"))
     try:
         with pytest.raises(NonFiniteError, match=r"non-finite gradient"):
-            trainer.train_step(make_samples(4, VOCAB, seed=1))
+            trainer.train_step(batch_of(1))
     finally:
         handle.remove()
 
@@ -93,7 +105,7 @@ def test_nonfinite_weights_are_never_saved_nor_loaded(model_dir, tmp_path):
     from megatron.core import dist_checkpointing
 
     trainer = trainer_for(model_dir)
-    trainer.train_step(make_samples(4, VOCAB, seed=1))
+    trainer.train_step(batch_of(1))
     name, param = next((n, p) for n, p in trainer.model.named_parameters() if "linear_qkv.weight" in n)
     with torch.no_grad():
         param[0, 0] = float("nan")
@@ -104,7 +116,7 @@ def test_nonfinite_weights_are_never_saved_nor_loaded(model_dir, tmp_path):
 
     # One written behind the trainer's back (an older slime-rl, another tool): refused at load.
     (tmp_path / "raw").mkdir()
-    dist_checkpointing.save(trainer._sharded_state(), str(tmp_path / "raw"), sharded_strategy=InProcessTorchDistSave())
+    dist_checkpointing.save(sharded_state(trainer), str(tmp_path / "raw"), sharded_strategy=InProcessTorchDistSave())
     (tmp_path / "raw" / "slime_rl_trainer.json").write_text(json.dumps(
         {"role": "actor", "step": 1, "architecture": trainer.shape.architecture, "world_size": 1}))
     with pytest.raises(NonFiniteError, match=rf"checkpoint: {tmp_path / 'raw'}: nan or inf in {name} \(rank 0\)"):

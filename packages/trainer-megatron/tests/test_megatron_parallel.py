@@ -1,7 +1,8 @@
-"""TP=2, PP=2 and DP=2 over gloo give what TP=1 gives: log-probs, and loss and grad norm over three
-optimizer steps (fp32, within 1e-5). Each multi-rank run also checks HF -> Megatron -> HF is
-bit-exact on every rank, and that resuming from a checkpoint saved after step 1 replays steps
-2..3 bit for bit (sharded distributed checkpoint)."""
+"""TP=2, PP=2 and DP=2 over gloo give what TP=1 gives: log-probs (each rank computing only its
+data-parallel shard, put back in step order), GRPO advantages computed on the shards, and loss
+and grad norm over three optimizer steps (fp32, within 1e-5). Each multi-rank run also checks
+HF -> Megatron -> HF is bit-exact on every rank, and that resuming from a checkpoint saved after
+step 1 replays steps 2..3 bit for bit (sharded distributed checkpoint)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ def test_two_ranks_match_one(layout, tmp_path):
                        "save_after": 1, "ckpt": str(tmp_path / "ckpt")}, tmp_path)
 
     assert single["roundtrip_exact"] and multi["roundtrip_exact"]
+    assert multi["peers_agree"]  # the ranks of one shard (TP/PP peers) hold the same log-probs
+    dp = 2 if layout == "dp2" else 1
+    assert single["dp_sum"] == {"sum": [1.0, 0.5], "dtype": "torch.float64", "input": [1.0, 0.5]}
+    assert multi["dp_sum"] == {"sum": [dp * (dp + 1) / 2, 0.5 * dp], "dtype": "torch.float64", "input": [1.0, 0.5]}
+    flat = [torch.tensor([x for row in run["advantages"] for x in row]) for run in (single, multi)]
+    assert flat[0].abs().max() > 0 and torch.allclose(flat[0], flat[1], atol=1e-6, rtol=0)
     for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
     assert len(multi["metrics"]) == 3
@@ -63,7 +70,7 @@ def test_tp2_pp2_on_four_ranks_matches_one(tmp_path):
                                                         "parallel.pipeline_model_parallel_size=2",
                                                         "cluster.actor_num_gpus_per_node=4"],
                        "save_after": 1, "ckpt": str(tmp_path / "ckpt")}, tmp_path)
-    assert multi["roundtrip_exact"]
+    assert multi["roundtrip_exact"] and multi["peers_agree"]
     for one, four in zip(single["metrics"], multi["metrics"], strict=True):
         assert abs(one["loss"] - four["loss"]) <= 1e-5 and abs(one["grad_norm"] - four["grad_norm"]) <= 1e-5
     assert multi["resumed_metrics"] == multi["metrics"][1:]

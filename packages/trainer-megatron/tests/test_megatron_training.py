@@ -12,10 +12,13 @@ from megatron_testlib import (
     make_config,
     make_hf_model,
     make_samples,
+    per_sample,
+    to_batch,
 )
 
 from slime_rl.core import losses
 from slime_rl.core.advantages import compute_advantages
+from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.sample import Sample
 from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
@@ -32,15 +35,13 @@ def model_dir(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("policy") / "m", "qwen2", tie=True, vocab=VOCAB)
 
 
-def surrogate(cfg, samples, log_probs) -> float:
-    """The GRPO/PPO loss of ``log_probs`` against the samples' old log-probs and advantages."""
-    pad = losses.pad_sequences
-    batch = losses.LossBatch(
-        log_probs=pad(log_probs), old_log_probs=pad([s.old_log_probs for s in samples]),
-        advantages=pad([s.advantages for s in samples]), loss_mask=pad([s.loss_mask for s in samples]))
-    num_tokens = sum(sum(s.loss_mask) for s in samples)
-    loss, _ = losses.compute_loss(cfg.algorithm, batch, eps_clip_high=cfg.eps_clip_high, num_tokens=num_tokens,
-                                  num_seqs=len(samples))
+def surrogate(cfg, batch, log_probs) -> float:
+    """The GRPO/PPO loss of ``log_probs`` against the batch's old log-probs and advantages."""
+    inputs = losses.LossBatch(
+        log_probs=batch.padded(log_probs), old_log_probs=batch.padded(batch.old_log_probs),
+        advantages=batch.padded(batch.advantages), loss_mask=batch.padded(batch.loss_mask))
+    loss, _ = losses.compute_loss(cfg.algorithm, inputs, eps_clip_high=cfg.eps_clip_high,
+                                  num_tokens=float(batch.loss_mask.sum()), num_seqs=len(batch))
     return float(loss)
 
 
@@ -50,19 +51,19 @@ def test_grpo_step_with_real_advantages_lowers_the_loss(model_dir):
     for k, s in enumerate(samples):  # 4 prompts x 4 samples; reward: share of "low" token ids
         s.group_index = k // 4
         s.reward = sum(t < VOCAB // 2 for t in s.response_tokens) / s.response_length
-    compute_advantages(samples, trainer.cfg.algorithm, n_samples_per_prompt=4)
-    assert any(a != 0 for s in samples for a in s.advantages)
-    before = trainer.compute_log_probs(samples)
-    for s, lp in zip(samples, before, strict=True):
-        s.old_log_probs = lp
-    metrics = trainer.train_step(samples)
+    batch = to_batch(samples)
+    compute_advantages(batch, trainer.cfg.algorithm, n_samples_per_prompt=4)
+    assert (batch.advantages != 0).any()
+    before = trainer.compute_log_probs(batch)
+    assert before.dtype == torch.float32 and before.shape == (batch.num_response_tokens,)
+    batch.old_log_probs = before
+    metrics = trainer.train_step(batch)
     assert metrics["grad_norm"] > 0 and metrics["update_skipped"] == 0
-    after = trainer.compute_log_probs(samples)
-    assert surrogate(trainer.cfg, samples, before) == pytest.approx(metrics["loss"], abs=1e-6)
-    assert surrogate(trainer.cfg, samples, after) < surrogate(trainer.cfg, samples, before) - 1e-3
+    after = trainer.compute_log_probs(batch)
+    assert surrogate(trainer.cfg, batch, before) == pytest.approx(metrics["loss"], abs=1e-6)
+    assert surrogate(trainer.cfg, batch, after) < surrogate(trainer.cfg, batch, before) - 1e-3
     # and the rewarded tokens became more likely
-    gain = sum(sum(s.advantages[i] * (a[i] - b[i]) for i in range(s.response_length))
-               for s, a, b in zip(samples, after, before, strict=True))
+    gain = float((batch.advantages.double() * (after.double() - before.double())).sum())
     assert gain > 0
 
 
@@ -74,15 +75,16 @@ def test_sft_drives_the_nll_down(tmp_path):
     samples = []
     for i in range(16):
         prompt = torch.randint(0, 64, (5,), generator=g).tolist()
-        samples.append(Sample(index=i, tokens=prompt + prompt, response_length=5, loss_mask=[1] * 5))
+        samples.append(Sample(index=i, tokens=prompt + prompt, response_length=5, loss_mask=[1] * 5,
+                              rollout_log_probs=[0.0] * 5, reward=0.0))
+    batch = to_batch(samples)
 
     def nll():
-        lps = trainer.compute_log_probs(samples)
-        return -sum(sum(lp) for lp in lps) / sum(len(lp) for lp in lps)
+        return -float(trainer.compute_log_probs(batch).double().mean())
 
     start = nll()
     for _ in range(25):
-        metrics = trainer.train_step(samples)
+        metrics = trainer.train_step(batch)
     assert metrics["sft_loss"] == pytest.approx(metrics["loss"])
     assert nll() < 0.5 * start, (start, nll())
 
@@ -94,7 +96,7 @@ def test_micro_batching_and_recompute_do_not_change_the_update(model_dir):
                       ["trainer.max_tokens_per_gpu=25"], ["trainer.micro_batch_size=2", "trainer.recompute=true"],
                       ["trainer.micro_batch_size=3", "trainer.recompute=[mlp, core_attn]"]):
         trainer = trainer_for(model_dir, overrides)
-        results.append([trainer.train_step(samples) for _ in range(2)])
+        results.append([trainer.train_step(to_batch(samples)) for _ in range(2)])
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
@@ -103,34 +105,35 @@ def test_micro_batching_and_recompute_do_not_change_the_update(model_dir):
 
 def test_a_rollout_of_several_global_batches_takes_several_optimizer_steps(model_dir):
     samples = make_samples(6, VOCAB)
-    whole = trainer_for(model_dir, ["trainer.global_batch_size=3"]).train_step(samples)
+    trainer = trainer_for(model_dir, ["trainer.global_batch_size=3"])
+    whole = trainer.train_step(to_batch(samples, samples_per_step=trainer.cfg.global_batch_size))
     halves = trainer_for(model_dir, ["trainer.global_batch_size=3"])
-    first, second = halves.train_step(samples[:3]), halves.train_step(samples[3:])
+    first, second = halves.train_step(to_batch(samples[:3])), halves.train_step(to_batch(samples[3:]))
     assert whole["optimizer_steps"] == 2
     assert whole["loss"] == pytest.approx((first["loss"] + second["loss"]) / 2, abs=1e-12)
     assert whole["grad_norm"] == pytest.approx((first["grad_norm"] + second["grad_norm"]) / 2, abs=1e-12)
 
 
 def test_resume_replays_the_next_steps_bit_for_bit(model_dir, tmp_path):
-    samples = make_samples(6, VOCAB)
+    batch = to_batch(make_samples(6, VOCAB))
     overrides = ["trainer.lr_warmup_steps=2", "trainer.weight_decay=0.1", "algorithm.entropy_coef=0.01"]
     trainer = trainer_for(model_dir, overrides)
     for _ in range(2):
-        trainer.train_step(samples)
+        trainer.train_step(batch)
     trainer.save(str(tmp_path / "ckpt"))
-    uninterrupted = [trainer.train_step(samples) for _ in range(3)]
+    uninterrupted = [trainer.train_step(batch) for _ in range(3)]
     weights = {n: t.clone() for b in trainer.named_weights(1 << 20) for n, t in b}
 
     resumed = trainer_for(model_dir, overrides)
     resumed.load(str(tmp_path / "ckpt"))
-    assert [resumed.train_step(samples) for _ in range(3)] == uninterrupted
+    assert [resumed.train_step(batch) for _ in range(3)] == uninterrupted
     assert all(torch.equal(t, weights[n]) for b in resumed.named_weights(1 << 20) for n, t in b)
 
 
 def test_learning_rate_warms_up_then_holds(model_dir):
     trainer = trainer_for(model_dir, ["trainer.lr=0.001", "trainer.lr_warmup_steps=2"])
-    samples = make_samples(2, VOCAB)
-    assert [trainer.train_step(samples)["lr"] for _ in range(4)] == pytest.approx([0.0, 0.0005, 0.001, 0.001])
+    batch = to_batch(make_samples(2, VOCAB))
+    assert [trainer.train_step(batch)["lr"] for _ in range(4)] == pytest.approx([0.0, 0.0005, 0.001, 0.001])
 
 
 def test_cosine_decay_needs_the_number_of_steps(model_dir):
@@ -140,103 +143,118 @@ def test_cosine_decay_needs_the_number_of_steps(model_dir):
 
 def test_reference_model_stays_at_its_weights(model_dir, tmp_path):
     samples = make_samples(4, VOCAB)
+    batch = to_batch(samples)
     trainer = trainer_for(model_dir, ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1",
                                       "trainer.lr=0.01"])
-    initial = trainer.compute_log_probs(samples)
-    for s, lp in zip(samples, trainer.compute_log_probs(samples, model="ref"), strict=True):
-        s.ref_log_probs = lp
-    metrics = [trainer.train_step(samples) for _ in range(2)]
+    initial = trainer.compute_log_probs(batch)
+    batch.ref_log_probs = trainer.compute_log_probs(batch, model="ref")
+    metrics = [trainer.train_step(batch) for _ in range(2)]
     assert metrics[0]["ref_kl"] == pytest.approx(0.0, abs=1e-9) and metrics[1]["ref_kl"] > 0
-    assert trainer.compute_log_probs(samples, model="ref") == initial
-    assert trainer.compute_log_probs(samples) != initial
+    assert torch.equal(trainer.compute_log_probs(batch, model="ref"), initial)
+    assert not torch.equal(trainer.compute_log_probs(batch), initial)
 
     # a separate reference checkpoint (model.ref_path) is scored as transformers scores it
     other = make_hf_model(tmp_path / "ref", "qwen2", tie=True, vocab=VOCAB, seed=7)
     with_ref = trainer_for(model_dir, [f"model.ref_path={other}"])
     hf = load_hf(other)
-    for s, lp in zip(samples, with_ref.compute_log_probs(samples, model="ref"), strict=True):
+    for s, lp in zip(samples, per_sample(batch, with_ref.compute_log_probs(batch, model="ref")), strict=True):
         assert torch.allclose(torch.tensor(lp), hf_response_log_probs(hf, s.tokens, s.response_length), atol=1e-4)
 
     plain = trainer_for(model_dir)
     with pytest.raises(ValueError, match="reference"):
-        plain.compute_log_probs(samples, model="ref")
+        plain.compute_log_probs(batch, model="ref")
 
 
 def test_critic_fits_the_returns(model_dir):
     critic = trainer_for(model_dir, ["trainer.critic_lr=0.01", "algorithm.value_clip=100"], role="critic")
     samples = make_samples(6, VOCAB)
-    values = critic.compute_values(samples)
-    assert [len(v) for v in values] == [s.response_length for s in samples]
-    assert all(v == 0.0 for row in values for v in row)  # the value head starts at zero
-    for k, s in enumerate(samples):
-        s.returns = [1.0 if k % 2 else -1.0] * s.response_length
+    batch = to_batch(samples)
+    values = critic.compute_values(batch)
+    assert values.dtype == torch.float32
+    assert [len(v) for v in per_sample(batch, values)] == [s.response_length for s in samples]
+    assert (values == 0.0).all()  # the value head starts at zero
+    batch.returns = torch.cat([torch.full((s.response_length,), 1.0 if k % 2 else -1.0)
+                               for k, s in enumerate(samples)])
 
     def error():
-        vals = critic.compute_values(samples)
-        return sum((v - r) ** 2 for s, row in zip(samples, vals, strict=True) for v, r in zip(row, s.returns, strict=True))
+        return float(((critic.compute_values(batch).double() - batch.returns.double()) ** 2).sum())
 
     start = error()
     for _ in range(15):
-        for s, v in zip(samples, critic.compute_values(samples), strict=True):
-            s.values = v
-        metrics = critic.train_step(samples)
+        batch.values = critic.compute_values(batch)
+        metrics = critic.train_step(batch)
     assert "value_loss" in metrics and metrics["grad_norm"] > 0
     assert error() < 0.3 * start
     with pytest.raises(ValueError, match="critic"):
-        critic.compute_log_probs(samples)
+        critic.compute_log_probs(batch)
     critic.offload()  # host memory already on the CPU: nothing moves, training goes on
     critic.onload()
-    critic.train_step(samples)
+    critic.train_step(batch)
 
 
-def test_bad_samples_get_one_line_errors(model_dir):
+def test_bad_batches_get_one_line_errors(model_dir):
     trainer = trainer_for(model_dir)
     good = make_samples(2, VOCAB)
     no_adv = make_samples(2, VOCAB)
     for s in no_adv:
         s.advantages = []
     with pytest.raises(ValueError, match="advantages"):
-        trainer.train_step(no_adv)
+        trainer.train_step(to_batch(no_adv))
+    short = to_batch(good)
+    short.advantages = short.advantages[:-1]
+    with pytest.raises(ValueError, match=r"batch.advantages has \d+ entries for the shard's \d+ response tokens"):
+        trainer.train_step(short)
     bad = make_samples(2, VOCAB)
     bad[1].loss_mask = bad[1].loss_mask[:-1]
     with pytest.raises(ValueError, match="loss_mask has"):
-        trainer.train_step(bad)
-    empty = Sample(index=9, tokens=[1, 2, 3], response_length=0)
+        RolloutBatch.from_samples(bad)
+    empty = Sample(index=9, tokens=[1, 2, 3], response_length=0, reward=0.0)
     with pytest.raises(ValueError, match="response_length is 0"):
-        trainer.compute_log_probs([good[0], empty])
+        trainer.compute_log_probs(to_batch([good[0], empty]))
+    # a shard handed to the wrong data-parallel rank
+    other = to_batch(good)
+    other.dp_rank = 1
+    with pytest.raises(ValueError, match="shard of data-parallel rank 1 on DP rank 0"):
+        trainer.compute_log_probs(other)
+    with pytest.raises(ValueError, match="shard of data-parallel rank 1 on DP rank 0"):
+        trainer.train_step(other)
+
+
+def test_sum_over_dp_with_one_rank_is_the_tensor_itself(model_dir):
+    trainer = trainer_for(model_dir)
+    x = torch.arange(3, dtype=torch.float64)
+    assert trainer.data_parallel_rank == 0 and trainer.sum_over_dp(x) is x
 
 
 def test_bf16_mixed_precision_trains_and_resumes_bit_for_bit(model_dir, tmp_path):
     """bf16 weights with fp32 master weights and grads (the GPU recipe, here on the CPU's AMX)."""
-    samples = make_samples(6, VOCAB)
-    fp32 = trainer_for(model_dir).compute_log_probs(samples)
+    batch = to_batch(make_samples(6, VOCAB))
+    fp32 = trainer_for(model_dir).compute_log_probs(batch)
     overrides = ["model.dtype=bfloat16", "trainer.lr=0.002"]
     trainer = trainer_for(model_dir, overrides)
     assert next(trainer.model.parameters()).dtype == torch.bfloat16
-    bf16 = trainer.compute_log_probs(samples)
-    assert max(abs(a - b) for x, y in zip(fp32, bf16, strict=True) for a, b in zip(x, y, strict=True)) < 0.1
-    for s, lp in zip(samples, bf16, strict=True):
-        s.old_log_probs = lp
-    trainer.train_step(samples)
+    bf16 = trainer.compute_log_probs(batch)
+    assert bf16.dtype == torch.float32 and float((fp32 - bf16).abs().max()) < 0.1
+    batch.old_log_probs = bf16
+    trainer.train_step(batch)
     trainer.save(str(tmp_path / "ckpt"))
-    uninterrupted = [trainer.train_step(samples) for _ in range(2)]
+    uninterrupted = [trainer.train_step(batch) for _ in range(2)]
     assert uninterrupted[1]["ppo_kl"] != 0  # the bf16 weights moved
 
     resumed = trainer_for(model_dir, overrides)
     resumed.load(str(tmp_path / "ckpt"))
-    assert [resumed.train_step(samples) for _ in range(2)] == uninterrupted
+    assert [resumed.train_step(batch) for _ in range(2)] == uninterrupted
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_reference_pass_leaves_training_untouched(model_dir, dtype):
-    samples = make_samples(6, VOCAB)
+    batch = to_batch(make_samples(6, VOCAB))
     overrides = [f"model.dtype={dtype}", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"]
     runs = []
     for ref_pass_first in (False, True):
         trainer = trainer_for(model_dir, overrides)
         if ref_pass_first:
-            trainer.compute_log_probs(samples, model="ref")
-        for s in samples:
-            s.ref_log_probs = [-1.0] * s.response_length
-        runs.append([trainer.train_step(samples) for _ in range(2)])
+            trainer.compute_log_probs(batch, model="ref")
+        batch.ref_log_probs = torch.full((batch.num_response_tokens,), -1.0)
+        runs.append([trainer.train_step(batch) for _ in range(2)])
     assert runs[0] == runs[1]

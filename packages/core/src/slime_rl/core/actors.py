@@ -1,9 +1,11 @@
-"""The Ray actors of a run: trainer ranks and the rollout manager.
+"""The Ray actors of a run: trainer ranks and the rollout worker.
 
 Both are plain classes wrapped with ``ray.remote`` by the loop, so they can be
-tested in process too. A trainer rank owns one `PolicyTrainer`; the rollout
-manager owns the `RolloutEngine`, the tokenizer, the data source and the buffers.
-The rollout manager's phase methods and the trainer's step hand the heap memory they freed
+tested in process too. A trainer rank owns one `PolicyTrainer` and the step's
+`RolloutBatch` shard while it trains on it; the rollout worker hosts the `RolloutEngine`,
+the tokenizer, the data source, the buffer and the eval sets, and turns each step's
+samples into per-rank shards in the object store (the driver only passes references).
+The rollout worker's phase methods and the trainer's step hand the heap memory they freed
 back to the OS when they return (`host_memory.trims_after`): colocated, the other process
 runs the next phase, and without it the trainer's freed heap grew over a run (the CPU demo's
 from 3.2 to 3.8 GiB in 18 steps). The trainer's other calls keep theirs: they allocate little.
@@ -12,20 +14,26 @@ from 3.2 to 3.8 GiB in 18 steps). The trainer's other calls keep theirs: they al
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import ray
 import torch
 
+from slime_rl.core.advantages import compute_advantages
+from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import WeightSender
+from slime_rl.core.device import resolve_device
 from slime_rl.core.host_memory import trims_after
+from slime_rl.core.metrics import phase
 from slime_rl.core.net import is_loopback, use_interface_of
 from slime_rl.core.plugins import load_attr, load_plugin
 from slime_rl.core.ray_cluster import KeepsInitMistake, keep_init_mistake
-from slime_rl.core.rollout import Group, RolloutRunner
+from slime_rl.core.rollout import RolloutRunner
 from slime_rl.core.sample import Sample
 from slime_rl.core.tensor_transport import (
     HostArrays,
@@ -42,7 +50,7 @@ def _set_threads(cfg: Config) -> None:
     overrides (tests use 1). torch's setting is per thread: async actors call this again from
     their event-loop thread."""
     threads = int(os.environ.get("SLIME_RL_TORCH_THREADS", "0"))
-    if not threads and cfg.cluster.device == "cpu":
+    if not threads and resolve_device(cfg.cluster.device) == "cpu":
         threads = os.cpu_count() or 1
     if threads and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
@@ -56,7 +64,8 @@ def _cap_onednn_cache() -> None:
 
 
 class TrainerWorker(KeepsInitMistake):
-    """One trainer rank. Every call is collective: the loop calls it on all ranks at once."""
+    """One trainer rank. Every call is collective: the loop calls it on all ranks at once. Results
+    that the driver reads (timings, metrics) come from rank 0 only; the other ranks return None."""
 
     @keep_init_mistake
     def __init__(self, cfg_dict: dict[str, Any], *, rank: int, world_size: int, master_addr: str,
@@ -73,6 +82,7 @@ class TrainerWorker(KeepsInitMistake):
         _cap_onednn_cache()
         self.rank, self.cfg = rank, cfg
         self.sender: WeightSender | None = None
+        self.batch: RolloutBatch | None = None  # this rank's shard of the step being trained on
         trainer_cls = load_plugin("slime_rl.trainers", cfg.trainer.backend)
         self.trainer = trainer_cls.from_config(cfg, role=role)
 
@@ -80,15 +90,53 @@ class TrainerWorker(KeepsInitMistake):
         self.raise_init_mistake()
         return True
 
-    def compute_log_probs(self, samples: list[Sample], model: Literal["actor", "ref"]) -> list[list[float]]:
-        return self.trainer.compute_log_probs(samples, model=model)
+    def _take(self, shard: RolloutBatch) -> RolloutBatch:
+        if shard.dp_rank != self.trainer.data_parallel_rank:
+            raise ValueError(f"trainer rank {self.rank} is data-parallel rank {self.trainer.data_parallel_rank} but got "
+                             f"shard {shard.dp_rank}: the placement plan and the trainer order ranks differently")
+        self.batch = shard
+        return shard
 
-    def compute_values(self, samples: list[Sample]) -> list[list[float]]:
-        return self.trainer.compute_values(samples)
+    def compute_values(self, shard: RolloutBatch) -> torch.Tensor:
+        """Critic: values of the shard's response tokens, kept for training and returned for the actor's GAE."""
+        batch = self._take(shard)
+        batch.values = self.trainer.compute_values(batch)
+        return batch.values
+
+    def prepare(self, shard: RolloutBatch, values: torch.Tensor | None = None) -> tuple[dict[str, float] | None,
+                                                                                      torch.Tensor | None]:
+        """Take this rank's shard and add what the loss needs: old log-probs (a separate pass only
+        when the step's updates would move them), reference log-probs for a KL term, and advantages
+        (with ``values`` from the critic for ppo). Returns rank 0's timings and the shard's returns
+        (ppo: the critic's targets; the loop hands them to the critic rank of this shard)."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        batch = self._take(shard)
+        timings: dict[str, float] = {}
+        if cfg.trainer.num_steps_per_rollout > 1 and not algo.use_rollout_logprobs:
+            # One optimizer step on-policy needs no pass: the training forward's log-probs are the old policy's.
+            with phase(timings, "log_probs"):
+                batch.old_log_probs = self.trainer.compute_log_probs(batch, model="actor")
+        if algo.use_rollout_logprobs:
+            batch.old_log_probs = batch.rollout_log_probs
+        if algo.use_kl_loss or algo.kl_coef != 0:
+            with phase(timings, "ref_log_probs"):
+                batch.ref_log_probs = self.trainer.compute_log_probs(batch, model="ref")
+        batch.values = values
+        with phase(timings, "advantages"):
+            compute_advantages(batch, algo, n_samples_per_prompt=cfg.data.n_samples_per_prompt,
+                               sum_over_dp=self.trainer.sum_over_dp)
+        return (timings if self.rank == 0 else None), batch.returns
 
     @trims_after
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        return self.trainer.train_step(samples)
+    def train(self, returns: torch.Tensor | None = None) -> dict[str, float] | None:
+        """Train on the prepared shard (a critic gets the actor's ``returns`` for it); rank 0's metrics."""
+        if self.batch is None:
+            raise RuntimeError("train: no batch; call prepare (actor) or compute_values (critic) first")
+        batch, self.batch = self.batch, None
+        if returns is not None:
+            batch.returns = returns
+        metrics = self.trainer.train_step(batch)
+        return metrics if self.rank == 0 else None
 
     def weight_buckets(self, bucket_bytes: int, folder: str | None = None) -> list[HostArrays] | list[str] | None:
         """All buckets on rank 0 (None elsewhere); every rank takes part in the gather. With
@@ -121,16 +169,31 @@ class TrainerWorker(KeepsInitMistake):
         self.trainer.onload()
 
 
-class RolloutManager(KeepsInitMistake):
-    """Owns generation: the engine, tokenizer, data source, sample buffer and eval sets."""
+@dataclass
+class RolloutStep:
+    """What the driver gets of a rollout step: references and small numbers, never per-token data."""
+
+    shards: list[Any]  # ObjectRef of each data-parallel rank's RolloutBatch shard; [] when it failed or was empty
+    metrics: dict[str, float]
+    exhausted: bool  # the data ran out
+    failure: str | None = None  # why too many samples failed (nothing trains on this step)
+    num_samples: int = 0
+    num_tokens: int = 0  # prompt + response tokens of the batch
+    mean_weight_version: float = 0.0
+
+
+class RolloutWorker(KeepsInitMistake):
+    """Hosts generation: the engine, tokenizer, data source, sample buffer and eval sets. A step's
+    rollout is `RolloutRunner.run_step`'s; this turns its samples into the trainer's shards."""
 
     @keep_init_mistake
-    def __init__(self, cfg_dict: dict[str, Any], state_dir: str):
+    def __init__(self, cfg_dict: dict[str, Any], state_dir: str, log_dir: str | None = None):
         from transformers import AutoTokenizer
 
         self.cfg = cfg = Config.model_validate(cfg_dict)
         _set_threads(cfg)
         _cap_onednn_cache()
+        self.log_dir = Path(log_dir) if log_dir is not None else None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         engine_cls = load_plugin("slime_rl.rollout_engines", cfg.rollout.engine)
         self.engine = engine_cls.from_config(cfg)
@@ -150,19 +213,28 @@ class RolloutManager(KeepsInitMistake):
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     @trims_after
-    async def generate(self) -> tuple[list[Sample], dict[str, float], bool, str | None]:
-        """Roll out one step's groups, store them durably, and hand out one training batch; and why
-        the step failed (too many failed samples; None when it did not). A failed step's groups
-        are handed out for the record, never buffered: nothing trains on them."""
+    async def run_step(self, step: int) -> RolloutStep:
+        """Roll out training step ``step`` (1-based) and put its batch in the object store, one shard
+        per data-parallel rank, balanced by tokens; with ``logging.save_rollouts`` its samples go to
+        ``rollouts/step_<step>.jsonl`` (a failed step's too, for the record)."""
         _set_threads(self.cfg)
-        result = await self.runner.rollout(self.data_source, self.buffer)
-        if result.failure is not None:
-            return [s for g in result.groups for s in g], result.metrics, result.exhausted, result.failure
-        if result.groups:
-            self.buffer.add(result.groups)
-        groups: list[Group] = self.buffer.take(self.cfg.data.rollout_batch_size,
-                                               current_version=self.engine.weight_version)
-        return [s for g in groups for s in g], result.metrics, result.exhausted, None
+        result = await self.runner.run_step(self.data_source, self.buffer, current_version=self.engine.weight_version)
+        samples = [s for g in result.groups for s in g]
+        if self.cfg.logging.save_rollouts and self.log_dir is not None and samples:
+            _save_rollouts(self.log_dir / "rollouts" / f"step_{step:06d}.jsonl", samples)
+        out = RolloutStep([], result.metrics, result.exhausted, result.failure)
+        if result.failure is None and samples:
+            # In a thread: a batch of millions of tokens takes a while, and requests keep being served meanwhile.
+            await asyncio.to_thread(self._put_shards, samples, out)
+        return out
+
+    def _put_shards(self, samples: list[Sample], out: RolloutStep) -> None:
+        batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)
+        out.shards = [ray.put(shard) for shard in batch.shard(self.cfg.data_parallel_size, self.cfg.global_batch_size)]
+        out.num_samples, out.num_tokens = len(batch), len(batch.tokens)
+        out.mean_weight_version = float(batch.weight_versions.double().mean())
+        out.metrics["perf/batch_tensor_bytes"] = float(batch.tensor_bytes())
+        out.metrics["perf/batch_object_bytes"] = float(sum(_object_sizes(out.shards)))
 
     @trims_after
     async def evaluate(self) -> dict[str, float]:
@@ -210,3 +282,14 @@ class RolloutManager(KeepsInitMistake):
     async def ping(self) -> bool:
         self.raise_init_mistake()
         return await asyncio.sleep(0, result=True)
+
+
+def _save_rollouts(path: Path, samples: list[Sample]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in samples))
+
+
+def _object_sizes(refs: list[Any]) -> list[int]:
+    """Serialized bytes of objects this process put (Ray's own record of them)."""
+    locations = ray.experimental.get_object_locations(refs)
+    return [int(locations[ref].get("object_size") or 0) for ref in refs]

@@ -132,6 +132,11 @@ def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig, *, n_samples_
     if len(batch) == 0:
         return
     n = n_samples_per_prompt
+    for name in ("old_log_probs", "ref_log_probs", "values"):
+        column = getattr(batch, name)
+        if column is not None and len(column) != batch.num_response_tokens:
+            raise ValueError(f"{name} has {len(column)} entries for the batch's {batch.num_response_tokens} "
+                             "response tokens; the trainer must return one per response token")
     loss_mask = batch.padded(batch.loss_mask, dtype=torch.float64)
     valid = batch.response_mask().to(torch.float64)
     kl = _token_kl(batch) * loss_mask
@@ -150,6 +155,8 @@ def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig, *, n_samples_
         return grouped.reshape(-1)[batch.positions]
 
     if estimator in ("grpo", "gspo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"):
+        if n < 1 or batch.step_size % n:
+            raise ValueError(f"{batch.step_size} samples do not split into groups of n_samples_per_prompt={n}")
         _check_groups(whole_step(batch.group_ids.to(torch.float64) + 1), whole_step(torch.ones(len(batch))), n)
     if estimator in ("grpo", "gspo", "dr_grpo", "rloo"):
         grouped = whole_step(rewards - algo.kl_coef * kl.sum(-1))
@@ -191,7 +198,7 @@ def _check_groups(group_ids: Tensor, present: Tensor, n: int) -> None:
     for row, ids in enumerate(group_ids.tolist()):
         if len(set(ids)) != 1:
             raise ValueError(
-                f"step samples {row * n}..{row * n + n - 1} should form one group but carry group ids "
+                f"samples {row * n}..{row * n + n - 1} should form one group but carry group_index "
                 f"{sorted({int(i) - 1 for i in ids})}; keep each prompt's samples together, in runs of {n}")
 
 

@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -62,16 +63,14 @@ class RolloutBatch:
         """One batch of a step's samples, in order (a group's samples together). A sample with an
         empty ``loss_mask`` trains on every response token."""
         _check(samples)
-        tokens = [t for s in samples for t in s.tokens]
-        masks = [m for s in samples for m in (s.loss_mask or [1] * s.response_length)]
-        log_probs = [x for s in samples for x in s.rollout_log_probs]
         count = len(samples)
+        loss_mask = _concat([s.loss_mask or [1] * s.response_length for s in samples], np.uint8)
         return cls(
-            tokens=torch.tensor(tokens, dtype=torch.int32),
+            tokens=_concat([s.tokens for s in samples], np.int32),
             lengths=torch.tensor([len(s.tokens) for s in samples], dtype=torch.int64),
             response_lengths=torch.tensor([s.response_length for s in samples], dtype=torch.int64),
-            loss_mask=torch.tensor(masks, dtype=torch.uint8),
-            rollout_log_probs=torch.tensor(log_probs, dtype=torch.float32),
+            loss_mask=loss_mask,
+            rollout_log_probs=_concat([s.rollout_log_probs for s in samples], np.float32),
             rewards=torch.tensor([s.reward_value(reward_key) for s in samples], dtype=torch.float64),
             group_ids=torch.tensor([s.group_index for s in samples], dtype=torch.int64),
             sample_ids=torch.tensor([s.index for s in samples], dtype=torch.int64),
@@ -79,7 +78,7 @@ class RolloutBatch:
             positions=torch.arange(count, dtype=torch.int64),
             step_size=count,
             step_samples=[count],
-            step_tokens=[float(len(masks) and sum(masks))],
+            step_tokens=[float(loss_mask.sum())],
             step_seqs=[count],
         )
 
@@ -180,6 +179,13 @@ class RolloutBatch:
     def tensor_bytes(self) -> int:
         """Bytes of every tensor this batch holds."""
         return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, Tensor))
+
+
+def _concat(rows: Sequence[Sequence[float]], dtype: type[np.generic]) -> Tensor:
+    """Python lists -> one flat tensor (through numpy: ~4x faster than torch.tensor on a flat list)."""
+    if not rows:
+        return torch.from_numpy(np.zeros(0, dtype=dtype))
+    return torch.from_numpy(np.concatenate([np.asarray(row, dtype=dtype) for row in rows]))
 
 
 def _offsets(lengths: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ class DataError(ValueError):
 def check_data(cfg: Config) -> None:
     """Check the prompt data a run of ``cfg`` reads, before anything starts: ``data.prompt_data``
     with the data source's optional `DataSource.check`, and the eval sets with the optional
-    `DataSource.check_eval` of ``eval.source`` (the source the rollout manager reads them with).
+    `DataSource.check_eval` of ``eval.source`` (the source the rollout worker reads them with).
     Raises DataError naming file:line and the fix; ConfigError when the source does not load."""
     _run_check(cfg, "data.source", cfg.data.source, "check")
     if cfg.eval.prompt_data:

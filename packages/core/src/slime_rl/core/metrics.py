@@ -7,11 +7,21 @@ run wrote after step k (the resumed run writes them again).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+@contextlib.contextmanager
+def phase(timings: dict[str, float], name: str) -> Iterator[None]:
+    """``with phase(timings, "train"):`` records the block's seconds as ``timings["time/train"]``."""
+    start = time.perf_counter()
+    yield
+    timings[f"time/{name}"] = time.perf_counter() - start
 
 
 class MetricsLogger:

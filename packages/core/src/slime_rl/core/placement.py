@@ -6,6 +6,13 @@ fills them. The trainer takes bundles ``0 .. actor_gpus-1``. Rollout engines
 take ``rollout_num_gpus_per_engine`` consecutive bundles each, starting at
 bundle 0 when colocated (they share the trainer's GPUs) and right after the
 trainer's bundles when disaggregated. A PPO critic shares the trainer's bundles.
+On GPUs each trainer process asks Ray for a share of its GPU (``trainer_gpu_share``):
+0.4 when the engines share it (slime's colocation fraction), half with a critic beside it,
+else all of it.
+
+The plan is built once (`plan_placement`) and is what runs: ``slime-cli plan`` prints it,
+`ray_placement.reserve` reserves its bundles, the trainer ranks go to their planned bundles
+and the rollout engines take their planned GPUs (rollout_sglang's launch reads ``engines``).
 
 Trainer ranks follow megatron-core's default rank order ``tp-cp-ep-dp-pp``
 (``parallel_state.initialize_model_parallel``): tensor-parallel rank varies
@@ -16,11 +23,11 @@ parallelism, ``rank = tp + TP * (dp + DP * pp)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from slime_rl.core.config_schema import Config, ConfigError  # not .config: its checks import this module
+from slime_rl.core.device import Device, resolve_device
 
-Device = Literal["cuda", "cpu"]
+COLOCATED_GPU_SHARE = 0.4  # a trainer process's share of a GPU it shares with an engine (slime's)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,7 @@ class Placement:
     engines: list[EnginePlacement]
     rollout_offset: int  # first bundle of the engines
     critic: bool = False  # PPO: a critic shares the trainer's bundles
+    trainer_gpu_share: float = 1.0  # what each trainer process (actor, critic) asks Ray for of its GPU
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -71,10 +79,11 @@ class Placement:
         unit = "GPU" if self.device == "cuda" else "slot"
         mode = "colocated: engines share the trainer's GPUs" if self.colocate else (
             f"disaggregated: engines start at bundle {self.rollout_offset}")
+        share = f"; each trainer process takes {self.trainer_gpu_share:g} of its GPU" if self.device == "cuda" else ""
         lines = [
             f"placement on {self.device}: {len(self.bundles)} {unit}s on {self.num_nodes} node(s), {mode}",
             f"trainer: {len(self.trainer)} ranks, TP={self.tp} PP={self.pp} DP={self.dp} (megatron order tp-dp-pp)"
-            + ("; the PPO critic shares these ranks" if self.critic else ""),
+            + ("; the PPO critic shares these ranks" if self.critic else "") + share,
             f"rollout: {len(self.engines)} engine(s) x {len(self.engines[0].bundles) if self.engines else 0} {unit}(s)",
         ]
         rows = [("bundle", "node", unit.lower(), "trainer rank (tp, pp, dp)", "engine")]
@@ -88,14 +97,6 @@ class Placement:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         return "\n".join(lines)
-
-
-def resolve_device(cfg: Config) -> Device:
-    if cfg.cluster.device != "auto":
-        return cfg.cluster.device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def plan_placement(cfg: Config, device: Device | None = None) -> Placement:
@@ -137,8 +138,10 @@ def plan_placement(cfg: Config, device: Device | None = None) -> Placement:
         engines.append(EnginePlacement(index=e, bundles=tuple(b.index for b in own),
                                        gpus=tuple((b.node, b.gpu) for b in own)))
 
+    critic = cfg.algorithm.advantage_estimator == "ppo"
+    share = COLOCATED_GPU_SHARE if c.colocate else (0.5 if critic else 1.0)
     return Placement(
-        device=device or resolve_device(cfg), colocate=c.colocate, num_gpus_per_node=per_node, bundles=bundles,
-        trainer=trainer, engines=engines, rollout_offset=offset,
-        critic=cfg.algorithm.advantage_estimator == "ppo", tp=tp, pp=pp, dp=dp,
+        device=device or resolve_device(c.device), colocate=c.colocate, num_gpus_per_node=per_node, bundles=bundles,
+        trainer=trainer, engines=engines, rollout_offset=offset, critic=critic, trainer_gpu_share=share,
+        tp=tp, pp=pp, dp=dp,
     )

@@ -1,7 +1,8 @@
 """The placement plan (`placement.plan_placement`) reserved on a Ray cluster.
 
 On GPUs: one ``{GPU: 1}`` bundle per planned GPU, packed, as slime does; trainer rank i
-takes its planned bundle. On the CPU: nothing to reserve while the plan has one node
+takes its planned bundle with the plan's share of its GPU, and the rollout worker goes to
+the node of engine 0's first bundle, where it starts the engines on their planned GPUs. On the CPU: nothing to reserve while the plan has one node
 (every process runs on the driver's Ray node); a plan over several nodes
 (``cluster.num_gpus_per_node`` smaller than what the run needs) reserves one bundle per
 planned node, each on a different Ray node (STRICT_SPREAD), and every process goes to its
@@ -13,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from slime_rl.core.config import Config
-from slime_rl.core.placement import Placement, plan_placement
+from slime_rl.core.placement import Placement
 
 # A token CPU share: a Ray bundle needs some resource, our actors ask for none (they take
 # every core for one phase at a time; cluster.num_cpus sizes the local Ray).
@@ -27,24 +27,22 @@ class Reservation:
     group: Any = None  # a Ray placement group, or None: schedule anywhere
     by_node: bool = False  # CPU over several nodes: one bundle per node
 
-    def trainer_options(self, rank: int, *, colocate: bool) -> dict[str, Any]:
-        """ray.remote options for trainer rank ``rank``."""
+    def trainer_options(self, rank: int) -> dict[str, Any]:
+        """ray.remote options for trainer rank ``rank`` (actor or critic: they share the bundle)."""
         if self.group is None:
             return {"num_cpus": 0}
         planned = self.plan.trainer[rank]
         if self.by_node:
             return {"num_cpus": 0, **self._in_bundle(planned.node)}
-        # a colocated engine shares the GPU (slime: 0.4)
-        return {"num_cpus": 0, "num_gpus": 0.4 if colocate else 1.0, **self._in_bundle(planned.bundle)}
+        return {"num_cpus": 0, "num_gpus": self.plan.trainer_gpu_share, **self._in_bundle(planned.bundle)}
 
     def rollout_options(self) -> dict[str, Any]:
-        """ray.remote options for the rollout manager: on the node of engine 0's first GPU (CPU
-        plans over several nodes). On GPUs it stays unplaced: the SGLang engine launches its
-        servers on the GPUs the plan gives it (rollout_sglang.engine)."""
-        if not self.by_node:
+        """ray.remote options for the rollout worker: on the node of engine 0's first GPU (slot on the
+        CPU), asking for none of it; the engine starts its servers there on the GPUs the plan gives them."""
+        if self.group is None:
             return {"num_cpus": 0}
         first = self.plan.bundles[self.plan.engines[0].bundles[0]]
-        return {"num_cpus": 0, **self._in_bundle(first.node)}
+        return {"num_cpus": 0, **self._in_bundle(first.node if self.by_node else first.index)}
 
     def _in_bundle(self, index: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -52,12 +50,11 @@ class Reservation:
         return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, index)}
 
 
-def reserve(cfg: Config, timeout_s: float = 120.0) -> Reservation:
-    """Reserve the plan's GPUs (or nodes) on the running Ray cluster; fail with the counts when it cannot."""
+def reserve(plan: Placement, timeout_s: float = 120.0) -> Reservation:
+    """Reserve ``plan``'s GPUs (or nodes) on the running Ray cluster; fail with the counts when it cannot."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    plan = plan_placement(cfg)
     if plan.device == "cuda":
         bundles, strategy, unit = [{"GPU": 1, "CPU": 1}] * len(plan.bundles), "PACK", "GPUs"
         have = f"it sees {ray.cluster_resources().get('GPU', 0):g} GPUs; check cluster.* GPU counts"

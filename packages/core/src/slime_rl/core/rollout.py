@@ -159,6 +159,19 @@ class RolloutRunner:
             sample.metadata["error"] = reason
         return None
 
+    async def run_step(self, data_source: DataSource, buffer: Buffer, *, current_version: int) -> RolloutResult:
+        """One rollout step, the only place a step takes from the buffer: generate and keep groups
+        (`rollout`), store them durably, and take the step's training groups (oldest first, with
+        the buffer's staleness bound against ``current_version``) into ``groups``. A failed step's
+        groups are handed out for the record, never buffered: nothing trains on them."""
+        result = await self.rollout(data_source, buffer)
+        if result.failure is not None:
+            return result
+        if result.groups:
+            buffer.add(result.groups)
+        result.groups = buffer.take(self.cfg.data.rollout_batch_size, current_version=current_version)
+        return result
+
     async def rollout(self, data_source: DataSource, buffer: Buffer) -> RolloutResult:
         """One training rollout: ``rollout_batch_size`` kept groups (fewer only when the data ran out).
 

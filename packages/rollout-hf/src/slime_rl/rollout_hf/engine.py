@@ -43,6 +43,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from slime_rl.core.contracts import FinishReason, GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
+from slime_rl.core.device import resolve_device
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -61,12 +62,6 @@ class _Request:
     log_probs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     aborted: bool = False  # set from the event loop, read by the worker between steps
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -130,7 +125,7 @@ class HFEngine(RolloutEngine):
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {path} is not an HF model folder (no config.json)")
-        dev = resolve_device(device)
+        dev = torch.device(resolve_device(device, here=True))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, dev)).to(dev)
         return cls(model, _load_tokenizer(Path(tokenizer_path or path)), **engine_kwargs)
 

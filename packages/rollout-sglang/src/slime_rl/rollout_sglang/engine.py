@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import shutil
 import tempfile
 import uuid
@@ -31,20 +30,16 @@ import httpx
 import torch
 
 from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
-from slime_rl.core.net import LOOPBACK, node_address
+from slime_rl.core.net import LOOPBACK
 from slime_rl.core.placement import plan_placement
+from slime_rl.core.weight_sync import resolve_transport
+from slime_rl.rollout_sglang import launch as fleet
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.client import GenerateClient
 from slime_rl.rollout_sglang.keys import EngineKeys
-from slime_rl.rollout_sglang.router import Router, launch_router
-from slime_rl.rollout_sglang.server import (
-    ServerStartError,
-    SGLangServer,
-    attach_server,
-    restart_server,
-    start_server,
-    wait_healthy,
-)
+from slime_rl.rollout_sglang.router import Router
+from slime_rl.rollout_sglang.server import ServerStartError, SGLangServer, restart_server, wait_healthy
+from slime_rl.rollout_sglang.transport import BucketPusher
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -83,7 +78,7 @@ class SGLangEngine(RolloutEngine):
         self.work_dir = Path(work_dir)
         self.transport = transport
         self.colocated = colocated
-        self.sync_timeout = sync_timeout  # one transfer step (one bucket into one engine, a pause, a flush)
+        self._pusher = BucketPusher(weights_dir=self.work_dir / "weights", model_path=model_path, timeout=sync_timeout)
         self.startup_timeout = startup_timeout  # a restarted server until /health
         self.health_interval = health_interval
         self.keep_weights_for_recovery = keep_weights_for_recovery  # a CPU copy, to restore a restarted engine
@@ -107,8 +102,6 @@ class SGLangEngine(RolloutEngine):
         self._restore_folder: tuple[int, Path] | None = None
         self._released: set[str] = set()
         self._weights_stale = False  # weights were released without a backup; restore before generating
-        self._nccl_group = None
-        self._nccl_urls: list[str] = []
         self._recovering: set[int] = set()
         self._failures: dict[int, int] = {}  # consecutive failed health checks per engine
         self._recovery_failures: dict[int, int] = {}
@@ -125,30 +118,19 @@ class SGLangEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg: Config) -> SGLangEngine:
-        """Launch ``cfg.num_engines`` servers of ``rollout_num_gpus_per_engine`` GPUs each (or attach
-        to ``rollout.engine_urls``), start the router and register them."""
+        """Launch one server per engine of the placement plan (`plan_placement`, what ``slime-cli plan``
+        prints), each on the GPUs the plan gives it, or attach to ``rollout.engine_urls``; start the
+        router and register them."""
         r, c = cfg.rollout, cfg.cluster
-        common = dict(work_dir=Path(cfg.logging.dir) / "sglang", policy=r.router_policy,
-                      max_concurrency=r.max_concurrency, transport=r.update_weight_transport, colocated=c.colocate,
+        common = dict(work_dir=fleet.work_dir(cfg), policy=r.router_policy, max_concurrency=r.max_concurrency,
+                      transport=r.update_weight_transport, colocated=c.colocate,
                       startup_timeout=r.engine_startup_timeout, sync_timeout=r.weight_sync_timeout)
         if r.engine_urls:
             return cls.attach(r.engine_urls, **common)
-        model_path = cfg.model.path
-        engine_args = dict(r.engine_args)
-        if cfg.model.tokenizer_path:
-            engine_args.setdefault("tokenizer_path", cfg.model.tokenizer_path)
-        if cfg.model.dtype != "auto":
-            engine_args.setdefault("dtype", cfg.model.dtype)
-        if c.colocate:  # release/resume memory needs SGLang's memory saver
-            engine_args.setdefault("enable_memory_saver", True)
-        if not r.stop:  # token ids in and out; stop strings need SGLang's detokenizer
-            engine_args.setdefault("skip_tokenizer_init", True)
-        gpu_ids = None if c.device == "cpu" else _engine_gpu_ids(cfg)
-        # Trainer ranks on other nodes push weights to the servers themselves: then they listen on
-        # this node's private address (keys on, as always), else on loopback.
-        host = LOOPBACK if plan_placement(cfg).num_nodes == 1 else node_address()
-        return cls.launch(model_path, num_engines=cfg.num_engines, tp_size=c.rollout_num_gpus_per_engine,
-                          engine_args=engine_args, python=r.engine_python, gpu_ids=gpu_ids, host=host, **common)
+        plan = plan_placement(cfg)
+        return cls.launch(cfg.model.path, num_engines=len(plan.engines), tp_size=c.rollout_num_gpus_per_engine,
+                          engine_args=fleet.engine_args(cfg), python=r.engine_python,
+                          gpu_ids=fleet.engine_gpu_ids(plan), host=fleet.server_host(plan), **common)
 
     @classmethod
     def launch(cls, model_path: str, *, num_engines: int = 1, tp_size: int = 1, engine_args: dict | None = None,
@@ -160,29 +142,11 @@ class SGLangEngine(RolloutEngine):
         push weights to them), the router on loopback; all refuse requests without this run's fresh
         keys (``/health`` excepted)."""
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
-        log_dir = work_dir / "logs"
         engine_args = dict(engine_args or {})
-        keys = EngineKeys.generate()
-        servers: list[SGLangServer] = []
-        router = None
-        try:
-            for i in range(num_engines):
-                servers.append(start_server(i, model_path, log_dir=log_dir, python=python, tp_size=tp_size,
-                                            engine_args=engine_args, gpu_ids=gpu_ids[i] if gpu_ids else None,
-                                            host=host, keys=keys))
-            for server in servers:
-                wait_healthy(server, startup_timeout)
-            router = launch_router(log_dir, policy=policy, extra_args=_router_args(kwargs), key=keys.router_key)
-            for server in servers:
-                router.add_worker(server.url, api_key=keys.api_key)
-            router.wait_ready(len(servers))
-        except BaseException:
-            for server in servers:
-                if server.process is not None:
-                    server.process.stop()
-            if router is not None:
-                router.stop()
-            raise
+        servers, router, keys = fleet.start_servers(
+            model_path, num_engines=num_engines, tp_size=tp_size, engine_args=engine_args, python=python,
+            gpu_ids=gpu_ids, work_dir=work_dir, policy=policy, startup_timeout=startup_timeout, host=host,
+            request_timeout=kwargs.get("request_timeout", 3600.0))
         weights_cpu_backup = bool(engine_args.get("enable_weights_cpu_backup"))
         return cls(servers, router, model_path=model_path, work_dir=work_dir, startup_timeout=startup_timeout,
                    weights_cpu_backup=weights_cpu_backup, keys=keys, **kwargs)
@@ -194,18 +158,8 @@ class SGLangEngine(RolloutEngine):
         given the current weights again. Their keys come from the environment (keys.py:
         ``SLIME_RL_ENGINE_API_KEY``, ``SLIME_RL_ENGINE_ADMIN_API_KEY``)."""
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
-        keys = EngineKeys.for_attached()
-        servers = [attach_server(i, url, keys=keys) for i, url in enumerate(urls)]
-        model_path = httpx.get(f"{servers[0].url}/model_info", headers=servers[0].headers,
-                               timeout=30).json()["model_path"]
-        router = launch_router(work_dir / "logs", policy=policy, extra_args=_router_args(kwargs), key=keys.router_key)
-        try:
-            for server in servers:
-                router.add_worker(server.url, api_key=keys.api_key)
-            router.wait_ready(len(servers))
-        except BaseException:
-            router.stop()
-            raise
+        servers, router, keys, model_path = fleet.attach_servers(
+            urls, work_dir=work_dir, policy=policy, request_timeout=kwargs.get("request_timeout", 3600.0))
         return cls(servers, router, model_path=model_path, work_dir=work_dir, keys=keys, **kwargs)
 
     # ------------------------------------------------------------------ plumbing
@@ -213,6 +167,15 @@ class SGLangEngine(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def sync_timeout(self) -> float:
+        """One transfer step (one bucket into one engine, a pause, a flush)."""
+        return self._pusher.timeout
+
+    @sync_timeout.setter
+    def sync_timeout(self, seconds: float) -> None:
+        self._pusher.timeout = seconds
 
     @property
     def engine_urls(self) -> list[str]:
@@ -313,18 +276,14 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def _resolve_transport(self, named_tensors: NamedTensors) -> str:
-        if self.transport != "auto":
-            return self.transport
-        on_cuda = any(t.is_cuda for _, t in named_tensors)
-        return "nccl" if on_cuda and not self.colocated else "tensor"
-
     async def update_weights(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
         """One bucket of a sync, from tensors in this process. The first bucket of a version pauses
         generation; the last flushes the prefix cache, (optionally) checks the weights and lets
         generation continue on ``version``."""
         if self._syncing is None:
-            await self.begin_weight_sync(version, transport=self._resolve_transport(named_tensors))
+            on_cuda = any(t.is_cuda for _, t in named_tensors)
+            await self.begin_weight_sync(version, transport=resolve_transport(self.transport, colocated=self.colocated,
+                                                                              on_cuda=on_cuda))
         elif version != self._syncing:
             raise ws.WeightSyncError(f"weight sync v{self._syncing} is unfinished (no bucket with last=True) "
                                      f"and a bucket for v{version} arrived")
@@ -335,9 +294,7 @@ class SGLangEngine(RolloutEngine):
                 for name, tensor in named_tensors:
                     self._weights_cpu[name] = tensor.detach().to("cpu", copy=True)
             if self.verify_weights:
-                for name, tensor in (named_tensors[0], named_tensors[-1]):
-                    if tensor.dim() > 0:
-                        self._verify_sample[name] = tensor.detach()[:100].to("cpu", copy=True)
+                self._verify_sample.update(ws.check_sample(named_tensors))
             self._bucket_index += 1
         except BaseException:
             # Partly loaded weights must not serve requests: generation stays held until a full sync.
@@ -392,51 +349,17 @@ class SGLangEngine(RolloutEngine):
             raise
         if hf_folder is not None:
             self._disk_folder, self._sync_transport = Path(hf_folder), "disk"
+        elif self._sync_transport == "disk" and self._pusher.folder(version).is_dir():
+            self._disk_folder = self._pusher.folder(version)  # the trainer's sender wrote it (same folder rule)
         self._version = version
         self._weights_stale = False
         self._end_sync()
 
     async def _send_bucket(self, named_tensors: NamedTensors, *, version: int, last: bool, step: str) -> None:
-        tag = version if last else None  # engines report the new version once they have all of it
-        targets = self.targets()
-        if self._sync_transport == "tensor":
-            for target in targets:
-                await self._control(ws.update_from_tensor, target, named_tensors, version=tag,
-                                        timeout=self.sync_timeout, step=step)
-        elif self._sync_transport == "nccl":
-            await self._ensure_nccl_group(named_tensors)
-            await self._control(ws.broadcast_bucket, self._nccl_group, targets, named_tensors, version=tag,
-                                    timeout=self.sync_timeout, step=step)
-        elif self._sync_transport == "disk":
-            folder = self.work_dir / "weights" / f"v{version}"
-            if self._bucket_index == 0 and folder.exists():
-                shutil.rmtree(folder)
-            await self._control(ws.write_shard, folder, self._bucket_index, named_tensors)
-            if last:
-                await self._control(ws.finish_hf_folder, folder, self.model_path)
-                for target in targets:
-                    await self._control(ws.update_from_disk, target, folder, version=version,
-                                            timeout=self.sync_timeout, step=step)
-                previous, self._disk_folder = self._disk_folder, folder
-                if previous is not None and previous != folder and previous.parent == folder.parent:
-                    shutil.rmtree(previous, ignore_errors=True)  # ours only, never a folder a caller gave
-        else:
-            raise ValueError(f"rollout.update_weight_transport: unknown transport {self._sync_transport!r}")
-
-    async def _ensure_nccl_group(self, named_tensors: NamedTensors) -> None:
-        urls = [t.url for t in self.targets()]
-        if self._nccl_group is not None and urls == self._nccl_urls:
-            return
-        await self._control(self._drop_nccl_group)
-        backend = "nccl" if named_tensors[0][1].is_cuda else "gloo"
-        self._nccl_group = await self._control(ws.init_nccl_group, self.targets(), timeout=self.sync_timeout,
-                                                   backend=backend)
-        self._nccl_urls = urls
-
-    def _drop_nccl_group(self) -> None:
-        if self._nccl_group is not None:
-            group, self._nccl_group = self._nccl_group, None
-            ws.destroy_nccl_group(group, self.targets(), timeout=30.0)
+        await self._control(self._pusher.push, self._sync_transport, self.targets(), named_tensors, version=version,
+                            index=self._bucket_index, last=last, step=step)
+        if last and self._sync_transport == "disk":
+            self._disk_folder = self._pusher.folder(version)
 
     def _end_sync(self, reopen: bool = True) -> None:
         self._syncing = None
@@ -542,7 +465,7 @@ class SGLangEngine(RolloutEngine):
         try:
             logger.warning("%s failed; taking it out of the router and restarting it", server.name)
             await self._control(self.router.remove_worker, server.url)
-            await self._control(self._drop_nccl_group)  # its members changed; made anew at the next sync
+            await self._control(self._pusher.drop_group, self.targets())  # members changed: made anew at the next sync
             if server.process is not None:
                 fresh = await self._control(restart_server, server)
             await self._control(wait_healthy, fresh, self.startup_timeout)
@@ -590,12 +513,7 @@ class SGLangEngine(RolloutEngine):
         if self._monitor_task is not None and not self._monitor_task.done():
             self._monitor_task.cancel()
         await self.client.aclose()
-        if self._nccl_group is not None:
-            try:
-                ws.close_group(self._nccl_group)
-            except Exception:  # the engines are about to go anyway
-                pass
-            self._nccl_group = None
+        self._pusher.close()
         self.router.stop()
         for server in self.servers:
             if server.process is not None:
@@ -608,27 +526,9 @@ def _target(server: SGLangServer) -> ws.Target:
     return ws.Target(server.name, server.url, server.tp_size, admin_key=server.keys.admin_key)
 
 
-def _router_args(engine_kwargs: dict) -> list[str]:
-    """The router must not cut a generation the client still waits for (its default is 1800 s)."""
-    return ["--request-timeout-secs", str(int(engine_kwargs.get("request_timeout", 3600.0)) + 60)]
-
-
 def _try(fn, *args, **kwargs) -> None:
     """Best effort, for clean-up after an error that is already being raised."""
     try:
         fn(*args, **kwargs)
     except Exception as err:
         logger.warning("%s failed during clean-up: %s", getattr(fn, "__name__", fn), err)
-
-
-def _engine_gpu_ids(cfg: Config) -> list[list[int]]:
-    """Each engine's GPUs on this node: colocated engines share the trainer's GPUs from 0,
-    disaggregated ones take those after the trainer's (slime's placement)."""
-    tp = cfg.cluster.rollout_num_gpus_per_engine
-    offset = 0 if cfg.cluster.colocate else cfg.actor_num_gpus
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    devices = [int(d) for d in visible.split(",") if d.strip().isdigit()] if visible.strip() else []
-    needed = offset + cfg.num_engines * tp
-    if len(devices) < needed:  # not restricted (or restricted to fewer than the plan): physical ids
-        devices = list(range(needed))
-    return [devices[offset + i * tp: offset + (i + 1) * tp] for i in range(cfg.num_engines)]

@@ -9,12 +9,12 @@ returns the servers as targets), every trainer rank runs `SGLangWeightSender.sen
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, WeightSender
 from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.launch import work_dir
+from slime_rl.rollout_sglang.transport import BucketPusher
 
 
 def _with_last(buckets: Iterator[NamedTensors]) -> Iterator[tuple[int, NamedTensors, bool]]:
@@ -30,13 +30,13 @@ def _with_last(buckets: Iterator[NamedTensors]) -> Iterator[tuple[int, NamedTens
 
 
 class SGLangWeightSender(WeightSender):
-    """CUDA IPC tensors when colocated (``tensor``), an NCCL broadcast when not (``nccl``), or an
-    HF folder the servers load (``disk``). Only rank 0 sends; the others take part in the gather."""
+    """Rank 0 pushes each bucket by the sync's transport (`transport.BucketPusher`, as the engine does
+    with buckets in its own process); the other ranks take part in the gather."""
 
     def __init__(self, cfg: Config, *, rank: int):
         super().__init__(cfg, rank=rank)
-        self.group: Any = None
-        self.group_targets: list[ws.Target] | None = None
+        self.pusher = BucketPusher(weights_dir=work_dir(cfg) / "weights", model_path=cfg.model.path,
+                                   timeout=cfg.rollout.weight_sync_timeout)
 
     def send(self, buckets: Iterator[NamedTensors], handle: list[ws.Target], *, version: int,
              transport: str) -> None:
@@ -45,32 +45,12 @@ class SGLangWeightSender(WeightSender):
                 pass
             return
         targets = list(handle)
-        timeout = self.cfg.rollout.weight_sync_timeout  # one step of a transfer: one bucket into every engine
-        if transport == "nccl" and self.group_targets != targets:
-            if self.group is not None:  # an engine was restarted: its side of the group is gone
-                ws.destroy_nccl_group(self.group, self.group_targets or [], timeout=timeout)
-            self.group = ws.init_nccl_group(targets, timeout=timeout)
-            self.group_targets = targets
-        folder = Path(self.cfg.logging.dir) / "weights" / f"v{version}"
         expected = {}  # first rows of each bucket's first and last tensor, for check_weight_update
         for index, bucket, last in _with_last(buckets):
             if self.cfg.rollout.check_weight_update:
-                for name, tensor in (bucket[0], bucket[-1]):
-                    expected[name] = tensor.detach()[:100].to("cpu", copy=True)
-            step = f"weight sync v{version} bucket {index} ({transport})"
-            tag = version if last else None
-            if transport == "tensor":
-                ws.push_tensor_bucket(targets, bucket, version=tag, timeout=timeout, step=step)
-            elif transport == "nccl":
-                ws.broadcast_bucket(self.group, targets, bucket, version=tag, timeout=timeout, step=step)
-            elif transport == "disk":
-                ws.write_shard(folder, index, bucket)
-            else:
-                raise ValueError(f"rollout.update_weight_transport: unknown transport {transport!r}")
-        if transport == "disk":
-            ws.finish_hf_folder(folder, self.cfg.model.path)
-            for target in targets:
-                ws.update_from_disk(target, folder, version=version, timeout=timeout,
-                                    step=f"weight sync v{version} (disk)")
+                expected.update(ws.check_sample(bucket))
+            self.pusher.push(transport, targets, bucket, version=version, index=index, last=last,
+                             step=f"weight sync v{version} bucket {index} ({transport})")
         for target in targets if expected else []:
-            ws.check_weights(target, expected, timeout=timeout, step=f"weight sync v{version} ({transport})")
+            ws.check_weights(target, expected, timeout=self.pusher.timeout,
+                             step=f"weight sync v{version} ({transport})")

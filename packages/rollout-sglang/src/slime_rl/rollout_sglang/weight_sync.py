@@ -401,6 +401,13 @@ def update_from_disk(target: Target, folder: str | Path, *, version: int | None,
 # ---------------------------------------------------------------- check
 
 
+def check_sample(named_tensors: NamedTensors, rows: int = 100) -> dict[str, torch.Tensor]:
+    """What `check_weights` compares after a sync: the first ``rows`` rows of a bucket's first and last
+    tensor (scalars have none), copied to the CPU."""
+    return {name: tensor.detach()[:rows].to("cpu", copy=True)
+            for name, tensor in (named_tensors[0], named_tensors[-1]) if tensor.dim() > 0}
+
+
 def check_weights(target: Target, expected: dict[str, torch.Tensor], *, timeout: float, step: str,
                   atol: float = 1e-6, truncate_size: int = 100) -> None:
     """Compare the engine's parameters with the trainer's (``/get_weights_by_name`` returns the

@@ -17,13 +17,12 @@ import functools
 import importlib
 import os
 import types
-from typing import Literal
 
 import torch
 
+from slime_rl.core import device as core_device
+from slime_rl.core.device import Device
 from slime_rl.core.distributed import init_process_group
-
-Device = Literal["cpu", "cuda"]
 
 # The Megatron modules that create tensors on "cuda" or call torch.cuda.* on the
 # training path we use (GPTModel, DDP, optimizer, schedules, p2p, checkpointing).
@@ -60,12 +59,8 @@ _redirected = False
 
 
 def resolve_device(setting: str) -> Device:
-    """``cluster.device`` -> the device this rank trains on (auto: CUDA when present)."""
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if setting == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("cluster.device: cuda requested but torch sees no GPU; set cluster.device=cpu")
-    return setting  # type: ignore[return-value]
+    """``cluster.device`` -> the device this rank trains on (`slime_rl.core.device`'s rule; cuda must be here)."""
+    return core_device.resolve_device(setting, here=True)
 
 
 def _to_cpu_device(device):

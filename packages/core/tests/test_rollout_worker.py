@@ -1,4 +1,4 @@
-"""The rollout manager builds what the config names: the engine, the data source, the sample buffer
+"""The rollout worker builds what the config names: the engine, the data source, the sample buffer
 (``data.buffer``) and the source of the eval sets (``eval.source``), each by name or module:attr."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from slime_rl.core.actors import RolloutManager
+from slime_rl.core.actors import RolloutWorker
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import Buffer, DataSource, GenerateOutput, RolloutEngine, SamplingParams
 from slime_rl.core.sample import Sample
@@ -91,7 +91,7 @@ def test_the_buffer_and_the_eval_source_come_from_the_config(tmp_path):
     cfg.data.source = cfg.eval.source = f"{__name__}:NamedSource"
     cfg.data.buffer = f"{__name__}:ListBuffer"
     cfg.eval.prompt_data = {"aime": "aime-2024"}
-    manager = RolloutManager(cfg.to_dict(), str(tmp_path / "state"))
+    manager = RolloutWorker(cfg.to_dict(), str(tmp_path / "state"))
     manager.raise_init_mistake()
     assert type(manager.buffer) is ListBuffer and Path(manager.buffer.directory) == tmp_path / "state"
     assert [s.prompt for g in manager.data_source.get_groups(1) for s in g] == ["train"]
