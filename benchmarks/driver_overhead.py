@@ -27,97 +27,19 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from slime_rl.core.batch import TRAINER_COLUMNS
-from slime_rl.core.contracts import GenerateOutput, NamedTensors, PolicyTrainer, RolloutEngine, SamplingParams
-
 # (label, prompts per step, samples per prompt, response tokens per sample)
 SIZES = {"0.07M": (8, 8, 1024), "0.5M": (32, 8, 2048), "2M": (64, 8, 4096), "8M": (128, 8, 8192)}
 DRIVER_TARGET_S = 0.2
-STANDINS = "driver_overhead"  # this file as a module: Ray actors import the stand-ins from it
-
-
-class InstantEngine(RolloutEngine):
-    """Answers each request at once with ``max_new_tokens`` tokens (log-prob -1 each)."""
-
-    def __init__(self):
-        self.version = 0
-
-    @classmethod
-    def from_config(cls, cfg) -> InstantEngine:
-        return cls()
-
-    async def generate(self, input_ids: list[int], params: SamplingParams, request_id: str | None = None):
-        n = params.max_new_tokens
-        return GenerateOutput([7] * n, [-1.0] * n, "length", self.version)
-
-    async def abort(self, request_id: str | None = None) -> None:
-        return None
-
-    async def update_weights(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
-        if last:
-            self.version = version
-
-    @property
-    def weight_version(self) -> int:
-        return self.version
-
-
-class NoMathTrainer(PolicyTrainer):
-    """A trainer rank without a model: zeros for log-probs, a real gloo group for the DP sums, and
-    the shard tensor bytes each rank received, reported by rank 0 for all ranks."""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-
-    @classmethod
-    def from_config(cls, cfg, *, role="actor") -> NoMathTrainer:
-        return cls()
-
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.rank
-
-    def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        out = tensor.clone()
-        dist.all_reduce(out)
-        return out
-
-    def compute_log_probs(self, batch, *, model="actor") -> torch.Tensor:
-        return torch.zeros(batch.num_response_tokens)
-
-    def train_step(self, batch) -> dict[str, float]:
-        received = torch.zeros(self.world, dtype=torch.float64)
-        # what this rank fetched: the shard's columns before the trainer added its own
-        received[self.rank] = sum(t.numel() * t.element_size() for name, t in vars(batch).items()
-                                  if isinstance(t, torch.Tensor) and name not in TRAINER_COLUMNS)
-        received = self.sum_over_dp(received)
-        steps = list(batch.optimizer_steps())
-        return {"loss": 0.0, "optimizer_steps": float(len(steps)),
-                **{f"shard_bytes/{r}": float(b) for r, b in enumerate(received.tolist())}}
-
-    def named_weights(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        yield [("w", torch.zeros(4))]
-
-    def save(self, path: str) -> None:
-        Path(path).mkdir(parents=True, exist_ok=True)
-
-    def load(self, path: str) -> None:
-        return None
+STANDINS = "slime_rl.core.standins"
 
 
 def one_reward(sample) -> float:
+    """Half the samples right (a group's rewards differ, so its advantages are not all zero)."""
     return float(sample.index % 2)
 
 
@@ -133,7 +55,7 @@ def measure(label: str, dp: int, steps: int, model: str, workdir: Path) -> dict[
         f"model.path={model}", f"data.prompt_data={data}", f"data.rollout_batch_size={prompts}",
         f"data.n_samples_per_prompt={n}", f"data.num_rollout={steps}", 
         f"rollout.engine={STANDINS}:InstantEngine", f"rollout.max_response_len={response_len}",
-        f"rollout.reward={STANDINS}:one_reward", "rollout.reward_workers=0", "rollout.max_concurrency=4096",
+        "rollout.reward=driver_overhead:one_reward", "rollout.reward_workers=0", "rollout.max_concurrency=4096",
         f"trainer.backend={STANDINS}:NoMathTrainer", "cluster.device=cpu",
         f"cluster.actor_num_gpus_per_node={dp}", f"cluster.num_gpus_per_node={dp}",
         f"logging.dir={workdir / label / 'logs'}", f"checkpoint.save_dir={workdir / label / 'ckpt'}",

@@ -22,3 +22,8 @@ async def digit_token_fraction(sample: Sample) -> float:
         return 0.0
     pieces = _tokenizer().convert_ids_to_tokens(ids)
     return sum(any(c.isdigit() for c in p) for p in pieces) / len(pieces)
+
+
+def odd_index(sample: Sample) -> float:
+    """1 for every other sample: a group's rewards differ whatever the engine wrote."""
+    return float(sample.index % 2)
