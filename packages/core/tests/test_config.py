@@ -336,3 +336,20 @@ def test_a_malformed_model_config_json_names_the_file(tmp_path, prompts):
         (model / "config.json").write_bytes(text.encode("latin-1"))
         err = refused(None, [f"data.prompt_data={prompts}", f"model.path={model}"])
         assert err.field == "model.path" and words in str(err), str(err)
+
+
+def test_micro_batches_by_token_budget_unless_the_user_asks_for_a_count():
+    """Issue 16: one sample per micro-batch (the old default) left a 3B model's train phase at ~1% MFU."""
+    from slime_rl.core.config_schema import DEFAULT_MAX_TOKENS_PER_GPU
+
+    def trainer(**fields):
+        return Config.model_validate({"trainer": fields}).trainer
+
+    assert trainer().max_tokens_per_gpu == DEFAULT_MAX_TOKENS_PER_GPU
+    assert (trainer(micro_batch_size=4).micro_batch_size, trainer(micro_batch_size=4).max_tokens_per_gpu) == (4, None)
+    assert trainer(micro_batch_size=4, max_tokens_per_gpu=1000).max_tokens_per_gpu == 1000
+    assert trainer(max_tokens_per_gpu=None).max_tokens_per_gpu is None
+    # through the overrides a user types, and through a dump of the resolved config
+    assert load_config(None, ["trainer.micro_batch_size=4"], check=False).trainer.max_tokens_per_gpu is None
+    dumped = Config.model_validate({"trainer": {"micro_batch_size": 4}}).model_dump()
+    assert Config.model_validate(dumped).trainer.max_tokens_per_gpu is None

@@ -7,8 +7,8 @@ answers the endpoints slime-rl uses with SGLang's request and response shapes
 "model" is a deterministic function: the next token is a hash of the context and of
 the loaded weights, so a weight update visibly changes what it generates. Weights are
 real tensors (loaded from the model folder's safetensors, replaced by the update
-endpoints, read back by /get_weights_by_name); the NCCL path joins a real
-torch.distributed group (gloo on CPU).
+endpoints, read back by /get_weights_by_name and checksummed by /weights_checker); the
+NCCL path joins a real torch.distributed group (gloo on CPU).
 
 Run as ``python standin_sglang.py --model-path DIR --host H --port P [SGLang flags]``;
 unknown SGLang flags are accepted and reported in /server_info like SGLang does. ``--config
@@ -396,6 +396,26 @@ class StandinServer:
             return _error(f"Get parameter by name failed: {name}")
         return web.json_response(self.weights[name].float().numpy().tolist()[:truncate])
 
+    async def handle_weights_checker(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.17's ``/weights_checker`` with ``action: checksum`` (http_server.py, weight_checker.py):
+        every parameter's checksum, one TP rank; on the CPU SGLang's hash is SHA-256's first 8 bytes."""
+        body = await _json_or_empty(request)
+        if body.get("action", "checksum") != "checksum":
+            return _error(f"Unsupported action={body.get('action')!r}")
+        checksums = {}
+        for name, tensor in self.weights.items():
+            digest = hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()).digest()[:8]
+            checksums[name] = f"{int.from_bytes(digest, byteorder='big', signed=False):016x}"
+        overall = hashlib.sha256()
+        for name in sorted(checksums):
+            overall.update(name.encode())
+            overall.update(checksums[name].encode())
+        parallelism = dict(tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=0, size=1)
+        rank = {"checksums": checksums, "per_gpu_checksum": overall.hexdigest(), "parallelism_info": parallelism}
+        self.record("weights_checker")
+        return web.json_response({"success": True, "message": "", "ranks": [rank],
+                                  "per_engine_checksum": hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()})
+
 
 def _join_group(body: dict):
     """Join the trainer's weight-update group as ranks rank_offset.. (SGLang's init_custom_process_group)."""
@@ -511,7 +531,8 @@ def build_app(server: StandinServer) -> web.Application:
     for path, handler in {"/flush_cache": server.handle_flush_cache,
                           "/release_memory_occupation": server.handle_release,
                           "/resume_memory_occupation": server.handle_resume,
-                          "/get_weights_by_name": server.handle_get_weights}.items():
+                          "/get_weights_by_name": server.handle_get_weights,
+                          "/weights_checker": server.handle_weights_checker}.items():
         r.add_get(path, handler)
         r.add_post(path, handler)
     for path, handler in {"/pause_generation": server.handle_pause, "/continue_generation": server.handle_continue,

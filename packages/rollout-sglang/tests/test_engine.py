@@ -178,6 +178,27 @@ def test_weight_sync_changes_generations_and_reports_the_version(make_engine, ti
         assert (folder / "config.json").is_file() and (folder / "model.safetensors.index.json").is_file()
 
 
+def test_weight_check_compares_checksums_and_names_what_differs(make_engine, tiny_model):
+    """rollout.check_weight_update compares the engines' checksums (/weights_checker, which serves every
+    model family; /get_weights_by_name refused Qwen2 on SGLang 0.5.17): a tensor that differs is named,
+    and a sample the engine holds under none of its names fails rather than passes."""
+    engine = make_engine(num_engines=1)
+    weights = new_weights(tiny_model, 2.0)
+    asyncio.run(engine.update_weights(weights, version=1, last=True))
+    target = engine.targets()[0]
+    sample = ws.check_sample(weights, every=True)
+    assert "lm_head.weight" in sample and not any(".q_proj." in n or ".up_proj." in n for n in sample)
+    assert ws.check_weights(target, sample, timeout=30, step="check") == len(sample)
+    wrong = dict(sample, **{"lm_head.weight": ws.tensor_checksum(dict(weights)["lm_head.weight"] + 1)})
+    with pytest.raises(WeightSyncError, match="lm_head.weight"):
+        ws.check_weights(target, wrong, timeout=30, step="check")
+    with pytest.raises(WeightSyncError, match="none of the 1 sampled"):
+        ws.check_weights(target, {"model.layers.0.self_attn.qkv_proj.weight": "0"}, timeout=30, step="check")
+    # with tensor parallelism only the norms, which every TP rank holds whole, are compared
+    sharded = ws.check_sample(weights, tp_size=2, every=True)
+    assert sharded and all("norm" in n for n in sharded)
+
+
 def test_sync_and_memory_calls_go_on_when_asyncio_default_executor_is_full(make_engine, tiny_model):
     """Hung user code in asyncio's default executor (a plain reward stuck in a thread) must not stall
     the engine's control calls: they block in threads of the engine's own."""

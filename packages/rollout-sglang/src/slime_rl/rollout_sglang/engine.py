@@ -70,7 +70,7 @@ class SGLangEngine(RolloutEngine):
     def __init__(self, servers: list[SGLangServer], router: Router, *, model_path: str, work_dir: str | Path,
                  max_concurrency: int = 512, transport: Transport = "auto", colocated: bool = True,
                  request_timeout: float = 3600.0, sync_timeout: float = 600.0, startup_timeout: float = 900.0,
-                 health_interval: float = 5.0, keep_weights_for_recovery: bool = True,
+                 health_interval: float = 5.0, keep_weights_for_recovery: bool | None = None,
                  verify_weights: bool = False, weights_cpu_backup: bool = False, keys: EngineKeys | None = None):
         self.servers = servers
         self.router = router
@@ -81,7 +81,9 @@ class SGLangEngine(RolloutEngine):
         self._pusher = BucketPusher(weights_dir=self.work_dir / "weights", model_path=model_path, timeout=sync_timeout)
         self.startup_timeout = startup_timeout  # a restarted server until /health
         self.health_interval = health_interval
-        self.keep_weights_for_recovery = keep_weights_for_recovery  # a CPU copy, to restore a restarted engine
+        # A host copy of each synced version, to restore a restarted engine. None: only when the buckets are
+        # already on the CPU; copying CUDA buckets to the host cost ~10 s per 7B sync (issue 16), so it is opt-in.
+        self.keep_weights_for_recovery = keep_weights_for_recovery
         self.verify_weights = verify_weights  # compare engine and trainer weights after each sync
         self.weights_cpu_backup = weights_cpu_backup  # the servers keep weights over a memory release
         self.keys = keys or EngineKeys()  # the run's keys (keys.py); the servers and the router refuse others
@@ -97,7 +99,7 @@ class SGLangEngine(RolloutEngine):
         self._sync_lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
         self._weights_cpu: dict[str, torch.Tensor] = {}
-        self._verify_sample: dict[str, torch.Tensor] = {}
+        self._verify_sample: dict[str, str] = {}  # name -> checksum
         self._disk_folder: Path | None = None  # the HF folder of the current version (disk transport)
         self._restore_folder: tuple[int, Path] | None = None
         self._released: set[str] = set()
@@ -289,12 +291,12 @@ class SGLangEngine(RolloutEngine):
                                      f"and a bucket for v{version} arrived")
         step = f"weight sync v{version} bucket {self._bucket_index} ({self._sync_transport})"
         try:
+            copied = self._keep_copy(named_tensors) if self._sync_transport != "disk" else None
             await self._send_bucket(named_tensors, version=version, last=last, step=step)
-            if self.keep_weights_for_recovery and self._sync_transport != "disk":
-                for name, tensor in named_tensors:
-                    self._weights_cpu[name] = tensor.detach().to("cpu", copy=True)
+            if copied is not None:
+                copied.synchronize()  # the device-to-host copies ran while the engines loaded the bucket
             if self.verify_weights:
-                self._verify_sample.update(ws.check_sample(named_tensors))
+                self._verify_sample.update(ws.check_sample(named_tensors, tp_size=ws.widest_tp(self.targets())))
             self._bucket_index += 1
         except BaseException:
             # Partly loaded weights must not serve requests: generation stays held until a full sync.
@@ -302,6 +304,28 @@ class SGLangEngine(RolloutEngine):
             raise
         if last:
             await self.end_weight_sync(version)
+
+    def _keep_copy(self, named_tensors: NamedTensors) -> torch.cuda.Event | None:
+        """Start copying a bucket into ``_weights_cpu`` when recovery copies are kept (see
+        ``keep_weights_for_recovery``): CUDA tensors go without blocking into pinned host buffers reused
+        from sync to sync; the returned event marks their end."""
+        on_cuda = any(t.is_cuda for _, t in named_tensors)
+        keep = self.keep_weights_for_recovery
+        if not (keep if keep is not None else not on_cuda):
+            return None
+        for name, tensor in named_tensors:
+            held = self._weights_cpu.get(name)
+            if not tensor.is_cuda:
+                self._weights_cpu[name] = tensor.detach().to("cpu", copy=True)
+                continue
+            if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype or not held.is_pinned():
+                held = self._weights_cpu[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            held.copy_(tensor.detach(), non_blocking=True)
+        if not on_cuda:
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
     async def begin_weight_sync(self, version: int, *, transport: str = "tensor") -> list[ws.Target]:
         """Hold generation and pause the engines for a sync. `update_weights` calls it; a trainer
@@ -411,7 +435,7 @@ class SGLangEngine(RolloutEngine):
             return self._restore_folder[1]
         if not self._weights_cpu:
             raise ws.WeightSyncError(f"cannot restore weight version {self._version}: no copy was kept "
-                                     "(keep_weights_for_recovery=False)")
+                                     "(SGLangEngine.keep_weights_for_recovery: set it to True to keep one)")
         folder = self.work_dir / "weights" / f"restore-v{self._version}"
         shutil.rmtree(folder, ignore_errors=True)
         ws.save_hf_folder(list(self._weights_cpu.items()), folder, self.model_path)

@@ -45,10 +45,10 @@ class SGLangWeightSender(WeightSender):
                 pass
             return
         targets = list(handle)
-        expected = {}  # first rows of each bucket's first and last tensor, for check_weight_update
+        expected: dict[str, str] = {}  # checksums of each bucket's first and last tensor, for check_weight_update
         for index, bucket, last in _with_last(buckets):
             if self.cfg.rollout.check_weight_update:
-                expected.update(ws.check_sample(bucket))
+                expected.update(ws.check_sample(bucket, tp_size=ws.widest_tp(targets)))
             self.pusher.push(transport, targets, bucket, version=version, index=index, last=last,
                              step=f"weight sync v{version} bucket {index} ({transport})")
         for target in targets if expected else []:

@@ -1,0 +1,284 @@
+"""Weight sync at real size: the trainer's weights into a real SGLang engine, every way slime-rl does it.
+
+    python benchmarks/weight_sync.py --shape qwen2.5-7b --bucket-mb 512 2048 4096    # the H200 run (issue 16)
+    python benchmarks/weight_sync.py --shape llama-tiny qwen2-tiny qwen3-tiny --syncs 1  # the equality check
+    python benchmarks/weight_sync.py --shape tiny --engine-python FAKE_PYTHON --device cpu  # the CPU smoke test
+
+The trainer side is random bf16 weights of the shape, on the GPU, cut into buckets of ``--bucket-mb``
+(the sync needs the weights only, so a 7B fits one H200 next to its engine); the engine is started
+with SGLang's dummy weights (``--load-format dummy``) for shapes too large to write to disk. Each
+path is timed over ``--syncs`` syncs of the whole model:
+
+- ``direct``: each bucket serialised (`weight_sync.serialize_bucket`) and posted straight to
+  ``/update_weights_from_tensor``: what SGLang itself costs;
+- ``trainer``: the training loop's path: `SGLangEngine.begin_weight_sync`, trainer rank 0's
+  `SGLangWeightSender.send`, `end_weight_sync` (pause, push, flush, continue);
+- ``engine``: `SGLangEngine.update_weights`, bucket by bucket, from tensors in the engine's process;
+- ``engine-copy``: the same with ``keep_weights_for_recovery=True`` (a pinned host copy of each version);
+- ``disk``: the trainer path by ``disk`` (HF shards the engine loads).
+
+Reported: seconds per sync (median), GB/s over the model's bytes, the peak extra GPU memory in this
+process and on the device during a sync, and the engine's checksums of every parameter it holds
+under a trainer name (SGLang's ``/weights_checker``) compared with the trainer's after the last sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from slime_rl.core.config import Config
+from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.engine import SGLangEngine
+from slime_rl.rollout_sglang.trainer_sync import SGLangWeightSender
+
+SHAPES = {
+    # name: (family, vocab, hidden, intermediate, layers, heads, kv_heads, tied)
+    "qwen2.5-7b": ("qwen2", 152064, 3584, 18944, 28, 28, 4, False),
+    "qwen2.5-3b": ("qwen2", 151936, 2048, 11008, 36, 16, 2, True),
+    "qwen2.5-1.5b": ("qwen2", 151936, 1536, 8960, 28, 12, 2, True),
+    "llama-tiny": ("llama", 1024, 256, 688, 2, 4, 2, False),
+    "qwen2-tiny": ("qwen2", 1024, 256, 688, 2, 4, 2, False),
+    "qwen3-tiny": ("qwen3", 1024, 256, 688, 2, 4, 2, False),
+    "tiny": ("qwen2", 1024, 64, 128, 2, 4, 2, False),  # the CPU smoke test
+}
+WRITE_WEIGHTS_BELOW = 200_000_000  # parameters; larger shapes start the engine on dummy weights
+PATHS = ("direct", "trainer", "engine", "engine-copy", "disk")
+GPU_ENGINE_ARGS = {"skip_tokenizer_init": True, "attention_backend": "triton", "sampling_backend": "pytorch",
+                   "grammar_backend": "none", "cuda_graph_backend_decode": "disabled",
+                   "cuda_graph_backend_prefill": "disabled", "dtype": "bfloat16", "max_total_tokens": 65536}
+
+
+@dataclass
+class Row:
+    shape: str
+    path: str
+    bucket_mib: int
+    buckets: int
+    seconds: list[float]
+    gb: float
+    peak_extra_process_gib: float
+    peak_extra_device_gib: float
+    checked: int  # tensors whose checksums matched after the last sync
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def make_model_folder(shape: str, folder: Path, *, weights: bool | None = None) -> Path:
+    """An HF folder of ``shape``: its config, a small tokenizer and (``weights``; default: when small)
+    random bf16 weights, made on the GPU when there is one."""
+    from transformers import AutoModelForCausalLM
+
+    from slime_rl.core.testing import stdlib_text, tiny_config, train_tokenizer
+
+    family, vocab, hidden, inter, layers, heads, kv, tied = SHAPES[shape]
+    tokenizer = train_tokenizer(stdlib_text(10), vocab_size=512, pad_token="<|endoftext|>")
+    config = tiny_config(family, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                         num_heads=heads, num_kv_heads=kv, tie_word_embeddings=tied, max_position_embeddings=32768,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config.dtype = torch.bfloat16
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    if weights is None:
+        weights = param_count(config) < WRITE_WEIGHTS_BELOW
+    if not weights:
+        config.save_pretrained(folder)
+        return folder
+    torch.manual_seed(1)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    return folder
+
+
+def param_count(config) -> int:
+    return sum(shape.numel() for _, shape in weight_shapes(config))
+
+
+def weight_shapes(config) -> list[tuple[str, torch.Size]]:
+    """The HF parameter names and shapes of ``config`` (tied weights once), without allocating them."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [(name, p.shape) for name, p in model.named_parameters()]
+
+
+def trainer_weights(folder: Path, device: str, seed: int = 7) -> ws.NamedTensors:
+    """Random bf16 weights of the folder's shape on ``device`` (not the engine's: a sync must change them)."""
+    from transformers import AutoConfig
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [(name, (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(torch.bfloat16))
+            for name, shape in weight_shapes(AutoConfig.from_pretrained(folder))]
+
+
+def bucketed(named: ws.NamedTensors, bucket_bytes: int) -> list[ws.NamedTensors]:
+    """Consecutive tensors up to ``bucket_bytes`` each (a larger tensor alone), as the trainer cuts them."""
+    buckets, current, size = [], [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += nbytes
+    return buckets + ([current] if current else [])
+
+
+class DeviceMemoryWatch:
+    """The lowest free device memory while it runs (every process on the GPU counts), polled."""
+
+    def __init__(self, on_cuda: bool):
+        self.on_cuda, self.lowest, self._stop = on_cuda, None, threading.Event()
+
+    def __enter__(self) -> DeviceMemoryWatch:
+        if self.on_cuda:
+            self.start_free = self.lowest = torch.cuda.mem_get_info()[0]
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.002):
+            self.lowest = min(self.lowest, torch.cuda.mem_get_info()[0])
+
+    def __exit__(self, *exc) -> None:
+        if self.on_cuda:
+            self._stop.set()
+            self._thread.join()
+
+    @property
+    def extra_gib(self) -> float:
+        return (self.start_free - self.lowest) / 2**30 if self.on_cuda else 0.0
+
+
+def sync_config(folder: Path, work: Path, transport: str) -> Config:
+    return Config.model_validate({"model": {"path": str(folder)}, "logging": {"dir": str(work)},
+                                  "rollout": {"engine": "sglang", "update_weight_transport": transport}})
+
+
+async def one_sync(path: str, engine: SGLangEngine, buckets: list[ws.NamedTensors], version: int,
+                   senders: dict[str, SGLangWeightSender], transport: str) -> None:
+    if path == "direct":
+        for target in engine.targets():
+            for i, bucket in enumerate(buckets):
+                ws.update_from_tensor(target, bucket, version=version if i == len(buckets) - 1 else None,
+                                      timeout=engine.sync_timeout, step=f"direct bucket {i}")
+    elif path in ("trainer", "disk"):
+        targets = await engine.begin_weight_sync(version, transport=transport)
+        senders[path].send(iter(buckets), targets, version=version, transport=transport)
+        await engine.end_weight_sync(version)
+    else:
+        engine.keep_weights_for_recovery = path == "engine-copy"
+        for i, bucket in enumerate(buckets):
+            await engine.update_weights(bucket, version=version, last=i == len(buckets) - 1)
+
+
+async def run_shape(args, shape: str, work: Path) -> list[Row]:
+    on_cuda = args.device == "cuda"
+    folder = make_model_folder(shape, work / shape)
+    engine_args = dict(GPU_ENGINE_ARGS, mem_fraction_static=args.mem_fraction) if on_cuda else {}
+    if on_cuda and param_count_of(folder) >= WRITE_WEIGHTS_BELOW:
+        engine_args["load_format"] = "dummy"
+    engine = SGLangEngine.launch(str(folder), engine_args=engine_args, python=args.engine_python,
+                                 work_dir=work / f"{shape}-engine", startup_timeout=args.startup_timeout,
+                                 health_interval=0)
+    rows: list[Row] = []
+    try:
+        weights = trainer_weights(folder, args.device)
+        gb = sum(t.numel() * t.element_size() for _, t in weights) / 1e9
+        print(f"[{shape}] {len(weights)} tensors, {gb:.2f} GB on {args.device}", flush=True)
+        version = 0
+        for bucket_mib in args.bucket_mb:
+            buckets = bucketed(weights, bucket_mib * 2**20)
+            for path in args.paths:
+                transport = "disk" if path == "disk" else "tensor"
+                senders = {path: SGLangWeightSender(sync_config(folder, work / f"{shape}-{path}", transport), rank=0)}
+                seconds, peak_process, peak_device = [], 0.0, 0.0
+                for _ in range(args.syncs + args.warmup):
+                    version += 1
+                    if on_cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                    held = torch.cuda.memory_allocated() if on_cuda else 0
+                    with DeviceMemoryWatch(on_cuda) as watch:
+                        start = time.perf_counter()
+                        await one_sync(path, engine, buckets, version, senders, transport)
+                        if on_cuda:
+                            torch.cuda.synchronize()
+                        seconds.append(time.perf_counter() - start)
+                    if on_cuda:
+                        peak_process = max(peak_process, (torch.cuda.max_memory_allocated() - held) / 2**30)
+                    peak_device = max(peak_device, watch.extra_gib)
+                checked = sum(ws.check_weights(t, ws.check_sample(weights, tp_size=t.tp_size, every=True),
+                                               timeout=engine.sync_timeout, step=f"{path} check")
+                              for t in engine.targets())
+                row = Row(shape, path, bucket_mib, len(buckets), seconds[args.warmup:], gb, peak_process,
+                          peak_device, checked)
+                rows.append(row)
+                print(f"[{shape}] {path:11s} {bucket_mib:5d} MiB x{len(buckets):3d}: "
+                      f"{' '.join(f'{s:.3f}' for s in seconds)} s; {gb / row.median:.1f} GB/s; "
+                      f"checksums equal: {checked} tensors", flush=True)
+    finally:
+        engine.keep_weights_for_recovery = False
+        await engine.shutdown()
+    return rows
+
+
+def param_count_of(folder: Path) -> int:
+    from transformers import AutoConfig
+
+    return param_count(AutoConfig.from_pretrained(folder))
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| shape | path | bucket MiB | buckets | s/sync (median) | GB/s | x direct | peak extra GiB (process / "
+             "device) | checksums equal |", "|---|---|---|---|---|---|---|---|---|"]
+    direct = {(r.shape, r.bucket_mib): r.median for r in rows if r.path == "direct"}
+    for r in rows:
+        ratio = f"{r.median / direct[(r.shape, r.bucket_mib)]:.2f}" if (r.shape, r.bucket_mib) in direct else "-"
+        lines.append(f"| {r.shape} | {r.path} | {r.bucket_mib} | {r.buckets} | {r.median:.3f} | {r.gb / r.median:.1f} | "
+                     f"{ratio} | {r.peak_extra_process_gib:.2f} / {r.peak_extra_device_gib:.2f} | {r.checked} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", nargs="+", default=["qwen2.5-7b"], choices=sorted(SHAPES))
+    parser.add_argument("--bucket-mb", nargs="+", type=int, default=[2048])
+    parser.add_argument("--paths", nargs="+", default=list(PATHS[:4]), choices=PATHS)
+    parser.add_argument("--syncs", type=int, default=2, help="timed syncs per path")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed syncs before them")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--engine-python", default=None, help="interpreter that runs sglang.launch_server")
+    parser.add_argument("--mem-fraction", type=float, default=0.3, help="SGLang --mem-fraction-static")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here too")
+    args = parser.parse_args(argv)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="weight-sync-bench-"))
+    rows: list[Row] = []
+    for shape in args.shape:
+        rows += asyncio.run(run_shape(args, shape, work))
+    print(table(rows), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,53 @@
+"""The issue-16 benchmarks (benchmarks/weight_sync.py, benchmarks/colocated_step.py) on the CPU with tiny
+shapes, so their code runs in CI; their real runs are on the H200 (docs/gpu-results.md)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+from standin import fake_sglang_python
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def bench(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_weight_sync_benchmark_times_every_path_and_checks_the_engines_weights(tmp_path, capsys):
+    pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
+    weight_sync = bench("weight_sync")
+    rows = weight_sync.main(["--shape", "tiny", "--device", "cpu", "--engine-python", fake_sglang_python(tmp_path),
+                             "--bucket-mb", "1", "--paths", *weight_sync.PATHS, "--syncs", "2", "--warmup", "0",
+                             "--work-dir", str(tmp_path / "work")])
+    assert [r.path for r in rows] == list(weight_sync.PATHS)
+    for row in rows:
+        assert len(row.seconds) == 2 and all(s > 0 for s in row.seconds)
+        # the engine's checksums of every tensor it holds under a trainer name equal the trainer's: embed_tokens
+        # and lm_head, each layer's o_proj, down_proj and two norms, the final norm (SGLang fuses q/k/v, gate/up)
+        assert row.checked == 2 + 2 * 4 + 1
+    out = capsys.readouterr().out
+    assert "| tiny | engine-copy | 1 | 1 |" in out
+
+
+@pytest.mark.slow
+def test_colocated_step_benchmark_tables_every_phase_of_a_step(tmp_path, capsys):
+    """Through the real loop (Megatron trainer, HF engine on the CPU): each phase's time and share of the
+    step, and the train phase's MFU; ~60 s, nearly all of it Ray's and Megatron's start."""
+    colocated_step = bench("colocated_step")
+    result = colocated_step.main(["--device", "cpu", "--engine", "hf", "--shape", "tiny", "--prompts", "2",
+                                  "--samples", "2", "--prompt-len", "8", "--response-len", "4", "--steps", "1",
+                                  "--work-dir", str(tmp_path)])
+    (row,) = result["rows"]
+    phases = [name for name, _, _ in result["windows"]]
+    assert phases[0] == "rollout" and {"train", "weight_sync"} <= set(phases)
+    out = capsys.readouterr().out
+    assert f"| train | {row['time/train']:.2f} |" in out
+    assert "MFU" in out and "of the step" in out
