@@ -226,3 +226,14 @@ def test_settings_follow_the_config(tmp_path):
     assert settings.timeout_s == 2.5 and settings.concurrency == 3 and settings.require_isolation
     with pytest.raises(ConfigError, match="rollout.sandbox.python"):
         load_config(None, [f"data.prompt_data={prompts}", "rollout.sandbox.python=/no/such/python"])
+
+
+def test_doctor_report_says_where_isolation_is_missing(monkeypatch):
+    from slime_rl.core.sandbox import report
+
+    lines = {name: (status, ok) for name, status, ok in report.sandbox_report(FAST)}
+    assert lines["isolation"][0].startswith("namespaces") and lines["trial_call"] == (lines["trial_call"][0], True)
+    none = IsolationSupport("none", "the kernel refused the namespaces: EPERM")
+    monkeypatch.setattr(report, "isolation_support", lambda: none)
+    lines = {name: (status, ok) for name, status, ok in report.sandbox_report(FAST)}
+    assert "EPERM" in lines["isolation"][0] and lines["require_isolation"][0].startswith("refused here")
