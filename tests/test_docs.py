@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from slime_rl.core.config import Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,10 +22,22 @@ def documented_keys() -> dict[str, set[str]]:
     return keys
 
 
+def config_sections(model=Config, prefix=""):
+    """{dotted section: model} for every section of the tree, nested ones (rollout.sandbox) included."""
+    sections = {}
+    for name, info in model.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            sections[prefix + name] = info.annotation
+            sections.update(config_sections(info.annotation, f"{prefix}{name}."))
+    return sections
+
+
 def test_config_reference_covers_every_key():
     documented = documented_keys()
-    for name, info in Config.model_fields.items():
-        fields = {f.alias or n for n, f in info.annotation.model_fields.items()}
+    sections = config_sections()
+    assert "rollout.sandbox" in sections
+    for name, section in sections.items():
+        fields = {f.alias or n for n, f in section.model_fields.items()}
         missing = fields - documented.get(name, set())
         stale = documented.get(name, set()) - fields
         assert not missing, f"docs/config.md, section `{name}`: add {sorted(missing)}"

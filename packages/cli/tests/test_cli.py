@@ -1,5 +1,6 @@
 """slime-cli through typer's CliRunner: exit codes, one-line errors, plan output, train wiring."""
 
+import os
 import re
 import sys
 import types
@@ -440,6 +441,8 @@ def test_doctor_reports_what_is_installed():
         except PackageNotFoundError:
             expected = "not installed"
         assert sections["libraries"][dist] == expected
+    assert sections["sandbox"]["isolation"].startswith("namespaces") == (os.geteuid() == 0)  # root here and in CI
+    assert sections["sandbox"]["trial_call"].startswith("works")
     broken = "problems:" in result.stdout
     assert result.exit_code == (1 if broken else 0)
     assert result.stdout.rstrip().endswith("no problems found") != broken

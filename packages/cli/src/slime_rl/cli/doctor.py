@@ -96,6 +96,11 @@ def collect() -> Report:
             except Exception as err:  # PluginError, or an error raised while importing the backend module
                 report.add(group, name, f"{target}, does not load: {_cause(err)}", ok=False, what=f"{group}:{name}")
 
+    from slime_rl.core.sandbox.report import sandbox_report  # runs one sandboxed call
+
+    for name, status, ok in sandbox_report():
+        report.add("sandbox", name, status, ok=ok, what=f"sandbox {name}")
+
     for dist in LIBRARIES:
         report.add("libraries", dist, _version(dist) or "not installed")
     return report

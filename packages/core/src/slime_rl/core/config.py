@@ -33,12 +33,13 @@ from slime_rl.core.config_schema import (
     ParallelConfig,
     RolloutConfig,
     RunFailedError,
+    SandboxConfig,
     TrainerConfig,
 )
 
 __all__ = [
     "MAX_CONFIG_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_VALUES", "SEED_MAX", "SELECTIVE_RECOMPUTE_MODULES",
     "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
-    "LoggingConfig", "ModelConfig", "ParallelConfig", "RolloutConfig", "RunFailedError", "TrainerConfig",
+    "LoggingConfig", "ModelConfig", "ParallelConfig", "RolloutConfig", "RunFailedError", "SandboxConfig", "TrainerConfig",
     "check_config", "check_model", "load_config", "parse_overrides", "parse_yaml", "read_model_shape",
 ]

@@ -126,6 +126,7 @@ def check_config(cfg: Config) -> None:
                                             else shutil.which(r.engine_python)):
         raise ConfigError("rollout.engine_python", f"{r.engine_python} is not an executable interpreter;"
                                                    " give the python of SGLang's environment")
+    check_sandbox(cfg)
     check_model(cfg)
     plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)
 
@@ -158,3 +159,19 @@ def check_model(cfg: Config) -> None:
     engine_tp = cfg.cluster.rollout_num_gpus_per_engine
     if heads and heads % engine_tp:
         raise ConfigError("cluster.rollout_num_gpus_per_engine", f"engine TP {engine_tp} must divide {heads} heads")
+
+
+def check_sandbox(cfg: Config) -> None:
+    """rollout.sandbox: its interpreter and paths exist; require_isolation holds on this machine."""
+    sb = cfg.rollout.sandbox
+    if sb.python is not None and not (os.path.isabs(sb.python) and os.access(sb.python, os.X_OK)):
+        raise ConfigError("rollout.sandbox.python", f"{sb.python} is not an executable file; give the absolute path"
+                                                    " of a Python interpreter, or leave it unset")
+    for path in sb.readonly_paths:
+        if not os.path.isabs(path) or not os.path.exists(path):
+            raise ConfigError("rollout.sandbox.readonly_paths", f"{path} is not an existing absolute path")
+    if sb.require_isolation:
+        from slime_rl.core.sandbox.isolation import require_isolation_error  # probes the kernel once
+
+        if error := require_isolation_error():
+            raise ConfigError("rollout.sandbox.require_isolation", error)

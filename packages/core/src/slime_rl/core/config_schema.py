@@ -75,6 +75,24 @@ class DataConfig(_Section):
     skip_bad_lines: bool = False
 
 
+class SandboxConfig(_Section):
+    """rollout.sandbox: the limits of one sandboxed code call (core/sandbox, docs/sandbox.md)."""
+    timeout_s: float = Field(10.0, gt=0)  # wall clock per call
+    cpu_time_s: int = Field(10, ge=1)  # RLIMIT_CPU
+    memory_mb: int = Field(1024, ge=64)  # RLIMIT_AS: the interpreter alone maps ~30 MB
+    file_size_mb: int = Field(16, ge=1)  # RLIMIT_FSIZE
+    scratch_mb: int = Field(64, ge=1)  # tmpfs scratch directory, the only writable place
+    max_processes: int = Field(16, ge=1)  # RLIMIT_NPROC of the call's own uid
+    max_open_files: int = Field(64, ge=16)  # RLIMIT_NOFILE
+    max_output_bytes: int = Field(65536, ge=1)  # per stream; past it the call is killed, output truncated
+    max_concurrency: int | None = Field(None, ge=1)  # calls at once per process; None: half the cores
+    require_isolation: bool = False  # refuse to start where namespaces are unavailable
+    python: str | None = None  # interpreter for the code; None: the base interpreter of this one
+    readonly_paths: list[str] = Field(default_factory=list)  # extra host paths the code may read
+    env: dict[str, str] = Field(default_factory=dict)  # the code's environment, besides PATH/HOME/LANG
+    uid_base: int = Field(200_000, ge=1000, le=2**31 - 4096)  # calls run as uid_base, uid_base + 1, ...
+
+
 class RolloutConfig(_Section):
     engine: str = "hf"  # rollout engine plugin name or module:attr
     temperature: float = Field(1.0, ge=0.0)
@@ -99,6 +117,7 @@ class RolloutConfig(_Section):
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0)  # a step fails when more of its samples failed
     max_failed_steps: int = Field(3, ge=1)  # this many failed steps in a row fail the run
     loop_block_warn_s: float = Field(10.0, gt=0)  # report when the rollout's event loop is blocked this long
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)  # the python tool's and code_tests' sandbox
     max_concurrency: int = Field(512, ge=1)  # in-flight generate requests
     engine_urls: list[str] = Field(default_factory=list)  # attach to running servers instead of launching
     engine_python: str | None = None  # interpreter to launch servers with (SGLang in its own env)

@@ -32,10 +32,12 @@ from typing import Any
 
 from slime_rl.core.config import RolloutConfig
 from slime_rl.core.plugins import PluginError, load_function
+from slime_rl.core.rewards.code_tests import CodeTestsReward
 from slime_rl.core.rewards.math_answer import dapo_reward, deepscaler_reward, math_reward
 from slime_rl.core.rewards.remote import RemoteReward
 from slime_rl.core.rewards.text_match import exact_match_reward, f1_reward
 from slime_rl.core.sample import Reward, Sample, SampleStatus
+from slime_rl.core.sandbox import SandboxSettings
 from slime_rl.core.workers import UserCodeError, UserCodeLoadError, is_user_code, user_code_pool
 
 logger = logging.getLogger(__name__)
@@ -47,14 +49,16 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "exact_match": exact_match_reward,
     "f1": f1_reward,
     "remote": RemoteReward,  # needs rollout.reward_url; built by load_reward
+    "code_tests": CodeTestsReward,  # runs code in the sandbox (rollout.sandbox); built by load_reward
 }
 
-__all__ = ["BUILTIN_REWARDS", "RemoteReward", "load_reward", "score_samples"]
+__all__ = ["BUILTIN_REWARDS", "CodeTestsReward", "RemoteReward", "load_reward", "score_samples"]
 
 
-def load_reward(spec: str, *, group: bool, reward_url: str | None = None) -> Callable[..., Any]:
+def load_reward(spec: str, *, group: bool, reward_url: str | None = None, sandbox: Any = None) -> Callable[..., Any]:
     """The reward ``spec`` names: a built-in (``math``, ``dapo``, ``deepscaler``, ``exact_match``,
-    ``f1``, ``remote``) or ``module:attr``. ``group=True`` expects a group reward (``module:attr`` only)."""
+    ``f1``, ``remote``, ``code_tests``) or ``module:attr``. ``group=True`` expects a group reward
+    (``module:attr`` only). ``sandbox``: the ``rollout.sandbox`` section code_tests runs under."""
     if spec in BUILTIN_REWARDS and group:
         raise PluginError(f"rollout.group_reward: the built-in reward {spec!r} scores one sample at a time; "
                           "set rollout.group_reward=false, or give a group reward as module:attr")
@@ -63,6 +67,8 @@ def load_reward(spec: str, *, group: bool, reward_url: str | None = None) -> Cal
             raise PluginError("rollout.reward_url: the remote reward posts to a URL; set rollout.reward_url="
                               "http://host:port/path")
         return RemoteReward(reward_url)
+    if spec == "code_tests":
+        return CodeTestsReward(SandboxSettings.from_section(sandbox) if sandbox is not None else None)
     return load_function(spec, BUILTIN_REWARDS, what="reward")
 
 
@@ -122,7 +128,7 @@ def _reward_caller(cfg: RolloutConfig) -> Callable[[Any], Awaitable[Any]]:
         return lambda arg: pool.acall(cfg.reward, (arg,), cfg.reward_timeout)
     # Built-ins (async, well behaved), or the user's own with reward_workers=0 (no isolation: for
     # debugging; a blocking async reward then blocks the rollout, and a hung plain one keeps its thread).
-    reward_fn = load_reward(cfg.reward, group=cfg.group_reward, reward_url=cfg.reward_url)
+    reward_fn = load_reward(cfg.reward, group=cfg.group_reward, reward_url=cfg.reward_url, sandbox=cfg.sandbox)
 
     async def call(arg: Any) -> Any:
         if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__):
