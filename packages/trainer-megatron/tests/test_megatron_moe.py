@@ -80,3 +80,69 @@ def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
     assert multi["metrics"][2]["ppo_kl"] != 0  # the steps moved the policy
     for name, t in single["final"].items():
         assert torch.allclose(t, multi["final"][name], atol=1e-5, rtol=0), name
+
+
+def _hf_routing(hf, tokens: list[int], forced: dict[int, torch.Tensor] | None = None):
+    """transformers' top-k per layer for ``tokens`` ([len, layers, k]) and its response log-probs, with
+    each layer's router made to pick ``forced[layer]`` instead (weights: its own renormalised scores)."""
+    gates = [layer.mlp.gate for layer in hf.model.layers]
+    originals = [g.forward for g in gates]
+    if forced is not None:
+        for layer, gate in enumerate(gates):
+            def pick(hidden, gate=gate, idx=forced[layer]):
+                logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+                scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, idx)
+                if gate.norm_topk_prob:
+                    scores = scores / scores.sum(-1, keepdim=True)
+                return logits, scores.to(logits.dtype), idx
+            gate.forward = pick
+    try:
+        with torch.no_grad():
+            out = hf(torch.tensor([tokens]), output_router_logits=True)
+    finally:
+        for gate, original in zip(gates, originals, strict=True):
+            gate.forward = original
+    k = hf.config.num_experts_per_tok
+    chosen = torch.stack([logits.topk(k, dim=-1).indices for logits in out.router_logits], dim=1)
+    return chosen, torch.log_softmax(out.logits[0].float(), -1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_routing_replay_follows_the_given_experts(family, tmp_path):
+    """The engine's choices (here transformers' own, and then the least likely experts, which no router
+    picks) replace the router's top-k: natural choices give the unreplayed log-probs, forced ones give
+    what transformers gives when made to route the same way, padded and packed alike."""
+    model_dir = make_hf_model(tmp_path / "m", family, vocab=VOCAB)
+    hf = load_hf(model_dir)
+    samples = make_samples(4, VOCAB)
+    k, natural, forced, expected = hf.config.num_experts_per_tok, [], [], []
+    for s in samples:
+        chosen, _ = _hf_routing(hf, s.tokens)
+        natural.append(chosen)
+        with torch.no_grad():
+            logits = hf(torch.tensor([s.tokens]), output_router_logits=True).router_logits
+        least = torch.stack([(-lg).topk(k, dim=-1).indices for lg in logits], dim=1)
+        forced.append(least)
+        _, logp = _hf_routing(hf, s.tokens, {layer: least[:, layer] for layer in range(least.shape[1])})
+        ids = torch.tensor(s.tokens)
+        expected.append(logp[:-1].gather(1, ids[1:, None]).squeeze(1)[-s.response_length:])
+    replay = ["algorithm.routing_replay=rollout"]
+    padded = trainer_for(model_dir, replay + ["trainer.micro_batch_size=3"])
+    plain = padded.compute_log_probs(to_batch(samples))  # no routed experts in the batch: own routing
+
+    for s, r in zip(samples, natural, strict=True):
+        s.rollout_routed_experts = r.tolist()
+    assert torch.allclose(padded.compute_log_probs(to_batch(samples)), plain, atol=1e-5, rtol=0)
+
+    for s, r in zip(samples, forced, strict=True):
+        s.rollout_routed_experts = r[:-1].tolist()  # as an engine reports it: the last token never fed
+    batch = to_batch(samples)
+    assert batch.routed_experts.dtype == torch.int16 and batch.routed_experts.shape[1:] == (2, k)
+    replayed = padded.compute_log_probs(batch)
+    packed = trainer_for(model_dir, replay + ["trainer.max_tokens_per_gpu=40"]).compute_log_probs(batch)
+    assert (replayed - plain).abs().max() > 2e-3  # the forced experts matter (20x the tolerance below)
+    assert torch.allclose(replayed, torch.cat(expected), atol=1e-4, rtol=0)
+    assert torch.allclose(packed, replayed, atol=1e-5, rtol=0)
+    batch.old_log_probs = replayed
+    metrics = padded.train_step(batch)  # the training pass replays too: the ratio starts at 1
+    assert abs(metrics["ppo_kl"]) <= 1e-6 and metrics["grad_norm"] > 0
