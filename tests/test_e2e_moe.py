@@ -23,7 +23,7 @@ def test_grpo_on_a_tiny_moe_learns_toy_reward(tmp_path):
     config.write_text("{}\n")  # everything from the overrides
     overrides = [
         f"model.path={model}", f"data.prompt_data={write_prompts(tmp_path / 'prompts.jsonl')}",
-        "data.rollout_batch_size=4", "data.n_samples_per_prompt=8", "data.num_rollout=40",
+        "data.rollout_batch_size=4", "data.n_samples_per_prompt=8", "data.num_rollout=50",
         "rollout.max_response_len=8", "rollout.temperature=1.0", "rollout.reward=toy_rewards:digit_token_fraction",
         "trainer.lr=0.01", "trainer.adam_beta2=0.99", "cluster.device=cpu", "model.dtype=float32",
         "algorithm.routing_replay=rollout",
@@ -38,7 +38,7 @@ def test_grpo_on_a_tiny_moe_learns_toy_reward(tmp_path):
     metrics = next((tmp_path / "run").rglob("metrics.jsonl"))
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
-    assert len(rewards) == 40
+    assert len(rewards) == 50
     assert sum(rewards[:3]) / 3 < 0.3, rewards[:3]
     assert sum(rewards[-5:]) / 5 >= 0.9, rewards[-10:]
     # replayed experts: on-policy at step 0 the trainer scores the engine's tokens as the engine did

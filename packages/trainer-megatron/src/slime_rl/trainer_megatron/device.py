@@ -179,7 +179,39 @@ def redirect_megatron_to_cpu() -> None:
     _install_cpu_rng_tracker()
     _keep_freed_memory_mapped()
     _give_moe_dispatcher_host_splits()
+    _reduce_scatter_over_gloo()
     _redirected = True
+
+
+def _reduce_scatter_over_gloo() -> None:
+    """gloo has no reduce-scatter and gathers only equal sizes; expert tensor parallelism (ETP > 1)
+    uses both in the MoE dispatcher. On the CPU: an all-reduce and this rank's slice, and an
+    all-gather of padded pieces cut back to their sizes."""
+    from megatron.core.tensor_parallel import mappings
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        world = group.size()
+        if world == 1:
+            return input_
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        sizes = input_split_sizes or [input_.shape[0] // world] * world
+        return torch.split(total, list(sizes), dim=0)[group.rank()].contiguous()
+
+    gather = mappings._gather_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, None, use_global_buffer)
+        sizes = list(output_split_sizes)
+        padded = input_.new_zeros(max(sizes), *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])
+
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+    mappings._gather_along_first_dim = gather_uneven
 
 
 def _give_moe_dispatcher_host_splits() -> None:
