@@ -440,6 +440,7 @@ def test_doctor_reports_what_is_installed():
         except PackageNotFoundError:
             expected = "not installed"
         assert sections["libraries"][dist] == expected
+    assert sections["moe"]["experts"].startswith("sequential")  # no grouped GEMM without TE / grouped_gemm
     broken = "problems:" in result.stdout
     assert result.exit_code == (1 if broken else 0)
     assert result.stdout.rstrip().endswith("no problems found") != broken

@@ -167,3 +167,19 @@ def test_expert_tensor_parallel_on_four_ranks_matches_one(tmp_path):
         assert abs(one["loss"] - four["loss"]) <= 1e-5 and abs(one["grad_norm"] - four["grad_norm"]) <= 1e-5
     for name, t in single["final"].items():
         assert torch.allclose(t, multi["final"][name], atol=1e-5, rtol=0), name
+
+
+def test_unsupported_expert_layouts_are_refused_with_the_fix():
+    from slime_rl.trainer_megatron.moe import MoEShape, check_expert_parallel
+
+    moe = MoEShape(num_experts=8, topk=2, expert_intermediate_size=32, norm_topk_prob=True,
+                   shared_expert_intermediate_size=None)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size: MoE models need sequence parallelism"):
+        check_expert_parallel(moe, tp=2, ep=1, etp=1)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size: > 1 needs"):
+        check_expert_parallel(moe, tp=1, ep=1, etp=2)
+    with pytest.raises(ValueError, match="expert_model_parallel_size: 3 must divide the model's 8 experts"):
+        check_expert_parallel(moe, tp=1, ep=3, etp=1)
+    with pytest.raises(ValueError, match="the model has no experts"):
+        check_expert_parallel(None, tp=1, ep=2, etp=1)
+    check_expert_parallel(moe, tp=1, ep=4, etp=2)
