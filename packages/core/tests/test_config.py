@@ -353,3 +353,15 @@ def test_micro_batches_by_token_budget_unless_the_user_asks_for_a_count():
     assert load_config(None, ["trainer.micro_batch_size=4"], check=False).trainer.max_tokens_per_gpu is None
     dumped = Config.model_validate({"trainer": {"micro_batch_size": 4}}).model_dump()
     assert Config.model_validate(dumped).trainer.max_tokens_per_gpu is None
+
+
+def test_expert_parallel_sizes(prompts):
+    base = [f"data.prompt_data={prompts}", "cluster.actor_num_gpus_per_node=4", "data.rollout_batch_size=4",
+            "data.n_samples_per_prompt=4"]
+    cfg = load_config(None, base + ["parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=2",
+                                    "algorithm.routing_replay=rollout", "trainer.moe_aux_loss_coeff=0.001"])
+    assert (cfg.data_parallel_size, cfg.algorithm.routing_replay) == (4, "rollout")
+    assert refused(None, base + ["parallel.expert_model_parallel_size=3"]).field == "parallel.expert_model_parallel_size"
+    err = refused(None, base + ["parallel.expert_tensor_parallel_size=2"])
+    assert err.field == "parallel.expert_tensor_parallel_size" and "expert_model_parallel_size > 1" in str(err)
+    assert refused(None, base + ["algorithm.routing_replay=always"]).field == "algorithm.routing_replay"

@@ -27,6 +27,7 @@ def full_sample() -> Sample:
         advantages=[0.3, 0.3, 0.3],
         returns=[1.0, 0.9, 0.8],
         values=[0.1, 0.2, 0.3],
+        rollout_routed_experts=[[[0, 3], [1, 2]]] * 5,
     )
 
 

@@ -383,3 +383,42 @@ def test_cuda_generation_matches_a_full_forward(tokenizer, make_model):
     assert next(model.parameters()).device.type == "cpu"
     asyncio.run(engine.resume_memory())
     assert next(model.parameters()).device.type == "cuda"
+
+
+def test_moe_weight_sync_takes_the_checkpoints_per_expert_names(tokenizer, make_model, tmp_path):
+    """The trainer sends experts one by one (``mlp.experts.{e}.gate_proj.weight``, as checkpoints name
+    them); transformers 5 holds them fused: after the sync the engine's model is the other model."""
+    from safetensors.torch import load_file
+
+    engine = HFEngine(make_model("qwen2_moe", len(tokenizer), seed=0), tokenizer)
+    other = make_model("qwen2_moe", len(tokenizer), seed=1)
+    other.save_pretrained(tmp_path)
+    sent = sorted(load_file(tmp_path / "model.safetensors").items())
+    assert any(".mlp.experts.5.up_proj.weight" in name for name, _ in sent)
+    asyncio.run(engine.update_weights(sent, version=1, last=True))
+    mine = engine.model.state_dict()
+    assert all(torch.equal(t, mine[n]) for n, t in other.state_dict().items())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_returns_the_experts_of_every_token_fed(arch, tokenizer, make_model):
+    """With return_routed_experts, each response carries [prompt + new - 1][layers][top-k]: what one
+    transformers forward over the whole sequence routes (batched, left-padded prefill and cached decode
+    included); without it, nothing."""
+    from slime_rl.rollout_hf.engine import routed_experts
+
+    model = make_model(arch, len(tokenizer))
+    engine = HFEngine(model, tokenizer)
+    prompts = encode(tokenizer, PROMPTS[:3]) * 2
+    params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=i, ignore_eos=True,
+                             return_routed_experts=i != 5) for i in range(len(prompts))]
+    outputs = asyncio.run(generate_all(engine, prompts, params))
+    assert outputs[5].routed_experts is None
+    for prompt, out in list(zip(prompts, outputs, strict=True))[:5]:
+        fed = torch.tensor([prompt + out.token_ids[:-1]])
+        with torch.no_grad():
+            logits = model(fed, output_router_logits=True).router_logits
+        expected = routed_experts(logits, model.config, fed.shape)[0]
+        got = torch.tensor(out.routed_experts)
+        assert got.shape == (len(prompt) + 5, 2, 2)
+        assert torch.equal(got, expected)

@@ -138,3 +138,25 @@ def test_per_request_timeout(router, workers):
     with pytest.raises(GenerateError, match=r"request slow: no answer from the router at http://127.0.0.1:\d+ within 0.5 s"):
         asyncio.run(client.generate([1], long, "slow"))
     httpx.post(f"{workers[0].url}/abort_request", json={"rid": "slow"}, timeout=10)
+
+
+def test_routed_experts_are_asked_for_and_decoded():
+    """Routing replay: the engine field is in the payload only when asked for, and SGLang's base64
+    int32 ``[tokens fed, layers, top-k]`` (or plain lists) come back as nested lists."""
+    import base64
+
+    import numpy as np
+
+    assert "return_routed_experts" not in build_payload([1, 2], SamplingParams(), "r")
+    assert build_payload([1, 2], SamplingParams(return_routed_experts=True), "r")["return_routed_experts"] is True
+    routed = np.arange(3 * 2 * 4, dtype="<i4").reshape(3, 2, 4) % 8  # 2 prompt + 2 new - 1 tokens fed
+    meta = {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None]],
+            "routed_experts": base64.b64encode(routed.tobytes()).decode("ascii")}
+    out = parse_response({"output_ids": [5, 6], "meta_info": meta}, default_version=0, routed_shape=(2, 4))
+    assert out.routed_experts == routed.tolist()
+    listed = parse_response({"output_ids": [5, 6], "meta_info": {**meta, "routed_experts": routed.tolist()}},
+                            default_version=0, routed_shape=(2, 4))
+    assert listed.routed_experts == routed.tolist()
+    assert parse_response({"output_ids": [5, 6], "meta_info": meta}, default_version=0).routed_experts is None
+    with pytest.raises(GenerateError, match="do not fill"):
+        parse_response({"output_ids": [5, 6], "meta_info": meta}, default_version=0, routed_shape=(5, 4))

@@ -63,6 +63,8 @@ def run_scenario(spec: dict) -> dict:
     reader = SafetensorsFolder(spec["model"])
     exported = {name: t.cpu().clone() for bucket in trainer.named_weights(1 << 16) for name, t in bucket}
     result["exported_names"] = sorted(exported)
+    result["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if n.endswith("linear_fc2.weight")
+                                  and ".local_experts." in n)
     exact = sorted(exported) == sorted(reader.weight_map) and all(
         torch.equal(exported[n], reader.get(n)) for n in exported
     )

@@ -103,7 +103,17 @@ def collect() -> Report:
 
     for dist in LIBRARIES:
         report.add("libraries", dist, _version(dist) or "not installed")
+    _moe_lines(report)
     return report
+
+
+def _moe_lines(report: Report) -> None:
+    """Which expert MLP the Megatron trainer's MoE layers use here (grouped GEMM or sequential)."""
+    try:
+        from slime_rl.trainer_megatron.moe import expert_backend
+    except ImportError:  # no Megatron trainer installed (or it is broken: reported above)
+        return
+    report.add("moe", "experts", expert_backend())
 
 
 def render(report: Report) -> str:

@@ -55,6 +55,8 @@ class RolloutBatch:
     values: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    # MoE routing replay: [T, layers, top-k] int16, the engine's experts for each of ``tokens``
+    routed_experts: Tensor | None = None
 
     # ---------------------------------------------------------------- building
 
@@ -80,6 +82,7 @@ class RolloutBatch:
             step_samples=[count],
             step_tokens=[float(loss_mask.sum())],
             step_seqs=[count],
+            routed_experts=_routed_experts(samples),
         )
 
     def shard(self, dp_size: int, samples_per_step: int) -> list[RolloutBatch]:
@@ -128,6 +131,8 @@ class RolloutBatch:
         per_sample = {name: getattr(self, name)[index] for name in (
             "lengths", "response_lengths", "rewards", "group_ids", "sample_ids", "weight_versions", "positions")}
         trained = float(per_token["loss_mask"].sum())
+        if self.routed_experts is not None:
+            per_token["routed_experts"] = self.routed_experts[token_rows]
         return dataclasses.replace(self, tokens=self.tokens[token_rows], **per_sample, **per_token,
                                    step_samples=[len(index)], step_tokens=[trained], step_seqs=[len(index)])
 
@@ -212,3 +217,21 @@ def _check(samples: Sequence[Sample]) -> None:
         if s.response_length > len(s.tokens):
             raise ValueError(f"sample {s.index}: response_length {s.response_length} exceeds its "
                              f"{len(s.tokens)} tokens")
+
+
+def _routed_experts(samples: Sequence[Sample]) -> Tensor | None:
+    """``[T, layers, top-k]`` int16 of the samples' ``rollout_routed_experts`` (None unless every
+    sample has them). An engine reports one token fewer (the last is never fed): its row repeats
+    the one before, and no log-prob depends on it."""
+    if not samples or not all(s.rollout_routed_experts for s in samples):
+        return None
+    rows = []
+    for s in samples:
+        routed = torch.as_tensor(s.rollout_routed_experts, dtype=torch.int16)
+        if len(routed) == len(s.tokens) - 1:
+            routed = torch.cat([routed, routed[-1:]])
+        if routed.dim() != 3 or len(routed) != len(s.tokens):
+            raise ValueError(f"sample {s.index}: rollout_routed_experts has shape {tuple(routed.shape)}; need"
+                             f" [{len(s.tokens)} tokens, layers, top-k]")
+        rows.append(routed)
+    return torch.cat(rows)

@@ -70,6 +70,14 @@ def check_config(cfg: Config) -> None:
             f"TP * PP = {p.tensor_model_parallel_size} * {p.pipeline_model_parallel_size} must divide the trainer's"
             f" {cfg.actor_num_gpus} GPUs (cluster.actor_num_nodes * cluster.actor_num_gpus_per_node)",
         )
+    expert_parallel = p.expert_model_parallel_size * p.expert_tensor_parallel_size * p.pipeline_model_parallel_size
+    if cfg.actor_num_gpus % expert_parallel:
+        raise ConfigError(
+            "parallel.expert_model_parallel_size",
+            f"EP * ETP * PP = {expert_parallel} must divide the trainer's {cfg.actor_num_gpus} GPUs",
+        )
+    if p.expert_tensor_parallel_size > 1 and p.expert_model_parallel_size == 1:
+        raise ConfigError("parallel.expert_tensor_parallel_size", "> 1 needs parallel.expert_model_parallel_size > 1")
     if cfg.global_batch_size % cfg.data_parallel_size:
         raise ConfigError(
             "trainer.global_batch_size",

@@ -156,6 +156,7 @@ class AlgorithmConfig(_Section):
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     value_clip: float = Field(0.2, gt=0.0)
     use_rollout_logprobs: bool = False  # use the engine's log-probs as the old policy
+    routing_replay: Literal["off", "rollout"] = "off"  # MoE: the trainer replays the engine's expert choices
 
 
 SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp")  # Megatron's recompute_modules the local spec supports
@@ -194,6 +195,9 @@ class TrainerConfig(_Section):
     recompute: bool | list[str] = False
     critic_lr: float | None = Field(None, gt=0)  # PPO critic; defaults to lr
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a step whose loss or gradient is nan/inf: skip it, or fail
+    moe_aux_loss_coeff: float = Field(0.0, ge=0.0)  # MoE router load-balancing loss
+    moe_z_loss_coeff: float | None = Field(None, ge=0.0)  # MoE router z-loss; None: off
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
 
     @field_validator("recompute", mode="before")
     @classmethod
@@ -212,6 +216,8 @@ class ParallelConfig(_Section):
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
+    expert_model_parallel_size: int = Field(1, ge=1)  # MoE: experts spread over this many ranks
+    expert_tensor_parallel_size: int = Field(1, ge=1)  # MoE: each expert split over this many ranks
 
 
 class ClusterConfig(_Section):

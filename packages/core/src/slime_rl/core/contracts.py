@@ -39,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's eos
     ignore_eos: bool = False
     seed: int | None = None
+    return_routed_experts: bool = False  # MoE routing replay: report the experts each token went to
 
 
 @dataclass
@@ -47,6 +48,8 @@ class GenerateOutput:
     log_probs: list[float]  # one per new token
     finish_reason: FinishReason
     weight_version: int  # the engine's weight version when the request finished
+    # with return_routed_experts: [input + new tokens - 1][layers][top-k], the experts of every token fed
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class RolloutEngine(ABC):

@@ -51,6 +51,7 @@ def sampling_params(cfg: Config, *, evaluation: bool = False) -> SamplingParams:
     return SamplingParams(
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_len,
         stop=list(r.stop), stop_token_ids=list(r.stop_token_ids),
+        return_routed_experts=cfg.algorithm.routing_replay == "rollout",
     )
 
 
@@ -69,6 +70,8 @@ async def generate_single_turn(sample: Sample, params: SamplingParams, engine: R
     if sample.response_length == 0:
         sample.weight_version = out.weight_version
     sample.append_response(out.token_ids, out.log_probs, trained=True)
+    if out.routed_experts is not None:  # the whole sequence's (a continuation's input holds the earlier part)
+        sample.rollout_routed_experts = out.routed_experts
     sample.status = _FINISH_STATUS[out.finish_reason]
     return sample
 

@@ -51,6 +51,9 @@ class Sample:
     advantages: list[float] = field(default_factory=list)
     returns: list[float] = field(default_factory=list)  # PPO value targets
     values: list[float] = field(default_factory=list)  # PPO critic values
+    # MoE routing replay: the experts the engine routed each token to, [len(tokens) (or one fewer:
+    # the last token is never fed)][layers][top-k]; empty unless algorithm.routing_replay is on.
+    rollout_routed_experts: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -87,6 +90,7 @@ class Sample:
         self.loss_mask, self.rollout_log_probs = [], []
         self.reward, self.status = None, SampleStatus.PENDING
         self.old_log_probs, self.ref_log_probs, self.advantages, self.returns, self.values = [], [], [], [], []
+        self.rollout_routed_experts = []
         self.metadata.pop("error", None)
         if version is not None:
             self.weight_version = version

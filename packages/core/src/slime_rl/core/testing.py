@@ -19,7 +19,10 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+#: Tiny mixture-of-experts defaults (8 experts, top-2; Qwen2-MoE adds its gated shared expert).
+MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                "mlp_only_layers": []}
 
 
 def stdlib_text(num_files: int = 60) -> list[str]:
@@ -55,9 +58,13 @@ def tiny_config(family: str = "llama", *, vocab_size: int, hidden_size: int = 64
     ``initializer_range``, ``eos_token_id``, ...)."""
     import transformers
 
-    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+               "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}
     if family not in classes:
         raise ValueError(f"family: {family!r}; use one of {', '.join(FAMILIES)}")
+    if family.endswith("_moe"):
+        shared = {"shared_expert_intermediate_size": 48} if family == "qwen2_moe" else {}
+        fields = {**MOE_DEFAULTS, **shared, **fields}
     return classes[family](
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,

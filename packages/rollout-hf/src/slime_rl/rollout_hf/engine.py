@@ -31,8 +31,10 @@ it, and the tokens that completed the match stay in the response (SGLang's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import random
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -62,6 +64,7 @@ class _Request:
     log_probs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     aborted: bool = False  # set from the event loop, read by the worker between steps
+    routed: list[torch.Tensor] = field(default_factory=list)  # MoE: [tokens, layers, top-k] per forward
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -95,6 +98,7 @@ class HFEngine(RolloutEngine):
         forward_args = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"  # renamed in transformers 5.x
         self._has_logits_to_keep = "logits_to_keep" in forward_args
+        self.router_recorder = RouterRecorder.for_model(self.model)  # MoE models: routed experts on request
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._version = 0
         self._pending: list[_Request] = []
@@ -301,7 +305,9 @@ class HFEngine(RolloutEngine):
     def _resolve(self, req: _Request) -> None:
         self._in_flight.pop(req.request_id, None)
         if not req.future.done():
-            output = GenerateOutput(list(req.token_ids), list(req.log_probs), req.finish_reason, self._version)
+            routed = torch.cat(req.routed).tolist() if req.routed and req.params.return_routed_experts else None
+            output = GenerateOutput(list(req.token_ids), list(req.log_probs), req.finish_reason, self._version,
+                                    routed_experts=routed)
             req.future.set_result(output)
 
     async def _in_worker(self, fn, grad_mode=torch.inference_mode):
@@ -318,17 +324,42 @@ class HFEngine(RolloutEngine):
 
     def _load_weights(self, named_tensors: NamedTensors) -> None:
         params = self.model.state_dict(keep_vars=True)
-        unknown = [name for name, _ in named_tensors if name not in params]
+        targets = {name: _weight_target(name, params) for name, _ in named_tensors}
+        unknown = [name for name, target in targets.items() if target is None]
         if unknown:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
             raise ValueError(f"update_weights: unknown weight name {unknown[0]!r}{more}; the model's names look "
                              f"like {next(iter(params))!r}")
         for name, tensor in named_tensors:
-            if tuple(tensor.shape) != tuple(params[name].shape):
+            if tuple(tensor.shape) != tuple(targets[name].shape):
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is "
-                                 f"{tuple(params[name].shape)}")
+                                 f"{tuple(targets[name].shape)}")
         for name, tensor in named_tensors:
-            params[name].copy_(tensor)
+            targets[name].copy_(tensor)
+
+
+_CHECKPOINT_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _weight_target(name: str, params: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The tensor (or view) a checkpoint-named weight goes to. MoE checkpoints (and the trainer) name
+    experts one by one (``mlp.experts.{e}.gate_proj.weight``); transformers 5 holds them fused:
+    ``experts.gate_up_proj`` ``[experts, 2 * inter, hidden]`` (gate rows first) and
+    ``experts.down_proj`` ``[experts, hidden, inter]``."""
+    if name in params:
+        return params[name]
+    m = _CHECKPOINT_EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj == "down_proj":
+        fused = params.get(f"{prefix}.down_proj")
+        return None if fused is None else fused[expert]
+    fused = params.get(f"{prefix}.gate_up_proj")
+    if fused is None:
+        return None
+    gate, up = fused[expert].chunk(2, dim=0)
+    return gate if proj == "gate_proj" else up
 
 
 class _DecodeBatch:
@@ -342,13 +373,20 @@ class _DecodeBatch:
         self.cache = DynamicCache(config=self.model.config)
         self.logits: torch.Tensor | None = None  # [rows, vocab] fp32: the next token's logits
         self.attention_mask: torch.Tensor | None = None  # [rows, columns]; 0 on left padding
+        self.routed: torch.Tensor | None = None  # MoE: the last forward's [rows, seq, layers, k] experts
         self.next_position: torch.Tensor | None = None  # [rows]
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last_only: bool) -> torch.Tensor:
         kwargs = {self.engine._cache_kw: self.cache, "use_cache": True}
         if last_only and self.engine._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1  # the lm_head over the prompt would be wasted work
-        out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, position_ids=position_ids, **kwargs)
+        recorder = self.engine.router_recorder
+        routing = recorder is not None and any(r.params.return_routed_experts for r in self.rows)
+        with recorder.recording() if routing else contextlib.nullcontext():
+            out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, position_ids=position_ids,
+                             **kwargs)
+        if routing:
+            self.routed = routed_experts(recorder.take(), self.model.config, input_ids.shape)
         return out.logits[:, -1, :].float()
 
     def prefill(self) -> None:
@@ -366,7 +404,11 @@ class _DecodeBatch:
             mask[i, width - len(prompt):] = 1
         self.attention_mask = mask.to(self.device)
         positions = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        self.routed = None
         self.logits = self._forward(input_ids.to(self.device), positions, last_only=True)
+        if self.routed is not None:  # [prompts, width, layers, k]: each prompt's own (unpadded) positions
+            for req, p in zip(self.rows, row_to_prompt, strict=True):
+                req.routed.append(self.routed[p, width - len(req.input_ids):])
         if len(prompts) < len(self.rows):
             index = torch.tensor(row_to_prompt, device=self.device)
             self.cache.batch_select_indices(index)
@@ -398,7 +440,11 @@ class _DecodeBatch:
         if self.rows:
             self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(keep), 1)], dim=1)
             new_tokens = torch.tensor(kept_tokens, device=self.device)[:, None]
+            self.routed = None
             self.logits = self._forward(new_tokens, self.next_position[:, None], last_only=False)
+            if self.routed is not None:
+                for req, routed in zip(self.rows, self.routed, strict=True):
+                    req.routed.append(routed)
             self.next_position = self.next_position + 1
         return finished
 
@@ -423,6 +469,51 @@ class _DecodeBatch:
         if max_positions is not None and len(req.input_ids) + len(req.token_ids) >= max_positions:
             return "length"
         return None
+
+
+class RouterRecorder:
+    """Forward hooks on an MoE model's routers (``mlp.gate`` of each layer) that keep their logits
+    while ``recording``: the experts the engine chose are the top-k of these. (transformers'
+    ``output_router_logits`` also computes the load-balancing loss, which fails on cached decode.)"""
+
+    def __init__(self, model: PreTrainedModel):
+        self.logits: list[torch.Tensor] = []
+        self._on = False
+        self.gates = [m.mlp.gate for m in model.modules() if hasattr(getattr(m, "mlp", None), "gate")
+                      and hasattr(m.mlp, "experts")]
+        for gate in self.gates:
+            gate.register_forward_hook(self._keep)
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel) -> RouterRecorder | None:
+        if getattr(model.config.get_text_config(), "num_experts_per_tok", None) is None:
+            return None
+        return cls(model)
+
+    def _keep(self, module, inputs, output):
+        if self._on:
+            self.logits.append((output[0] if isinstance(output, tuple) else output).detach())
+
+    @contextlib.contextmanager
+    def recording(self):
+        self.logits, self._on = [], True
+        try:
+            yield
+        finally:
+            self._on = False
+
+    def take(self) -> list[torch.Tensor]:
+        logits, self.logits = self.logits, []
+        return logits
+
+
+def routed_experts(router_logits, config, shape: torch.Size) -> torch.Tensor:
+    """The top-k experts of every token fed, ``[batch, seq, layers, k]`` int16, from transformers'
+    per-layer router logits (``[batch * seq, experts]`` each): MoE routing picks the top-k of the
+    softmax of these, the same order as the top-k of the logits."""
+    k = config.get_text_config().num_experts_per_tok
+    chosen = [logits.float().topk(k, dim=-1).indices for logits in router_logits]
+    return torch.stack(chosen, dim=1).reshape(*shape, len(chosen), k).to(torch.int16).cpu()
 
 
 def _tolist(values: torch.Tensor | list) -> list:

@@ -3,7 +3,8 @@ log-probs out, with bounded concurrency, per-request timeouts and retries when a
 connection drops or the router has no live worker (an engine died or is restarting).
 
 The router rebuilds the body from its own schema and silently drops unknown fields
-(notes/sglang-router.md), so the payload holds only fields it passes on.
+(notes/sglang-router.md), so the payload holds only fields it passes on; requests that ask for
+the routed experts (MoE routing replay) go to an engine directly (`SGLangEngine`).
 
 Generation goes through aiohttp, not httpx (which the control calls use): httpx's connection
 pool costs O(connections x waiting requests) per event, and with 256 requests in flight it
@@ -13,6 +14,7 @@ fed an H200 only ~50 requests a second (docs/gpu-results.md, benchmarks/rollout_
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import random
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from slime_rl.core.contracts import GenerateOutput, SamplingParams
 
@@ -53,11 +56,28 @@ def build_payload(input_ids: list[int], params: SamplingParams, rid: str) -> dic
         sampling["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:
         sampling["sampling_seed"] = params.seed
-    return {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True,
-            "logprob_start_len": -1, "rid": rid}
+    payload = {"input_ids": list(input_ids), "sampling_params": sampling, "return_logprob": True,
+               "logprob_start_len": -1, "rid": rid}
+    if params.return_routed_experts:  # an engine field: sglang-router 0.3.2 drops it (send to an engine)
+        payload["return_routed_experts"] = True
+    return payload
 
 
-def parse_response(body: dict[str, Any], *, default_version: int) -> GenerateOutput:
+def decode_routed_experts(value: Any, routed_shape: tuple[int, int]) -> list[list[list[int]]]:
+    """SGLang's ``meta_info.routed_experts`` -> ``[tokens fed][layers][top-k]``: base64 of int32
+    (little-endian) ``[prompt + new - 1, layers, top-k]`` as SGLang encodes it, or the same as nested lists."""
+    layers, k = routed_shape
+    if isinstance(value, str):
+        flat = np.frombuffer(base64.b64decode(value), dtype="<i4")
+    else:
+        flat = np.asarray(value, dtype=np.int64).reshape(-1)
+    if flat.size % (layers * k):
+        raise GenerateError(f"routed_experts: {flat.size} expert ids do not fill [tokens, {layers} layers, top-{k}]")
+    return flat.reshape(-1, layers, k).tolist()
+
+
+def parse_response(body: dict[str, Any], *, default_version: int,
+                   routed_shape: tuple[int, int] | None = None) -> GenerateOutput:
     """SGLang's answer -> `GenerateOutput`. ``meta_info.output_token_logprobs`` is
     ``[[logprob, token_id, text_or_null], ...]``, one per new token; ``finish_reason`` is
     ``{"type": "stop" | "length" | "abort", ...}``."""
@@ -81,7 +101,11 @@ def parse_response(body: dict[str, Any], *, default_version: int) -> GenerateOut
         version = int(version)
     except (TypeError, ValueError):
         version = default_version  # "default": the weights the server started with
-    return GenerateOutput(token_ids=ids, log_probs=log_probs, finish_reason=finish, weight_version=version)
+    routed = None
+    if routed_shape is not None and meta.get("routed_experts") is not None:
+        routed = decode_routed_experts(meta["routed_experts"], routed_shape)
+    return GenerateOutput(token_ids=ids, log_probs=log_probs, finish_reason=finish, weight_version=version,
+                          routed_experts=routed)
 
 
 class GenerateClient:
@@ -113,7 +137,8 @@ class GenerateClient:
         return self._session, self._semaphore
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid_prefix: str, *,
-                       default_version: int = 0, should_stop: Callable[[], bool] | None = None) -> GenerateOutput:
+                       default_version: int = 0, should_stop: Callable[[], bool] | None = None,
+                       routed_shape: tuple[int, int] | None = None) -> GenerateOutput:
         """POST one request; on a dropped connection or a 5xx from the router, retry with a
         fresh rid (``{rid_prefix}.{attempt}``) until ``retry_timeout``. An abort of
         ``rid_prefix`` reaches every attempt (SGLang matches aborts by rid prefix).
@@ -129,7 +154,8 @@ class GenerateClient:
                 try:
                     async with session.post(f"{self.router_url}/generate", json=payload) as resp:
                         if resp.status == 200:
-                            return parse_response(await resp.json(), default_version=default_version)
+                            return parse_response(await resp.json(), default_version=default_version,
+                                                  routed_shape=routed_shape)
                         text = await resp.text()
                 except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:  # incl. connect timeouts
                     problem = f"{type(err).__name__}: {err}"

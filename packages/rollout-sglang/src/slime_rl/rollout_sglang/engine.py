@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import shutil
 import tempfile
 import uuid
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -236,8 +238,12 @@ class SGLangEngine(RolloutEngine):
                     return GenerateOutput(tokens, log_probs, "abort", self._version)
                 part_params = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
                 req.wire_prefix = f"{rid}#{uuid.uuid4().hex[:12]}"  # unique: SGLang aborts by rid prefix
-                out = await self.client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
-                                                 default_version=self._version, should_stop=lambda: req.aborted)
+                client, routed_shape = self.client, None
+                if params.return_routed_experts:
+                    client, routed_shape = self._engine_client(rid), self._routed_shape()
+                out = await client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
+                                            default_version=self._version, should_stop=lambda: req.aborted,
+                                            routed_shape=routed_shape)
                 req.wire_prefix = None  # back from the server: nothing there to abort
                 tokens += out.token_ids
                 log_probs += out.log_probs
@@ -245,11 +251,33 @@ class SGLangEngine(RolloutEngine):
                 if out.finish_reason == "abort" and not req.aborted and paused_meanwhile:
                     if len(tokens) < params.max_new_tokens:
                         continue  # cut short by a sync or a memory release: go on where it stopped
-                    return GenerateOutput(tokens, log_probs, "length", out.weight_version)
-                return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version)
+                    return GenerateOutput(tokens, log_probs, "length", out.weight_version,
+                                          routed_experts=out.routed_experts)
+                # the last part's routed experts cover the whole sequence (its input held the earlier parts)
+                return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version,
+                                      routed_experts=out.routed_experts)
         finally:
             req.done = True
             self._inflight.pop(rid, None)
+
+    def _engine_client(self, rid: str) -> GenerateClient:
+        """A client straight to one engine (chosen by the request id, so a request's continuations
+        meet its prefix cache): sglang-router 0.3.2 drops ``return_routed_experts``. Unverified on a
+        GPU; a dead engine's requests retry on it until the restart (no router failover)."""
+        server = self.servers[zlib.crc32(rid.encode()) % len(self.servers)]
+        clients = self.__dict__.setdefault("_engine_clients", {})
+        if server.url not in clients:
+            clients[server.url] = GenerateClient(server.url, max_concurrency=self.client._max_concurrency,
+                                                 request_timeout=self.client.request_timeout,
+                                                 retry_timeout=self.client.retry_timeout, api_key=self.keys.api_key)
+        return clients[server.url]
+
+    @functools.cache  # noqa: B019 - one engine per run
+    def _routed_shape(self) -> tuple[int, int]:
+        """(layers, top-k) of the served MoE model, from its config.json."""
+        config = json.loads((Path(self.model_path) / "config.json").read_text())
+        config = config.get("text_config", config)
+        return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
 
     async def abort(self, request_id: str | None = None) -> None:
         """Abort one request or all in flight; they return what they have with ``finish_reason="abort"``.

@@ -68,6 +68,8 @@ def engine_args(cfg: Config) -> dict[str, Any]:
         args.setdefault("enable_memory_saver", True)
     if not r.stop:  # token ids in and out; stop strings need SGLang's detokenizer
         args.setdefault("skip_tokenizer_init", True)
+    if cfg.algorithm.routing_replay == "rollout":  # MoE: the experts each token went to, per request
+        args.setdefault("enable_return_routed_experts", True)
     return args
 
 

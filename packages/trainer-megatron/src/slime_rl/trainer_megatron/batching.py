@@ -27,6 +27,9 @@ class MicroBatch:
     packed: PackedSequences | None
     hidden_index: Tensor  # [N] rows of hidden.reshape(-1, h) that predict the response tokens
     targets: Tensor  # [N] the response token ids
+    # routing replay: the engine's experts for each token the model sees, in the router's order
+    # (``[s * b, layers, top-k]`` padded, ``[t, layers, top-k]`` packed); None without replay
+    routed_experts: Tensor | None = None
 
 
 def check_batch(batch: RolloutBatch) -> None:
@@ -68,7 +71,8 @@ def collate(batch: RolloutBatch, rows: list[int], *, packed: bool, device: torch
     count, longest = len(rows), int(lengths.max())
     columns = torch.arange(longest)
     real = columns < lengths[:, None]  # [b, L] the rows' tokens, row-major as they lie in ``tokens``
-    ids = batch.tokens[(batch.offsets()[index][:, None] + columns)[real]].long()
+    token_rows = (batch.offsets()[index][:, None] + columns)[real]
+    ids = batch.tokens[token_rows].long()
     prompts = lengths - responses
     # positions prompt-1 .. length-2 predict the response tokens
     predicts = (columns >= (prompts - 1)[:, None]) & (columns < (lengths - 1)[:, None])
@@ -87,7 +91,11 @@ def collate(batch: RolloutBatch, rows: list[int], *, packed: bool, device: torch
     widest = int(responses.max())
     response_mask = torch.arange(widest) < responses[:, None]
     response_index = (batch.response_offsets()[index][:, None] + torch.arange(widest))[response_mask]
+    routed = None
+    if batch.routed_experts is not None:
+        routed = _routed_in_layout(batch.routed_experts, token_rows, real, packed=packed)
     return MicroBatch(
+        routed_experts=routed,
         rows=index,
         response_index=response_index,
         response_mask=response_mask,
@@ -98,10 +106,47 @@ def collate(batch: RolloutBatch, rows: list[int], *, packed: bool, device: torch
     )
 
 
+def _routed_in_layout(routed: Tensor, token_rows: Tensor, real: Tensor, *, packed: bool) -> Tensor:
+    """The batch's ``[T, layers, k]`` routed experts for a micro-batch, in the order the router sees
+    its tokens: packed rows as they are; padded ``[b, s]`` as ``[s, b]`` flattened, with padding
+    routed to experts 0..k-1 (causal attention keeps padding out of every real token)."""
+    mine = routed[token_rows].long()
+    if packed:
+        return mine
+    count, longest = real.shape
+    k = routed.shape[-1]
+    out = torch.arange(k).expand(count, longest, routed.shape[1], k).clone()
+    out[real] = mine
+    return out.transpose(0, 1).reshape(longest * count, routed.shape[1], k)
+
+
+def split_to_count(groups: list[list[int]], lengths: list[int], count: int) -> list[list[int]]:
+    """``groups`` split further (the one with the most tokens, in halves) until there are ``count``.
+    Expert parallelism needs it: every rank of an EP group must run as many micro-batches (each
+    MoE layer's all-to-all is collective) even when their shards pack differently."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [i for i, g in enumerate(groups) if len(g) > 1]
+        if not splittable:
+            raise ValueError(f"expert parallelism: {len(groups)} samples on this rank cannot make the {count}"
+                             " micro-batches another rank of its expert-parallel group runs; give each"
+                             " data-parallel rank more samples (trainer.global_batch_size) or lower"
+                             " trainer.micro_batch_size / raise trainer.max_tokens_per_gpu")
+        i = max(splittable, key=lambda j: (sum(lengths[r] for r in groups[j]), -j))
+        g = groups.pop(i)
+        half = len(g) // 2
+        groups[i:i] = [g[:half], g[half:]]
+    return groups
+
+
 def micro_batches(batch: RolloutBatch, *, micro_batch_size: int, max_tokens: int | None,
-                  device: torch.device) -> list[MicroBatch]:
-    """All of ``batch``'s samples as micro-batches."""
-    groups = group_rows(batch.lengths.tolist(), micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+                  device: torch.device, count_at_least=None) -> list[MicroBatch]:
+    """All of ``batch``'s samples as micro-batches. ``count_at_least(n) -> m``: the number the
+    caller needs (m >= n, the same on every rank of an expert-parallel group), reached by splitting."""
+    lengths = batch.lengths.tolist()
+    groups = group_rows(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+    if count_at_least is not None:
+        groups = split_to_count(groups, lengths, count_at_least(len(groups)))
     return [collate(batch, g, packed=max_tokens is not None, device=device) for g in groups]
 
 

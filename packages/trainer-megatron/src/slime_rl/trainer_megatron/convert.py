@@ -45,6 +45,19 @@ _LAYER_PARAMS = {
     "mlp.linear_fc1.weight": ("mlp.{gate,up}_proj.weight", "glu"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
 }
+# MoE layers (moe.py): the router, each expert (split over expert-TP ranks, spread over EP ranks)
+# and Qwen2-MoE's gated shared expert. "{e}" is the global expert index.
+_MOE_PARAMS = {
+    "mlp.router.weight": ("mlp.gate.weight", None),
+    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.{gate,up}_proj.weight", "glu"),
+    "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_expert.down_proj.weight", 1),
+    "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight", None),
+}
+_EXPERT_PARAMS = {
+    "mlp.experts.local_experts.{e}.linear_fc1.weight": ("mlp.experts.{e}.{gate,up}_proj.weight", "glu"),
+    "mlp.experts.local_experts.{e}.linear_fc2.weight": ("mlp.experts.{e}.down_proj.weight", 1),
+}
+_LOCAL_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
 _GLOBAL_PARAMS = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
     "decoder.final_layernorm.weight": ("model.norm.weight", None),
@@ -60,6 +73,7 @@ class ParamRef:
     hf_names: tuple[str, ...]
     split: int | str | None
     layer: int | None  # global layer index, None for embedding / final norm / output layer
+    expert: int | None = None  # global expert index: split over expert-TP ranks, held by one EP rank
 
 
 def _expand(hf_suffix: str) -> tuple[str, ...]:
@@ -79,12 +93,44 @@ def param_refs(shape: HFModelShape) -> list[ParamRef]:
             if "q_layernorm" in suffix or "k_layernorm" in suffix:
                 if not shape.qk_norm:
                     continue
+            if suffix.startswith("mlp.") and shape.moe is not None:
+                continue
             hf = tuple(f"model.layers.{i}.{name}" for name in _expand(hf_suffix))
             refs.append(ParamRef(f"decoder.layers.{i}.{suffix}", hf, split, i))
+        if shape.moe is not None:
+            refs += _moe_refs(shape, i)
     refs.append(ParamRef("decoder.final_layernorm.weight", ("model.norm.weight",), None, None))
     if not shape.tie_word_embeddings:
         refs.append(ParamRef("output_layer.weight", ("lm_head.weight",), 0, None))
     return refs
+
+
+def _moe_refs(shape: HFModelShape, i: int) -> list[ParamRef]:
+    refs = []
+    for suffix, (hf_suffix, split) in _MOE_PARAMS.items():
+        if "shared_expert" in hf_suffix and shape.moe.shared_expert_intermediate_size is None:
+            continue
+        hf = tuple(f"model.layers.{i}.{name}" for name in _expand(hf_suffix))
+        refs.append(ParamRef(f"decoder.layers.{i}.{suffix}", hf, split, i))
+    for e in range(shape.moe.num_experts):
+        for suffix, (hf_suffix, split) in _EXPERT_PARAMS.items():
+            hf = tuple(f"model.layers.{i}.{name}" for name in _expand(hf_suffix.replace("{e}", str(e))))
+            refs.append(ParamRef(f"decoder.layers.{i}.{suffix.replace('{e}', str(e))}", hf, split, i, e))
+    return refs
+
+
+def _expert_layout() -> tuple[int, int, int, int]:
+    """(EP rank, EP size, expert-TP rank, expert-TP size) of this rank."""
+    return (parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size())
+
+
+def _split_layout(ref: ParamRef) -> tuple[int, int]:
+    """(rank, size) over which ``ref`` is split: expert-TP for experts, TP for the rest."""
+    if ref.expert is not None:
+        _, _, etp_rank, etp_size = _expert_layout()
+        return etp_rank, etp_size
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
 # ---------------------------------------------------------------- fusing and splitting
@@ -154,12 +200,18 @@ def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[Param
     """This rank's parameters keyed by local name, each with its global ParamRef."""
     refs = {r.megatron_name: r for r in param_refs(shape)}
     offset = layer_offset(model)
+    first_expert = 0
+    if shape.moe is not None:
+        ep_rank, ep_size, _, _ = _expert_layout()
+        first_expert = ep_rank * (shape.moe.num_experts // ep_size)
     out = {}
     for name, param in model.named_parameters():
         if name.startswith("value_head."):
             continue
         m = _LAYER.match(name)
         global_name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
+        if (e := _LOCAL_EXPERT.match(global_name)) is not None:  # local expert index -> global
+            global_name = f"{e.group(1)}{int(e.group(2)) + first_expert}{e.group(3)}"
         if global_name == "output_layer.weight" and shape.tie_word_embeddings:
             # PP > 1 with tied embeddings: the last stage's copy of the embedding.
             ref = ParamRef("output_layer.weight", ("model.embed_tokens.weight",), 0, None)
@@ -210,15 +262,13 @@ class SafetensorsFolder:
 def load_hf(model: PolicyGPT, folder: str | Path, shape: HFModelShape) -> None:
     """Copy this rank's TP/PP slice of the HF weights in ``folder`` into ``model``."""
     reader = SafetensorsFolder(folder)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for name, (ref, param) in local_params(model, shape).items():
         hf_names = ref.hf_names
         if ref.megatron_name == "output_layer.weight" and "lm_head.weight" not in reader:
             if not shape.tie_word_embeddings:
                 raise KeyError(f"{folder}: lm_head.weight is missing and tie_word_embeddings is false")
         full = hf_to_full(ref, [reader.get(n) for n in hf_names], shape)
-        local = shard(ref, full, tp_rank, tp_size)
+        local = shard(ref, full, *_split_layout(ref))
         if local.shape != param.shape:
             raise ValueError(f"{folder}: {hf_names} give shape {tuple(local.shape)} for {name}, expected {tuple(param.shape)}")
         param.data.copy_(local)
@@ -241,8 +291,16 @@ def _hf_shapes(ref: ParamRef, shape: HFModelShape) -> list[tuple[int, ...]]:
     """Full HF shapes of a ref's tensors (what non-owner stages allocate to receive)."""
     h, d = shape.hidden_size, shape.head_dim
     out = []
+    moe = shape.moe
     for name in ref.hf_names:
-        if name.endswith(("q_proj.weight",)):
+        if moe is not None and (".experts." in name or ".shared_expert." in name):
+            size = moe.expert_intermediate_size if ".experts." in name else moe.shared_expert_intermediate_size
+            out.append((h, size) if name.endswith("down_proj.weight") else (size, h))
+        elif name.endswith("mlp.gate.weight"):
+            out.append((moe.num_experts, h))
+        elif name.endswith("shared_expert_gate.weight"):
+            out.append((1, h))
+        elif name.endswith(("q_proj.weight",)):
             out.append((shape.num_heads * d, h))
         elif name.endswith(("k_proj.weight", "v_proj.weight")):
             out.append((shape.num_kv_heads * d, h))
@@ -279,7 +337,9 @@ def iter_hf_tensors(model: PolicyGPT, shape: HFModelShape) -> Iterator[tuple[str
     by_global = {ref.megatron_name: param for ref, param in local_params(model, shape).values()}
     for ref in param_refs(shape):
         owner = _stage_of(ref, shape, pp_size)
-        if owner == pp_rank:
+        if owner == pp_rank and ref.expert is not None:
+            tensors = _gather_expert(ref, by_global, shape, dtype, device)
+        elif owner == pp_rank:
             local = by_global[ref.megatron_name].detach()
             if ref.split is not None and tp_size > 1:
                 shards = [torch.empty_like(local) for _ in range(tp_size)]
@@ -293,6 +353,29 @@ def iter_hf_tensors(model: PolicyGPT, shape: HFModelShape) -> Iterator[tuple[str
             for t in tensors:
                 dist.broadcast(t, src=pp_ranks[owner], group=pp_group)
         yield from zip(ref.hf_names, tensors, strict=True)
+
+
+def _gather_expert(ref: ParamRef, by_global: dict, shape: HFModelShape, dtype: torch.dtype,
+                   device: torch.device) -> list[torch.Tensor]:
+    """One expert's HF tensors on every rank of this stage: its EP owner gathers the expert-TP
+    slices, then broadcasts over the EP group (one expert at a time: never all experts at once)."""
+    ep_rank, ep_size, _, etp_size = _expert_layout()
+    owner = ref.expert // (shape.moe.num_experts // ep_size)
+    if ep_rank == owner:
+        local = by_global[ref.megatron_name].detach()
+        shards = [local]
+        if etp_size > 1:
+            shards = [torch.empty_like(local) for _ in range(etp_size)]
+            dist.all_gather(shards, local.contiguous(), group=parallel_state.get_expert_tensor_parallel_group())
+        tensors = full_to_hf(ref, unshard(ref, shards), shape)
+    else:
+        tensors = [torch.empty(s, dtype=dtype, device=device) for s in _hf_shapes(ref, shape)]
+    if ep_size > 1:
+        group = parallel_state.get_expert_model_parallel_group()
+        src = dist.get_process_group_ranks(group)[owner]
+        for t in tensors:
+            dist.broadcast(t, src=src, group=group)
+    return tensors
 
 
 def bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:

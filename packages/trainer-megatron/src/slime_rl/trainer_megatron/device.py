@@ -47,6 +47,12 @@ _CUDA_MODULES = (
     "megatron.core.transformer.dot_product_attention",
     "megatron.core.transformer.module",
     "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
@@ -113,6 +119,20 @@ class _CpuCuda(types.SimpleNamespace):
     def current_stream(*args, **kwargs):
         return None
 
+    @staticmethod
+    def Stream(*args, **kwargs):  # noqa: N802 - torch.cuda's name
+        return _NoStream()
+
+
+class _NoStream:
+    """A CUDA stream on the CPU (the MoE alltoall dispatcher's device-to-host stream): work is synchronous."""
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return types.SimpleNamespace(synchronize=lambda: None, wait=lambda *a, **k: None)
+
 
 def _make_cpu_torch() -> types.ModuleType:
     """A stand-in for the ``torch`` module: everything is torch's, except that CUDA means CPU."""
@@ -158,7 +178,59 @@ def redirect_megatron_to_cpu() -> None:
     _let_mixed_precision_optimizer_wrap_cpu_params()
     _install_cpu_rng_tracker()
     _keep_freed_memory_mapped()
+    _give_moe_dispatcher_host_splits()
+    _reduce_scatter_over_gloo()
     _redirected = True
+
+
+def _reduce_scatter_over_gloo() -> None:
+    """gloo has no reduce-scatter and gathers only equal sizes; expert tensor parallelism (ETP > 1)
+    uses both in the MoE dispatcher. On the CPU: an all-reduce and this rank's slice, and an
+    all-gather of padded pieces cut back to their sizes."""
+    from megatron.core.tensor_parallel import mappings
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        world = group.size()
+        if world == 1:
+            return input_
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        sizes = input_split_sizes or [input_.shape[0] // world] * world
+        return torch.split(total, list(sizes), dim=0)[group.rank()].contiguous()
+
+    gather = mappings._gather_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, None, use_global_buffer)
+        sizes = list(output_split_sizes)
+        padded = input_.new_zeros(max(sizes), *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])
+
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+    mappings._gather_along_first_dim = gather_uneven
+
+
+def _give_moe_dispatcher_host_splits() -> None:
+    """The MoE alltoall dispatcher turns its split sizes into numpy arrays only when it moves them
+    off a GPU; on the CPU they stay tensors, which ``all_to_all_single`` refuses. Convert CPU
+    tensors the same way."""
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:
+        return
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def _keep_freed_memory_mapped() -> None:

@@ -1,4 +1,5 @@
-"""A Hugging Face config -> a Megatron GPTModel (local layer spec) for Llama, Qwen2/2.5 and Qwen3.
+"""A Hugging Face config -> a Megatron GPTModel (local layer spec) for Llama, Qwen2/2.5, Qwen3, and the
+mixture-of-experts Qwen3-MoE and Qwen2-MoE (moe.py).
 
 The model returns the final hidden states (after the last RMSNorm) instead of logits:
 ``logprobs.py`` applies the output layer in chunks, so full-vocabulary logits for a
@@ -25,15 +26,17 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from slime_rl.trainer_megatron import fused_rope
+from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                           "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
 
 
 @dataclass(frozen=True)
 class HFModelShape:
     """What the conversion and the model need from an HF config.json."""
 
-    family: str  # llama | qwen2 | qwen3
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -49,6 +52,7 @@ class HFModelShape:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoEShape | None = None  # the experts of an MoE family, None for dense models
 
 
 def read_hf_config(path: str | Path):
@@ -65,7 +69,7 @@ def hf_model_shape(hf_config) -> HFModelShape:
     archs = list(getattr(hf_config, "architectures", None) or [])
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+        by_type = {family: name for name, family in SUPPORTED_ARCHITECTURES.items()}
         arch = by_type.get(getattr(hf_config, "model_type", ""))
     if arch is None:
         raise ValueError(
@@ -86,7 +90,7 @@ def hf_model_shape(hf_config) -> HFModelShape:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    if family == "qwen2":
+    if family in ("qwen2", "qwen2_moe"):
         qkv_bias = True  # Qwen2 always has q/k/v biases
     else:
         qkv_bias = bool(getattr(hf_config, "attention_bias", False))
@@ -106,7 +110,8 @@ def hf_model_shape(hf_config) -> HFModelShape:
         max_position_embeddings=hf_config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        moe=moe_shape(hf_config, family) if family in MOE_FAMILIES else None,
     )
 
 
@@ -127,13 +132,14 @@ def check_parallel_fits(shape: HFModelShape, tp: int, pp: int) -> None:
 
 def transformer_config(
     shape: HFModelShape, *, tp: int, pp: int, dtype: torch.dtype, recompute: bool | list[str] = False,
-    sequence_parallel: bool = False, compiled_fusions: bool = False,
+    sequence_parallel: bool = False, compiled_fusions: bool = False, moe_fields: dict | None = None,
 ) -> TransformerConfig:
     """The TransformerConfig for ``shape``: RMSNorm, SwiGLU, RoPE, GQA, no biases but Qwen's QKV.
     ``compiled_fusions``: Megatron's torch.compile'd SwiGLU (one kernel each way, and backward
     keeps only the MLP's input) and a compiled RoPE in TransformerEngine's place (fused_rope.py);
     for CUDA, where inductor's Triton kernels pay. ``recompute``: True for full recompute,
-    or Megatron's selective recompute of the modules named (e.g. ``["core_attn", "mlp"]``)."""
+    or Megatron's selective recompute of the modules named (e.g. ``["core_attn", "mlp"]``).
+    ``moe_fields``: the MoE layer's fields (`moe.transformer_config_fields`) for an MoE model."""
     if sequence_parallel:
         raise ValueError(
             "parallel.sequence_parallel: needs TransformerEngine or Apex norms, which the local spec does not use;"
@@ -141,7 +147,7 @@ def transformer_config(
         )
     if compiled_fusions:
         fused_rope.install()  # before the config: its checks look for the fused RoPE functions
-    extra = {"bias_activation_fusion": compiled_fusions, "apply_rope_fusion": compiled_fusions}
+    extra = {"bias_activation_fusion": compiled_fusions, "apply_rope_fusion": compiled_fusions, **(moe_fields or {})}
     if recompute is True:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute:
@@ -324,7 +330,9 @@ class PolicyGPT(GPTModel):
 
 
 def layer_spec(shape: HFModelShape):
-    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    num_experts = shape.moe.num_experts if shape.moe else None
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
+                                    normalization="RMSNorm")
     attention = spec.submodules.self_attention.submodules
     spec.submodules.self_attention.submodules = dataclasses.replace(attention, core_attention=SDPAttention)
     return spec

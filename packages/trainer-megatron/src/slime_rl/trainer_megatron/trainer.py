@@ -39,7 +39,7 @@ from slime_rl.core import losses
 from slime_rl.core.batch import TRAINER_COLUMNS, RolloutBatch
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
-from slime_rl.trainer_megatron import batching, checkpointing, convert
+from slime_rl.trainer_megatron import batching, checkpointing, convert, moe
 from slime_rl.trainer_megatron import device as dev
 from slime_rl.trainer_megatron.logprobs import token_log_probs
 from slime_rl.trainer_megatron.model import (
@@ -110,14 +110,20 @@ class MegatronTrainer(PolicyTrainer):
         dev.init_distributed(self.device_type)
         self.device = dev.current_device(self.device_type)
         tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+        ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.expert_tensor_parallel_size
         world = dist.get_world_size()
         if world % (tp * pp):
             raise ValueError(f"parallel: TP * PP = {tp * pp} must divide the {world} trainer ranks")
+        if world % (ep * etp * pp):
+            raise ValueError(f"parallel: EP * ETP * PP = {ep * etp * pp} must divide the {world} trainer ranks")
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         elif (parallel_state.get_tensor_model_parallel_world_size(),
-              parallel_state.get_pipeline_model_parallel_world_size()) != (tp, pp):
-            raise RuntimeError("parallel: this process already initialised Megatron with another TP/PP layout")
+              parallel_state.get_pipeline_model_parallel_world_size(),
+              parallel_state.get_expert_model_parallel_world_size(),
+              parallel_state.get_expert_tensor_parallel_world_size()) != (tp, pp, ep, etp):
+            raise RuntimeError("parallel: this process already initialised Megatron with another TP/PP/EP layout")
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
@@ -130,11 +136,28 @@ class MegatronTrainer(PolicyTrainer):
         p = self.cfg.parallel
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         check_parallel_fits(self.shape, tp, pp)
+        ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+        moe.check_expert_parallel(self.shape.moe, tp=tp, ep=ep, etp=etp)
+        t = self.cfg.trainer
+        moe_fields = None
+        if self.shape.moe is not None:
+            moe.patch_megatron_without_te()
+            moe_fields = moe.transformer_config_fields(
+                self.shape.moe, ep=ep, etp=etp, aux_loss_coeff=t.moe_aux_loss_coeff, z_loss_coeff=t.moe_z_loss_coeff,
+                load_balancing_type=t.moe_router_load_balancing_type,
+                routing_replay=self.cfg.algorithm.routing_replay == "rollout")
         self.tconfig = transformer_config(
-            self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=self.cfg.trainer.recompute,
-            sequence_parallel=p.sequence_parallel, compiled_fusions=self.device_type == "cuda",
+            self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=t.recompute,
+            sequence_parallel=p.sequence_parallel, compiled_fusions=self.device_type == "cuda", moe_fields=moe_fields,
         )
         self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic")
+        self.router_stats = moe.RouterStats(self.model) if self.shape.moe is not None else None
+        self.routing_replay = None
+        if moe_fields is not None and moe_fields["moe_enable_routing_replay"]:
+            if t.recompute:
+                raise ValueError("algorithm.routing_replay: rollout does not support trainer.recompute yet (the"
+                                 " recomputed forward would need the replayed experts again); set recompute to false")
+            self.routing_replay = moe.RoutingReplay(self.model, convert.layer_offset(self.model))
         if self.device_type == "cuda":
             self.model.cuda()
         # bf16: Float16Module also casts the torch norms' fp32 weights, so every parameter has its
@@ -181,8 +204,17 @@ class MegatronTrainer(PolicyTrainer):
 
     def _micro_batches(self, batch: RolloutBatch) -> list[batching.MicroBatch]:
         t = self.cfg.trainer
+        same_count = None
+        if self.cfg.parallel.expert_model_parallel_size > 1:
+            same_count = self._most_micro_batches
         return batching.micro_batches(batch, micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_gpu,
-                                      device=self.device)
+                                      device=self.device, count_at_least=same_count)
+
+    def _most_micro_batches(self, count: int) -> int:
+        """The most micro-batches any data-parallel rank has (expert-parallel groups lie within it)."""
+        most = torch.tensor([count], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        return int(most)
 
     def _run(self, mbs: list[batching.MicroBatch], loss_func, *, forward_only: bool) -> list[Any]:
         """Megatron's schedule over ``mbs``; ``loss_func(mb, hidden) -> (loss, outputs)``.
@@ -191,6 +223,8 @@ class MegatronTrainer(PolicyTrainer):
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.routing_replay is not None:
+                self.routing_replay.use(mb.routed_experts, self.device)
             hidden = model(mb.input_ids, None, None, packed_seq_params=mb.packed, **fp16_kwargs)
 
             def on_last_stage(output):
@@ -201,10 +235,14 @@ class MegatronTrainer(PolicyTrainer):
 
         longest = max(mb.input_ids.shape[1] for mb in mbs)
         widest = max(mb.input_ids.shape[0] for mb in mbs)
-        return self._forward_backward(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
-            seq_length=longest, micro_batch_size=widest, decoder_seq_length=longest, forward_only=forward_only,
-        )
+        try:
+            return self._forward_backward(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.ddp], num_microbatches=len(mbs),
+                seq_length=longest, micro_batch_size=widest, decoder_seq_length=longest, forward_only=forward_only,
+            )
+        finally:
+            if self.routing_replay is not None:
+                self.routing_replay.clear()
 
     def _hidden_rows(self, mb: batching.MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The hidden states that predict the response tokens, ``[N, h]``."""
@@ -378,9 +416,13 @@ class MegatronTrainer(PolicyTrainer):
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.router_stats is not None:
+            self.router_stats.reset()
         outputs = self._run(mbs, critic_loss if self.role == "critic" else actor_loss, forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
         metrics = self._share_metrics(outputs if self.is_last_stage else [])  # the same on every rank
+        if self.router_stats is not None:
+            metrics.update(self.router_stats.take(parallel_state.get_data_parallel_group()))
         bad = nonfinite_update(metrics["loss"], self.model, self.dtype, self.device)
         if bad is None:
             update_ok, grad_norm, _ = self.optimizer.step()

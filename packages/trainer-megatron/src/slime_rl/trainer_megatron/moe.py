@@ -1,0 +1,195 @@
+"""Mixture-of-experts pieces of the Megatron trainer: Qwen3-MoE and Qwen2-MoE on megatron-core's
+MoE layer (local spec, no TransformerEngine).
+
+Experts run as megatron's SequentialMLP (one MLP per local expert): its grouped-GEMM experts need
+TransformerEngine (TEGroupedMLP) or the ``grouped_gemm`` package (legacy GroupedMLP), and neither
+is installed here. Tokens reach the experts through the alltoall dispatcher, which runs over gloo
+on the CPU and NCCL on CUDA. Routing replay uses megatron's own ``RouterReplay`` hook on the
+router's top-k (``moe_enable_routing_replay``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The MoE fields of an HF config (Qwen2-MoE / Qwen3-MoE)."""
+
+    num_experts: int
+    topk: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int | None  # Qwen2-MoE: one gated shared expert
+
+
+def moe_shape(hf_config, family: str) -> MoEShape:
+    """Read and check the MoE fields; every layer must be an MoE layer."""
+    sparse_step = getattr(hf_config, "decoder_sparse_step", 1)
+    dense_layers = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    if sparse_step != 1 or dense_layers:
+        raise ValueError(
+            "model.path: mixed dense and MoE layers (decoder_sparse_step != 1 or mlp_only_layers) are not"
+            " supported; every layer must be an MoE layer"
+        )
+    shared = getattr(hf_config, "shared_expert_intermediate_size", None) if family == "qwen2_moe" else None
+    return MoEShape(
+        num_experts=hf_config.num_experts,
+        topk=hf_config.num_experts_per_tok,
+        expert_intermediate_size=hf_config.moe_intermediate_size,
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", family == "qwen3_moe")),
+        shared_expert_intermediate_size=shared or None,
+    )
+
+
+def expert_backend() -> str:
+    """Which expert MLP the local spec builds here, for ``slime-cli doctor``."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return "sequential (TransformerEngine present, but the trainer uses the local spec)"
+    if importlib.util.find_spec("grouped_gemm") is not None:
+        return "sequential (grouped_gemm present; the local spec's grouped path is not used)"
+    return "sequential: grouped GEMM needs TransformerEngine or the grouped_gemm package, neither installed"
+
+
+def transformer_config_fields(moe: MoEShape, *, ep: int, etp: int, aux_loss_coeff: float,
+                              z_loss_coeff: float | None, load_balancing_type: str,
+                              routing_replay: bool) -> dict:
+    """TransformerConfig fields for the MoE layer (HF routing: softmax, top-k, optional renormalisation)."""
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.expert_intermediate_size,
+        # Qwen3 renormalises the top-k softmax (== softmax over the top-k logits); Qwen2-MoE keeps
+        # the full softmax's probabilities (softmax first, then top-k).
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type=load_balancing_type,
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_z_loss_coeff=z_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+        moe_shared_expert_gate=moe.shared_expert_intermediate_size is not None,
+        moe_shared_expert_overlap=False,
+        moe_router_dtype="fp32",
+        moe_enable_routing_replay=routing_replay,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+
+
+def check_expert_parallel(moe: MoEShape | None, *, tp: int, ep: int, etp: int) -> None:
+    """Refuse layouts the trainer cannot run, naming the field and the fix."""
+    if moe is None:
+        if ep > 1 or etp > 1:
+            raise ValueError("parallel.expert_model_parallel_size / expert_tensor_parallel_size: the model has no"
+                             " experts; set both to 1")
+        return
+    if tp > 1:
+        # megatron-core asks for sequence parallelism with MoE under TP (the router and dispatcher
+        # work on the sequence-split hidden states), and sequence parallelism needs TE/Apex norms.
+        raise ValueError("parallel.tensor_model_parallel_size: MoE models need sequence parallelism with TP > 1,"
+                         " which the local (no TransformerEngine) spec does not support; use TP=1 with"
+                         " parallel.expert_model_parallel_size for the experts")
+    if etp > 1 and ep == 1:
+        raise ValueError("parallel.expert_tensor_parallel_size: > 1 needs parallel.expert_model_parallel_size > 1")
+    if moe.num_experts % ep:
+        raise ValueError(f"parallel.expert_model_parallel_size: {ep} must divide the model's {moe.num_experts}"
+                         " experts")
+    if moe.expert_intermediate_size % etp:
+        raise ValueError(f"parallel.expert_tensor_parallel_size: {etp} must divide moe_intermediate_size"
+                         f" ({moe.expert_intermediate_size})")
+
+
+def patch_megatron_without_te() -> None:
+    """megatron-core 0.16.1's router GEMM reads ``te_general_gemm``, which is only defined when
+    TransformerEngine imports: without TE the router raises NameError. None sends it to torch.mm."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# ---------------------------------------------------------------- router statistics
+
+
+class RouterStats:
+    """Tokens per expert counted by every router of this rank's model (forward hooks), for the
+    ``moe_expert_load_max`` / ``moe_expert_load_mean`` metrics (max over experts / mean, per layer)."""
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.counts: dict[int, torch.Tensor] = {}
+        self.hooks = []
+        for name, module in model.named_modules():
+            if isinstance(module, TopKRouter):
+                self.hooks.append(module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):
+        key = hash(name)
+
+        def count(module, inputs, output):
+            routing_map = output[1]
+            load = routing_map.detach().sum(0).float().cpu()  # [experts]
+            self.counts[key] = self.counts[key] + load if key in self.counts else load
+
+        return count
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def take(self, group=None) -> dict[str, float]:
+        """Max-over-mean expert load averaged over this rank's layers, counted since the last
+        ``reset``/``take`` and summed over ``group`` (the data-parallel ranks); then reset."""
+        if not self.counts:
+            return {}
+        loads = torch.stack([self.counts[k] for k in sorted(self.counts)])  # [layers, experts]
+        self.counts = {}
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend(
+                group) == "nccl" else torch.device("cpu")
+            loads = loads.to(device)
+            torch.distributed.all_reduce(loads, group=group)
+            loads = loads.cpu()
+        ratios = loads.max(dim=1).values / loads.mean(dim=1).clamp_min(1e-9)
+        return {"moe_expert_load_max_over_mean": float(ratios.mean())}
+
+
+# ---------------------------------------------------------------- routing replay
+
+
+class RoutingReplay:
+    """Feeds the engine's expert choices to megatron's ``RouterReplay`` hooks of this rank's
+    routers (``moe_enable_routing_replay``): each router then takes the given top-k instead of its
+    own and weighs them by its own scores, so gradients still reach the router."""
+
+    def __init__(self, model: torch.nn.Module, first_layer: int):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        # this model's routers in layer order (megatron's global list also holds other models')
+        self.replays = [m.router_replay for m in model.modules()
+                        if isinstance(m, TopKRouter) and m.router_replay is not None]
+        self.first_layer = first_layer
+
+    def use(self, routed: torch.Tensor | None, device: torch.device) -> None:
+        """Replay ``routed`` (``[tokens, all layers, k]``, the router's token order) in the next
+        forward; None: route as usual."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for layer, replay in enumerate(self.replays):
+            replay.clear_indices()
+            if routed is None:
+                replay.clear_router_replay_action()
+                continue
+            replay.set_target_indices(routed[:, self.first_layer + layer].to(device, torch.int64).contiguous())
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def clear(self) -> None:
+        self.use(None, torch.device("cpu"))

@@ -1,0 +1,185 @@
+"""Mixture-of-experts models (Qwen3-MoE; Qwen2-MoE with its gated shared expert) on megatron-core's MoE
+layer: HF -> Megatron -> HF is bit-exact, log-probs equal transformers' (fp32, <= 1e-4), expert
+parallelism over gloo (EP=2) gives EP=1's log-probs, losses, gradient norms and updated weights
+(<= 1e-5 over three steps), and routing replay makes the forward use the experts it is given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron_testlib import (
+    ensure_single_rank_group,
+    hf_response_log_probs,
+    launch,
+    load_hf,
+    make_config,
+    make_hf_model,
+    make_samples,
+    per_sample,
+    to_batch,
+)
+from megatron_worker import run_scenario
+
+from slime_rl.trainer_megatron.convert import SafetensorsFolder
+from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+VOCAB = 256
+COMMON = ["algorithm.entropy_coef=0.01", "algorithm.eps_clip=0.1"]
+
+
+def trainer_for(model_dir, overrides=()):
+    ensure_single_rank_group()
+    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_round_trip_and_log_probs_match_transformers(family, tmp_path):
+    model_dir = make_hf_model(tmp_path / "m", family, vocab=VOCAB)
+    trainer = trainer_for(model_dir)
+    reader = SafetensorsFolder(model_dir)
+    buckets = list(trainer.named_weights(bucket_bytes=64 << 10))
+    exported = dict(item for bucket in buckets for item in bucket)
+    assert sorted(exported) == sorted(reader.weight_map)
+    assert any(".mlp.experts.7.down_proj.weight" in n for n in exported) and any(".mlp.gate.weight" in n
+                                                                                 for n in exported)
+    assert all(torch.equal(t, reader.get(n)) for n, t in exported.items())
+    assert all(sum(t.numel() * t.element_size() for _, t in b) <= 64 << 10 for b in buckets)
+
+    samples = make_samples(5, VOCAB, prompt=(1, 12), response=(1, 20))
+    batch = to_batch(samples)
+    ours = per_sample(batch, trainer.compute_log_probs(batch))
+    hf = load_hf(model_dir)
+    diffs = [(torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length)).abs().max()
+             for s, lp in zip(samples, ours, strict=True)]
+    assert max(float(d) for d in diffs) <= 1e-4
+    metrics = trainer.train_step(_with_old(batch, trainer))
+    assert metrics["moe_expert_load_max_over_mean"] >= 1.0
+
+
+def _with_old(batch, trainer):
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    return batch
+
+
+@pytest.mark.parametrize("family,batching", [("qwen2_moe", ["trainer.max_tokens_per_gpu=40"]),
+                                             ("qwen3_moe", ["trainer.micro_batch_size=2"])])
+def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
+    model = make_hf_model(tmp_path / "model", family, vocab=VOCAB)
+    spec = dict(model=str(model), num_samples=6, vocab=VOCAB, steps=3)
+    ensure_single_rank_group()
+    single = run_scenario({**spec, "overrides": COMMON + batching})
+    multi = launch(2, {**spec, "overrides": COMMON + batching + ["parallel.expert_model_parallel_size=2",
+                                                                "cluster.actor_num_gpus_per_node=2"]}, tmp_path)
+    assert single["roundtrip_exact"] and multi["roundtrip_exact"]
+    assert (single["local_experts"], multi["local_experts"]) == (2 * 8, 2 * 4)  # 2 layers; EP=2 holds half
+    for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
+        assert abs(one["loss"] - two["loss"]) <= 1e-5, (one, two)
+        assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5, (one, two)
+    assert multi["metrics"][2]["ppo_kl"] != 0  # the steps moved the policy
+    for name, t in single["final"].items():
+        assert torch.allclose(t, multi["final"][name], atol=1e-5, rtol=0), name
+
+
+def _hf_routing(hf, tokens: list[int], forced: dict[int, torch.Tensor] | None = None):
+    """transformers' top-k per layer for ``tokens`` ([len, layers, k]) and its response log-probs, with
+    each layer's router made to pick ``forced[layer]`` instead (weights: its own renormalised scores)."""
+    gates = [layer.mlp.gate for layer in hf.model.layers]
+    originals = [g.forward for g in gates]
+    if forced is not None:
+        for layer, gate in enumerate(gates):
+            def pick(hidden, gate=gate, idx=forced[layer]):
+                logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+                scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, idx)
+                if gate.norm_topk_prob:
+                    scores = scores / scores.sum(-1, keepdim=True)
+                return logits, scores.to(logits.dtype), idx
+            gate.forward = pick
+    try:
+        with torch.no_grad():
+            out = hf(torch.tensor([tokens]), output_router_logits=True)
+    finally:
+        for gate, original in zip(gates, originals, strict=True):
+            gate.forward = original
+    k = hf.config.num_experts_per_tok
+    chosen = torch.stack([logits.topk(k, dim=-1).indices for logits in out.router_logits], dim=1)
+    return chosen, torch.log_softmax(out.logits[0].float(), -1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_routing_replay_follows_the_given_experts(family, tmp_path):
+    """The engine's choices (here transformers' own, and then the least likely experts, which no router
+    picks) replace the router's top-k: natural choices give the unreplayed log-probs, forced ones give
+    what transformers gives when made to route the same way, padded and packed alike."""
+    model_dir = make_hf_model(tmp_path / "m", family, vocab=VOCAB)
+    hf = load_hf(model_dir)
+    samples = make_samples(4, VOCAB)
+    k, natural, forced, expected = hf.config.num_experts_per_tok, [], [], []
+    for s in samples:
+        chosen, _ = _hf_routing(hf, s.tokens)
+        natural.append(chosen)
+        with torch.no_grad():
+            logits = hf(torch.tensor([s.tokens]), output_router_logits=True).router_logits
+        least = torch.stack([(-lg).topk(k, dim=-1).indices for lg in logits], dim=1)
+        forced.append(least)
+        _, logp = _hf_routing(hf, s.tokens, {layer: least[:, layer] for layer in range(least.shape[1])})
+        ids = torch.tensor(s.tokens)
+        expected.append(logp[:-1].gather(1, ids[1:, None]).squeeze(1)[-s.response_length:])
+    replay = ["algorithm.routing_replay=rollout"]
+    padded = trainer_for(model_dir, replay + ["trainer.micro_batch_size=3"])
+    plain = padded.compute_log_probs(to_batch(samples))  # no routed experts in the batch: own routing
+
+    for s, r in zip(samples, natural, strict=True):
+        s.rollout_routed_experts = r.tolist()
+    assert torch.allclose(padded.compute_log_probs(to_batch(samples)), plain, atol=1e-5, rtol=0)
+
+    for s, r in zip(samples, forced, strict=True):
+        s.rollout_routed_experts = r[:-1].tolist()  # as an engine reports it: the last token never fed
+    batch = to_batch(samples)
+    assert batch.routed_experts.dtype == torch.int16 and batch.routed_experts.shape[1:] == (2, k)
+    replayed = padded.compute_log_probs(batch)
+    packed = trainer_for(model_dir, replay + ["trainer.max_tokens_per_gpu=40"]).compute_log_probs(batch)
+    assert (replayed - plain).abs().max() > 2e-3  # the forced experts matter (20x the tolerance below)
+    assert torch.allclose(replayed, torch.cat(expected), atol=1e-4, rtol=0)
+    assert torch.allclose(packed, replayed, atol=1e-5, rtol=0)
+    batch.old_log_probs = replayed
+    metrics = padded.train_step(batch)  # the training pass replays too: the ratio starts at 1
+    assert abs(metrics["ppo_kl"]) <= 1e-6 and metrics["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_expert_tensor_parallel_on_four_ranks_matches_one(tmp_path):
+    """EP=2 x ETP=2 (each expert split over two ranks; gloo's missing reduce-scatter replaced on the
+    CPU) gives one rank's losses, gradient norms and weights."""
+    model = make_hf_model(tmp_path / "model", "qwen2_moe", vocab=VOCAB)
+    spec = dict(model=str(model), num_samples=8, vocab=VOCAB, steps=3)
+    # Adam's first steps move every weight by about +-lr whatever its gradient's size: at the default
+    # eps a gradient of ~1e-9 summed in another order (four ranks) flips one weight by 1.3e-5.
+    batching = ["trainer.micro_batch_size=2", "trainer.adam_eps=1e-6"]
+    ensure_single_rank_group()
+    single = run_scenario({**spec, "overrides": COMMON + batching})
+    multi = launch(4, {**spec, "overrides": COMMON + batching + [
+        "parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=2",
+        "cluster.actor_num_gpus_per_node=4"]}, tmp_path)
+    assert multi["roundtrip_exact"] and multi["local_experts"] == 2 * 4
+    for one, four in zip(single["metrics"], multi["metrics"], strict=True):
+        assert abs(one["loss"] - four["loss"]) <= 1e-5 and abs(one["grad_norm"] - four["grad_norm"]) <= 1e-5
+    for name, t in single["final"].items():
+        assert torch.allclose(t, multi["final"][name], atol=1e-5, rtol=0), name
+
+
+def test_unsupported_expert_layouts_are_refused_with_the_fix():
+    from slime_rl.trainer_megatron.moe import MoEShape, check_expert_parallel
+
+    moe = MoEShape(num_experts=8, topk=2, expert_intermediate_size=32, norm_topk_prob=True,
+                   shared_expert_intermediate_size=None)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size: MoE models need sequence parallelism"):
+        check_expert_parallel(moe, tp=2, ep=1, etp=1)
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size: > 1 needs"):
+        check_expert_parallel(moe, tp=1, ep=1, etp=2)
+    with pytest.raises(ValueError, match="expert_model_parallel_size: 3 must divide the model's 8 experts"):
+        check_expert_parallel(moe, tp=1, ep=3, etp=1)
+    with pytest.raises(ValueError, match="the model has no experts"):
+        check_expert_parallel(None, tp=1, ep=2, etp=1)
+    check_expert_parallel(moe, tp=1, ep=4, etp=2)
