@@ -47,6 +47,9 @@ class GenerateOutput:
     log_probs: list[float]  # one per new token
     finish_reason: FinishReason
     weight_version: int  # the engine's weight version when the request finished
+    # The policy version that produced each new token (several when weights changed mid-request);
+    # None: the engine does not say, and every token counts as ``weight_version``.
+    token_versions: list[int] | None = None
 
 
 class RolloutEngine(ABC):
@@ -92,6 +95,15 @@ class RolloutEngine(ABC):
     @property
     @abstractmethod
     def weight_version(self) -> int: ...
+
+    async def pause_generation(self) -> bool:
+        """Hold every running request where it is (no abort, no re-prefill) until
+        `continue_generation`, so a weight update can land mid-request. Returns False when this
+        engine cannot pause: the caller then aborts and resumes the requests as partial rollouts."""
+        return False
+
+    async def continue_generation(self) -> None:
+        """Resume what `pause_generation` held."""
 
     async def release_memory(self) -> None:
         """Free accelerator memory (weights, KV cache) for a colocated trainer. Optional."""
