@@ -36,7 +36,7 @@ def test_grpo_learns_toy_reward(tp, one_step_off, tiny_model_dir, tmp_path, monk
         "model.dtype=float32",  # the step-0 log-prob gap below is fp32's; auto may pick bf16 on this CPU
         f"cluster.actor_num_gpus_per_node={tp}", f"parallel.tensor_model_parallel_size={tp}",
         f"logging.dir={tmp_path / 'run'}", "logging.tensorboard=false",
-        f"cluster.async={one_step_off}", f"cluster.colocate={not one_step_off}",
+        f"cluster.async_mode={'one_step' if one_step_off else 'off'}", f"cluster.colocate={not one_step_off}",
     ])
     summary = train(cfg)
     rows = [json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()]

@@ -92,7 +92,7 @@ def test_plan_async_example():
     (["trainer.global_batch_size=100"], "trainer.global_batch_size", "must equal"),  # batch identity broken
     (["cluster.rollout_num_gpus_per_engine=3"], "cluster.rollout_num_gpus_per_engine", "must divide"),
     (["rollout.temprature=0.5"], "rollout.temprature", "did you mean `rollout.temperature`"),
-    (["cluster.async=true"], "cluster.async", "colocate=false"),
+    (["cluster.async_mode=one_step"], "cluster.async_mode", "colocate=false"),
     (["data.prompt_data=/nonexistent/prompts.jsonl"], "data.prompt_data", "/nonexistent/prompts.jsonl does not exist"),
     (["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size", "must divide"),
     # the built-in model is checked like a folder: SmolLM2-135M has 9 attention heads

@@ -46,7 +46,7 @@ def test_yaml_then_overrides(tmp_path, prompts):
     })
     cfg = load_config(path, [
         "rollout.temperature=0.7", "rollout.top_k=20", "trainer.num_steps_per_rollout=2",
-        "eval.prompt_data={math: " + str(prompts) + "}", "cluster.async=false", "model.dtype=bfloat16",
+        "eval.prompt_data={math: " + str(prompts) + "}", "cluster.async_mode=off", "model.dtype=bfloat16",
     ])
     assert cfg.rollout.temperature == 0.7 and cfg.rollout.top_k == 20  # override wins, parsed as YAML
     assert cfg.rollout.stop == ["</answer>"]  # untouched keys survive
@@ -57,10 +57,10 @@ def test_yaml_then_overrides(tmp_path, prompts):
 
 
 def test_resolved_yaml_loads_back_to_the_same_config(tmp_path, prompts):
-    cfg = load_config(None, [f"data.prompt_data={prompts}", "cluster.colocate=false", "cluster.async=true",
+    cfg = load_config(None, [f"data.prompt_data={prompts}", "cluster.colocate=false", "cluster.async_mode=one_step",
                              "rollout.engine_args={mem_fraction_static: 0.5}"])
     dumped = cfg.to_yaml()
-    assert "async: true" in dumped  # the user's spelling, not the Python attribute name
+    assert "async_mode: one_step" in dumped
     again = load_config(write_config(tmp_path, yaml.safe_load(dumped), "resolved.yaml"))
     assert again == cfg
 
@@ -153,9 +153,9 @@ def test_colocated_and_disaggregated_gpu_counts(prompts):
 
 
 def test_async_needs_disaggregation(prompts):
-    err = refused(None, [f"data.prompt_data={prompts}", "cluster.async=true"])
-    assert err.field == "cluster.async" and "colocate=false" in str(err)
-    assert load_config(None, [f"data.prompt_data={prompts}", "cluster.async=true", "cluster.colocate=false"])
+    err = refused(None, [f"data.prompt_data={prompts}", "cluster.async_mode=one_step"])
+    assert err.field == "cluster.async_mode" and "colocate=false" in str(err)
+    assert load_config(None, [f"data.prompt_data={prompts}", "cluster.async_mode=one_step", "cluster.colocate=false"])
 
 
 def test_over_sampling_batch_at_least_the_rollout_batch(prompts):

@@ -48,7 +48,7 @@ def test_filters_load_by_name_and_module_attr():
     assert load_function("nonzero_std", DYNAMIC_SAMPLING_FILTERS, what="filter") is nonzero_std
     assert load_function("slime_rl.core.filters:nonzero_std", {}, what="filter") is nonzero_std
     assert load_function("freshest_first", BUFFER_FILTERS, what="buffer filter") is freshest_first
-    assert set(BUFFER_FILTERS) == {"oldest_first", "freshest_first"} and set(DYNAMIC_SAMPLING_FILTERS) == {"nonzero_std"}
+    assert set(BUFFER_FILTERS) == {"oldest_first", "freshest_first", "stalest_first"} and set(DYNAMIC_SAMPLING_FILTERS) == {"nonzero_std"}
 
 
 def test_importing_the_filters_leaves_torch_out():

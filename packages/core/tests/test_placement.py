@@ -27,7 +27,7 @@ def test_colocated_engines_start_at_the_first_gpu(prompts):
 
 def test_disaggregated_engines_follow_the_trainer(prompts):
     cfg = config(prompts, "cluster.actor_num_gpus_per_node=4", "cluster.colocate=false", "cluster.rollout_num_gpus=4",
-                 "cluster.rollout_num_gpus_per_engine=2", "cluster.async=true")
+                 "cluster.rollout_num_gpus_per_engine=2", "cluster.async_mode=one_step")
     p = plan_placement(cfg, device="cuda")
     assert len(p.bundles) == 8 and p.rollout_offset == 4
     trainer_bundles = {r.bundle for r in p.trainer}

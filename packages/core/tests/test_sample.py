@@ -28,6 +28,7 @@ def full_sample() -> Sample:
         returns=[1.0, 0.9, 0.8],
         values=[0.1, 0.2, 0.3],
         rollout_routed_experts=[[[0, 3], [1, 2]]] * 5,
+        token_versions=[4, 4, 5],
     )
 
 
@@ -92,3 +93,15 @@ def test_reward_value():
         Sample(reward={"acc": 0.5}).reward_value()
     with pytest.raises(ValueError, match="no reward"):
         Sample().reward_value()
+
+
+def test_token_versions_follow_the_response():
+    s = Sample(tokens=[1], weight_version=2)
+    s.append_response([5, 6], [-0.1, -0.2], trained=True, versions=[2, 3])
+    s.append_response([7], None, trained=False)  # a tool's tokens: the latest version known
+    assert s.token_versions == [2, 3, 3] and s.versions_per_token() == [2, 3, 3]
+    with pytest.raises(ValueError, match="token versions"):
+        s.append_response([8], [-0.1], trained=True, versions=[3, 3])
+    assert s.reset_to_prompt().token_versions == []
+    legacy = Sample(tokens=[1, 5, 6], response_length=2, weight_version=4)  # saved before token versions
+    assert legacy.versions_per_token() == [4, 4]

@@ -422,3 +422,29 @@ def test_moe_returns_the_experts_of_every_token_fed(arch, tokenizer, make_model)
         got = torch.tensor(out.routed_experts)
         assert got.shape == (len(prompt) + 5, 2, 2)
         assert torch.equal(got, expected)
+
+
+def test_pause_holds_requests_and_a_weight_update_lands_mid_response(tokenizer, make_model):
+    """SGLang's in_place pause: running rows wait between decode steps, the weights change, and they go
+    on without an abort; every token records the version that sampled it."""
+    engine = HFEngine(make_model("llama", len(tokenizer), seed=0), tokenizer)
+    new_weights = list(make_model("llama", len(tokenizer), seed=1).state_dict().items())
+    prompt = encode(tokenizer, PROMPTS[:1])[0]
+
+    async def main():
+        task = asyncio.create_task(engine.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True), "r"))
+        await wait_until_decoding(engine, "r", 5)
+        assert await engine.pause_generation()
+        await asyncio.sleep(0.05)  # the step running at the pause finishes; no other starts
+        made = len(engine._in_flight["r"].token_ids)
+        await asyncio.sleep(0.05)
+        assert len(engine._in_flight["r"].token_ids) == made and not task.done()
+        await engine.update_weights(new_weights, version=1, last=True)
+        await engine.continue_generation()
+        return made, await task
+
+    made, out = asyncio.run(main())
+    assert out.finish_reason == "length" and len(out.token_ids) == 40
+    # The first token after the pause comes from logits the old weights computed before it: version 0 too.
+    assert out.token_versions == [0] * (made + 1) + [1] * (40 - made - 1)
+    assert out.weight_version == 1

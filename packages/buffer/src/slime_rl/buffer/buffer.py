@@ -10,8 +10,9 @@ It holds two kinds of groups, told apart by sample status:
 With ``max_staleness`` and a ``current_version``, a sample is stale when
 ``current_version - sample.weight_version > max_staleness``. Policy ``"drop"``
 deletes stale finished samples for good (and restarts stale partial ones from
-their prompt); ``"downweight"`` hands them out with
-``metadata["loss_weight"] = (max_staleness + 1) / (staleness + 1)``.
+their prompt); ``"downweight"`` and ``"mask"`` hand them out with
+``metadata["loss_weight"] = (max_staleness + 1) / (staleness + 1)``, and the rollout worker
+weighs or masks their stale tokens (core/staleness.py).
 
 Every ``add`` is committed to SQLite before it returns (see store.py).
 """
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-StalenessPolicy = Literal["drop", "downweight"]
+StalenessPolicy = Literal["drop", "mask", "downweight"]
 DB_FILE = "buffer.sqlite"
 DB_SUFFIXES = (".sqlite", ".sqlite3", ".db")
 STATS = ("added_groups", "taken_groups", "dropped_stale_samples", "restarted_stale_samples")
@@ -52,8 +53,8 @@ class SampleBuffer(Buffer):
         filter: str | BufferFilter | None = None,
         partial_rollout: bool = True,
     ):
-        if staleness_policy not in ("drop", "downweight"):
-            raise ValueError(f"staleness_policy: {staleness_policy!r} is not one of drop, downweight")
+        if staleness_policy not in ("drop", "mask", "downweight"):
+            raise ValueError(f"staleness_policy: {staleness_policy!r} is not one of drop, mask, downweight")
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness: must be >= 0, got {max_staleness}")
         self.db_path = _db_path(path)

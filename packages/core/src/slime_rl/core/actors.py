@@ -23,11 +23,13 @@ from typing import Any, Literal
 import ray
 import torch
 
+from slime_rl.core import staleness
 from slime_rl.core.advantages import compute_advantages
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import WeightSender
 from slime_rl.core.device import resolve_device
+from slime_rl.core.fully_async import FullyAsyncRollout
 from slime_rl.core.host_memory import trims_after
 from slime_rl.core.metrics import phase
 from slime_rl.core.net import is_loopback, use_interface_of
@@ -208,6 +210,8 @@ class RolloutWorker(KeepsInitMistake):
             for name in cfg.eval.prompt_data
         }
         self.runner = RolloutRunner(cfg, self.engine, self._decode)
+        self.fully = (FullyAsyncRollout(cfg, self.runner, self.data_source, lambda: self.engine.weight_version)
+                      if cfg.cluster.async_mode == "fully" else None)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -225,11 +229,34 @@ class RolloutWorker(KeepsInitMistake):
         out = RolloutStep([], result.metrics, result.exhausted, result.failure)
         if result.failure is None and samples:
             # In a thread: a batch of millions of tokens takes a while, and requests keep being served meanwhile.
-            await asyncio.to_thread(self._put_shards, samples, out)
+            await asyncio.to_thread(self._put_shards, samples, out, self.engine.weight_version)
         return out
 
-    def _put_shards(self, samples: list[Sample], out: RolloutStep) -> None:
+    async def start_fully_async(self) -> None:
+        """cluster.async_mode=fully: start generating, and keep generating until shutdown."""
+        _set_threads(self.cfg)
+        self.fully.start()
+
+    @trims_after
+    async def next_batch(self, step: int, current_version: int) -> RolloutStep:
+        """cluster.async_mode=fully: training step ``step``'s batch, once enough groups are eligible
+        for the trainer at ``current_version`` (core/fully_async.py)."""
+        _set_threads(self.cfg)
+        batch = await self.fully.next_batch(current_version)
+        samples = [s for g in batch.groups for s in g]
+        if self.cfg.logging.save_rollouts and self.log_dir is not None and samples:
+            _save_rollouts(self.log_dir / "rollouts" / f"step_{step:06d}.jsonl", samples)
+        out = RolloutStep([], batch.metrics, batch.exhausted, batch.failure)
+        if batch.failure is None and samples:
+            await asyncio.to_thread(self._put_shards, samples, out, current_version)
+        return out
+
+    def _put_shards(self, samples: list[Sample], out: RolloutStep, current_version: int) -> None:
+        r = self.cfg.rollout
+        out.metrics.update(staleness.metrics(samples, current_version))
+        weights = staleness.apply_policy(samples, current_version, r.max_staleness, r.staleness_policy)
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)
+        batch.token_weights = weights
         out.shards = [ray.put(shard) for shard in batch.shard(self.cfg.data_parallel_size, self.cfg.global_batch_size)]
         out.num_samples, out.num_tokens = len(batch), len(batch.tokens)
         out.mean_weight_version = float(batch.weight_versions.double().mean())
@@ -244,9 +271,18 @@ class RolloutWorker(KeepsInitMistake):
     @trims_after
     async def update_weights(self, buckets: list[HostArrays] | list[str], version: int) -> None:
         """Buckets from `TrainerWorker.weight_buckets`: arrays, or files this reads and deletes."""
-        for i, bucket in enumerate(buckets):
-            tensors = read_bucket_file(bucket) if isinstance(bucket, str) else from_host_arrays(bucket)
-            await self.engine.update_weights(tensors, version=version, last=i == len(buckets) - 1)
+        # Requests in flight (fully async) are held between decode steps while the weights load, and go on
+        # with the new ones; an engine that cannot pause is aborted, and its requests resume as partial rollouts.
+        paused = await self.engine.pause_generation()
+        if not paused and self.fully is not None:
+            await self.engine.abort(None)
+        try:
+            for i, bucket in enumerate(buckets):
+                tensors = read_bucket_file(bucket) if isinstance(bucket, str) else from_host_arrays(bucket)
+                await self.engine.update_weights(tensors, version=version, last=i == len(buckets) - 1)
+        finally:
+            if paused:
+                await self.engine.continue_generation()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -269,14 +305,22 @@ class RolloutWorker(KeepsInitMistake):
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"data_source": self.data_source.state_dict(), "buffer": self.buffer.state_dict()}
+    async def state_dict(self) -> dict[str, Any]:
+        # async: runs in the event loop, so the producer (fully async) cannot move between the parts
+        state = {"data_source": self.data_source.state_dict(), "buffer": self.buffer.state_dict()}
+        if self.fully is not None:
+            state["fully_async"] = self.fully.state_dict()
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data_source.load_state_dict(state["data_source"])
         self.buffer.load_state_dict(state["buffer"])
+        if self.fully is not None and "fully_async" in state:
+            self.fully.load_state_dict(state["fully_async"])
 
     async def shutdown(self) -> None:
+        if self.fully is not None:
+            await self.fully.stop()
         await self.engine.shutdown()
 
     async def ping(self) -> bool:

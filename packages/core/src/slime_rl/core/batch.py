@@ -28,6 +28,8 @@ from slime_rl.core.sample import Sample
 
 #: Per-response-token columns the trainer side fills in (float32, ``[num_response_tokens]``).
 TRAINER_COLUMNS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns")
+#: Optional per-response-token columns the rollout side fills in (None when unused).
+ROLLOUT_OPTIONAL_COLUMNS = ("token_versions", "token_weights")
 
 
 @dataclass
@@ -57,6 +59,10 @@ class RolloutBatch:
     returns: Tensor | None = None
     # MoE routing replay: [T, layers, top-k] int16, the engine's experts for each of ``tokens``
     routed_experts: Tensor | None = None
+    # [R] int64: the policy version that produced each response token (core/staleness.py reads it).
+    token_versions: Tensor | None = None
+    # [R] float32: each token's loss weight under rollout.staleness_policy=downweight; None: all 1.
+    token_weights: Tensor | None = None
 
     # ---------------------------------------------------------------- building
 
@@ -83,6 +89,7 @@ class RolloutBatch:
             step_tokens=[float(loss_mask.sum())],
             step_seqs=[count],
             routed_experts=_routed_experts(samples),
+            token_versions=_concat([s.versions_per_token() for s in samples], np.int64),
         )
 
     def shard(self, dp_size: int, samples_per_step: int) -> list[RolloutBatch]:
@@ -126,7 +133,7 @@ class RolloutBatch:
         token_rows = _ranges(self.offsets(), index)
         response_rows = _ranges(self.response_offsets(), index)
         per_token = {name: getattr(self, name)[response_rows] for name in ("loss_mask", "rollout_log_probs")}
-        per_token.update({name: value[response_rows] for name in TRAINER_COLUMNS
+        per_token.update({name: value[response_rows] for name in (*TRAINER_COLUMNS, *ROLLOUT_OPTIONAL_COLUMNS)
                           if (value := getattr(self, name)) is not None})
         per_sample = {name: getattr(self, name)[index] for name in (
             "lengths", "response_lengths", "rewards", "group_ids", "sample_ids", "weight_versions", "positions")}

@@ -96,11 +96,15 @@ def check_config(cfg: Config) -> None:
             f"colocated engines share the trainer's {cfg.actor_num_gpus} GPUs; {cfg.rollout_num_gpus} is more."
             " Lower it or set cluster.colocate=false",
         )
-    if c.async_train and c.colocate:
+    if c.async_mode == "one_step" and c.colocate:
         raise ConfigError(
-            "cluster.async",
-            "one-step-off async training needs separate GPUs for rollout; set cluster.colocate=false",
+            "cluster.async_mode",
+            "one_step async training needs separate GPUs for rollout; set cluster.colocate=false",
         )
+    if c.async_mode == "fully" and c.colocate and plan_device(cfg) == "cuda":
+        # On the CPU trainer and engine are separate processes anyway; GPUs cannot be shared while both run.
+        raise ConfigError("cluster.async_mode", "fully async on GPUs needs separate GPUs for rollout;"
+                                                " set cluster.colocate=false")
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < d.rollout_batch_size:
         raise ConfigError(
             "rollout.over_sampling_batch_size",
@@ -137,6 +141,13 @@ def check_config(cfg: Config) -> None:
     check_sandbox(cfg)
     check_model(cfg)
     plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)
+
+
+def plan_device(cfg: Config) -> str:
+    """The device a run will use (cluster.device, auto resolved on this machine)."""
+    from slime_rl.core.device import resolve_device
+
+    return resolve_device(cfg.cluster.device)
 
 
 def check_model(cfg: Config) -> None:

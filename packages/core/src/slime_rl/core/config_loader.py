@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from slime_rl.core.builtin_models import BUILTIN_PREFIX
 from slime_rl.core.config_checks import check_config
-from slime_rl.core.config_schema import Config, ConfigError
+from slime_rl.core.config_schema import RENAMED_KEYS, Config, ConfigError
 
 
 def _section_fields(model: type[BaseModel]) -> dict[str, Any]:
@@ -35,6 +35,8 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
     fields = _section_fields(model)
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
+        if dotted in RENAMED_KEYS:
+            raise ConfigError(dotted, RENAMED_KEYS[dotted])
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"did you mean `{prefix + '.' if prefix else ''}{close[0]}`?" if close else (

@@ -128,8 +128,8 @@ class RolloutConfig(_Section):
     update_weight_transport: Literal["auto", "tensor", "nccl", "disk"] = "auto"
     update_weight_buffer_mb: int = Field(2048, ge=1)  # bucket size; 512 MiB buckets made a 7B sync 3.4x slower
     check_weight_update: bool = False  # after each sync, compare engine weights with the trainer's (slow)
-    max_staleness: int | None = Field(None, ge=0)  # async: samples older than this many versions are stale
-    staleness_policy: Literal["drop", "downweight"] = "drop"  # what happens to stale samples
+    max_staleness: int | None = Field(None, ge=0)  # eta: tokens more than this many versions behind are stale
+    staleness_policy: Literal["drop", "mask", "downweight"] = "drop"  # what happens to stale tokens (core/staleness.py)
     buffer_filter: str | None = None  # which buffered groups to hand out: "oldest_first", "freshest_first", module:attr
 
 
@@ -220,6 +220,11 @@ class ParallelConfig(_Section):
     expert_tensor_parallel_size: int = Field(1, ge=1)  # MoE: each expert split over this many ranks
 
 
+AsyncMode = Literal["off", "one_step", "fully"]
+#: Keys that were renamed: a config still using one is refused with the new name (config_loader).
+RENAMED_KEYS = {"cluster.async": "renamed: use cluster.async_mode (off | one_step | fully); async: true is one_step"}
+
+
 class ClusterConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     actor_num_nodes: int = Field(1, ge=1)
@@ -228,9 +233,19 @@ class ClusterConfig(_Section):
     rollout_num_gpus_per_engine: int = Field(1, ge=1)  # the engine's tensor-parallel size
     num_gpus_per_node: int | None = Field(None, ge=1)  # node size, for placement; default max(8, actor's per node)
     colocate: bool = True
-    async_train: bool = Field(False, alias="async")  # one-step-off: generate k+1 while training k
+    async_mode: AsyncMode = "off"  # off | one_step (generate k+1 while training k) | fully (core/fully_async.py)
     offload: bool | None = None  # colocated: hand the GPUs back and forth between phases; unset: on when colocated
     num_cpus: int | None = Field(None, ge=1)  # for the local Ray instance
+
+    @field_validator("async_mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false: that is the mode off, not a boolean.
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError("cluster.async_mode: true is not a mode; give off, one_step or fully")
+        return value
 
 
 class EvalConfig(_Section):

@@ -50,6 +50,9 @@ class GenerateOutput:
     weight_version: int  # the engine's weight version when the request finished
     # with return_routed_experts: [input + new tokens - 1][layers][top-k], the experts of every token fed
     routed_experts: list[list[list[int]]] | None = None
+    # The policy version that produced each new token (several when weights changed mid-request);
+    # None: the engine does not say, and every token counts as ``weight_version``.
+    token_versions: list[int] | None = None
 
 
 class RolloutEngine(ABC):
@@ -95,6 +98,15 @@ class RolloutEngine(ABC):
     @property
     @abstractmethod
     def weight_version(self) -> int: ...
+
+    async def pause_generation(self) -> bool:
+        """Hold every running request where it is (no abort, no re-prefill) until
+        `continue_generation`, so a weight update can land mid-request. Returns False when this
+        engine cannot pause: the caller then aborts and resumes the requests as partial rollouts."""
+        return False
+
+    async def continue_generation(self) -> None:
+        """Resume what `pause_generation` held."""
 
     async def release_memory(self) -> None:
         """Free accelerator memory (weights, KV cache) for a colocated trainer. Optional."""

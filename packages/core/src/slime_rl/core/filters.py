@@ -45,5 +45,12 @@ def freshest_first(groups: list[list[Sample]], num_groups: int) -> list[int]:
     return by_version[:num_groups]
 
 
+def stalest_first(groups: list[list[Sample]], num_groups: int) -> list[int]:
+    """The groups whose oldest token is oldest first (fully async: trained before they turn stale), FIFO among equals."""
+    by_version = sorted(range(len(groups)), key=lambda i: (min(s.weight_version for s in groups[i]), i))
+    return by_version[:num_groups]
+
+
 DYNAMIC_SAMPLING_FILTERS: dict[str, DynamicSamplingFilter] = {"nonzero_std": nonzero_std}
-BUFFER_FILTERS: dict[str, BufferFilter] = {"oldest_first": oldest_first, "freshest_first": freshest_first}
+BUFFER_FILTERS: dict[str, BufferFilter] = {"oldest_first": oldest_first, "freshest_first": freshest_first,
+                                           "stalest_first": stalest_first}

@@ -93,7 +93,9 @@ class Run:
 def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     """Run (or resume) a training job; returns a summary (steps, eval before and after, paths).
 
-    ``cluster.async`` runs one step off-policy: rollout k+1 overlaps training on rollout k."""
+    ``cluster.async_mode``: ``one_step`` runs one step off-policy (rollout k+1 overlaps training on
+    rollout k); ``fully`` generates all the time and trains on the next eligible groups
+    (core/fully_async.py), the weights landing in the engines mid-request."""
     import ray
 
     notify = callback or (lambda event, payload: None)
@@ -115,12 +117,19 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
         failed_steps = 0  # consecutive rollout steps with too many failed samples
         # One-step-off async (disaggregated only): rollout k+1 runs on the engines while the
         # trainer trains on rollout k; the weights are synced once both are done.
-        pending = run.rollout.run_step.remote(step + 1) if cfg.cluster.async_train else None
+        one_step, fully = cfg.cluster.async_mode == "one_step", cfg.cluster.async_mode == "fully"
+        pending = run.rollout.run_step.remote(step + 1) if one_step else None
+        if fully:
+            ray.get(run.rollout.start_fully_async.remote())
         while cfg.data.num_rollout is None or step < cfg.data.num_rollout:
             timings: dict[str, float] = {}
             step_start = time.perf_counter()
             with phase(timings, "rollout"):
-                rollout: RolloutStep = ray.get(pending or run.rollout.run_step.remote(step + 1))
+                # fully: the trainer's weights are version `step` (one sync per step)
+                if pending is None:
+                    pending = (run.rollout.next_batch.remote(step + 1, step) if fully
+                               else run.rollout.run_step.remote(step + 1))
+                rollout: RolloutStep = ray.get(pending)
             metrics = rollout.metrics
             pending = None
             if rollout.failure is not None:
@@ -143,7 +152,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 # How many versions behind the trainer the samples' weights are (1 when one step off).
                 metrics["rollout/weight_version_lag"] = step - rollout.mean_weight_version
             this_step = step if rollout.failure is not None else step + 1
-            if cfg.cluster.async_train and not rollout.exhausted and (
+            if one_step and not rollout.exhausted and (
                     cfg.data.num_rollout is None or this_step < cfg.data.num_rollout):
                 pending = run.rollout.run_step.remote(this_step + 1)
             if rollout.failure is not None:

@@ -67,9 +67,10 @@ async def generate_single_turn(sample: Sample, params: SamplingParams, engine: R
     call_params = SamplingParams(**{**params.__dict__, "max_new_tokens": remaining})
     request_id = f"s{sample.index}-{next(_request_ids)}"
     out = await engine.generate(sample.tokens, call_params, request_id=request_id)
+    versions = out.token_versions if out.token_versions is not None else [out.weight_version] * len(out.token_ids)
     if sample.response_length == 0:
-        sample.weight_version = out.weight_version
-    sample.append_response(out.token_ids, out.log_probs, trained=True)
+        sample.weight_version = min(versions, default=out.weight_version)  # the oldest token's
+    sample.append_response(out.token_ids, out.log_probs, trained=True, versions=versions)
     if out.routed_experts is not None:  # the whole sequence's (a continuation's input holds the earlier part)
         sample.rollout_routed_experts = out.routed_experts
     sample.status = _FINISH_STATUS[out.finish_reason]

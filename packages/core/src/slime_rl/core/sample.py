@@ -54,6 +54,9 @@ class Sample:
     # MoE routing replay: the experts the engine routed each token to, [len(tokens) (or one fewer:
     # the last token is never fed)][layers][top-k]; empty unless algorithm.routing_replay is on.
     rollout_routed_experts: list[list[list[int]]] = field(default_factory=list)
+    # The policy version that produced each response token (tool tokens: the one before them); a
+    # response generated across in-flight weight updates holds several. Empty before generation.
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -73,11 +76,18 @@ class Sample:
             return float(self.reward[key])
         return float(self.reward)
 
-    def append_response(self, token_ids: list[int], log_probs: list[float] | None, *, trained: bool) -> None:
+    def append_response(self, token_ids: list[int], log_probs: list[float] | None, *, trained: bool,
+                        versions: list[int] | None = None) -> None:
         """Append tokens to the response: sampled tokens (``trained=True``, with log-probs)
-        or observation/tool tokens (``trained=False``, loss_mask 0, log-prob 0)."""
+        or observation/tool tokens (``trained=False``, loss_mask 0, log-prob 0). ``versions``: the
+        policy version of each token (`GenerateOutput.token_versions`); None: the latest one known."""
         if log_probs is not None and len(log_probs) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens but {len(log_probs)} log-probs")
+        if versions is not None and len(versions) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens but {len(versions)} token versions")
+        self.token_versions = self.versions_per_token()  # a sample from before token versions: fill it in
+        latest = self.token_versions[-1] if self.token_versions else self.weight_version
+        self.token_versions.extend(versions if versions is not None else [latest] * len(token_ids))
         self.tokens.extend(token_ids)
         self.response_length += len(token_ids)
         self.loss_mask.extend([1 if trained else 0] * len(token_ids))
@@ -91,10 +101,17 @@ class Sample:
         self.reward, self.status = None, SampleStatus.PENDING
         self.old_log_probs, self.ref_log_probs, self.advantages, self.returns, self.values = [], [], [], [], []
         self.rollout_routed_experts = []
+        self.token_versions = []
         self.metadata.pop("error", None)
         if version is not None:
             self.weight_version = version
         return self
+
+    def versions_per_token(self) -> list[int]:
+        """``token_versions``, or ``weight_version`` for every response token when the engine gave none."""
+        if len(self.token_versions) == self.response_length:
+            return list(self.token_versions)
+        return [self.weight_version] * self.response_length
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (status as its string value)."""

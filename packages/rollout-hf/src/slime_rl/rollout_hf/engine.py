@@ -62,6 +62,7 @@ class _Request:
     generator: torch.Generator
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
     finish_reason: FinishReason | None = None
     aborted: bool = False  # set from the event loop, read by the worker between steps
     routed: list[torch.Tensor] = field(default_factory=list)  # MoE: [tokens, layers, top-k] per forward
@@ -108,6 +109,8 @@ class HFEngine(RolloutEngine):
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="hf-engine")
         self._released = False
         self._closed = False
+        self._paused = False  # pause_generation: no prefill or decode step starts until continue_generation
+        self._unpaused: asyncio.Event | None = None
 
     @property
     def device(self) -> torch.device:
@@ -194,6 +197,24 @@ class HFEngine(RolloutEngine):
                 req.finish_reason = "abort"
                 self._resolve(req)
 
+    async def pause_generation(self) -> bool:
+        """Hold every batch between decode steps (SGLang's ``in_place`` pause): rows keep their KV cache
+        and continue with the new weights after `continue_generation`, without a re-prefill. The step
+        running now finishes first (weight loads queue behind it in the one worker thread)."""
+        self._paused = True
+        if self._unpaused is not None:
+            self._unpaused.clear()
+        return True
+
+    async def continue_generation(self) -> None:
+        self._paused = False
+        if self._unpaused is not None:
+            self._unpaused.set()
+
+    async def _wait_unpaused(self) -> None:
+        if self._paused and self._unpaused is not None:
+            await self._unpaused.wait()
+
     async def update_weights(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
         """Copy HF-named tensors into the model in place. Every name must be one of the
         model's (tied aliases such as lm_head.weight included); the bucket is checked whole
@@ -223,6 +244,7 @@ class HFEngine(RolloutEngine):
         if self._closed:
             return
         self._closed = True
+        await self.continue_generation()  # a paused batch must run to its abort
         running = [r.future for r in self._in_flight.values()]
         await self.abort()
         batcher = self._batcher
@@ -265,6 +287,9 @@ class HFEngine(RolloutEngine):
         # One batcher per event loop: tests and scripts may call asyncio.run more than once.
         if self._batcher is None or self._batcher.done() or self._batcher.get_loop() is not loop:
             self._wake = asyncio.Event()
+            self._unpaused = asyncio.Event()
+            if not self._paused:
+                self._unpaused.set()
             self._batcher = loop.create_task(self._batch_loop(), name="hf-engine-batcher")
 
     async def _batch_loop(self) -> None:
@@ -287,8 +312,10 @@ class HFEngine(RolloutEngine):
     async def _run_batch(self, requests: list[_Request]) -> None:
         batch = _DecodeBatch(self, requests)
         try:
+            await self._wait_unpaused()
             await self._in_worker(batch.prefill)
             while batch.rows:
+                await self._wait_unpaused()
                 for req in await self._in_worker(batch.step):
                     self._resolve(req)
         except asyncio.CancelledError:  # shutdown: whatever is left returns as aborted
@@ -307,7 +334,7 @@ class HFEngine(RolloutEngine):
         if not req.future.done():
             routed = torch.cat(req.routed).tolist() if req.routed and req.params.return_routed_experts else None
             output = GenerateOutput(list(req.token_ids), list(req.log_probs), req.finish_reason, self._version,
-                                    routed_experts=routed)
+                                    routed_experts=routed, token_versions=list(req.token_versions))
             req.future.set_result(output)
 
     async def _in_worker(self, fn, grad_mode=torch.inference_mode):
@@ -375,11 +402,13 @@ class _DecodeBatch:
         self.attention_mask: torch.Tensor | None = None  # [rows, columns]; 0 on left padding
         self.routed: torch.Tensor | None = None  # MoE: the last forward's [rows, seq, layers, k] experts
         self.next_position: torch.Tensor | None = None  # [rows]
+        self.logits_version = engine._version  # the weight version that computed ``logits``
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last_only: bool) -> torch.Tensor:
         kwargs = {self.engine._cache_kw: self.cache, "use_cache": True}
         if last_only and self.engine._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1  # the lm_head over the prompt would be wasted work
+        self.logits_version = self.engine._version  # set by the event loop only while no forward runs
         recorder = self.engine.router_recorder
         routing = recorder is not None and any(r.params.return_routed_experts for r in self.rows)
         with recorder.recording() if routing else contextlib.nullcontext():
@@ -426,6 +455,7 @@ class _DecodeBatch:
             req = self.rows[i]
             req.token_ids.append(token)
             req.log_probs.append(log_prob)
+            req.token_versions.append(self.logits_version)
             req.finish_reason = self._finish_reason(req, token)
             if req.finish_reason is None:
                 keep.append(i)

@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
 from slime_rl.core import losses
-from slime_rl.core.batch import TRAINER_COLUMNS, RolloutBatch
+from slime_rl.core.batch import ROLLOUT_OPTIONAL_COLUMNS, TRAINER_COLUMNS, RolloutBatch
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
 from slime_rl.trainer_megatron import batching, checkpointing, convert, moe
@@ -194,7 +194,7 @@ class MegatronTrainer(PolicyTrainer):
                 " hand each rank batch.shard(dp_size, samples_per_step)[trainer.data_parallel_rank]"
             )
         batching.check_batch(batch)
-        for name in ("loss_mask", "rollout_log_probs", *TRAINER_COLUMNS):
+        for name in ("loss_mask", "rollout_log_probs", *TRAINER_COLUMNS, *ROLLOUT_OPTIONAL_COLUMNS):
             column = getattr(batch, name)
             if column is not None and len(column) != batch.num_response_tokens:
                 raise ValueError(f"{what}: batch.{name} has {len(column)} entries for the shard's"
@@ -390,6 +390,8 @@ class MegatronTrainer(PolicyTrainer):
             )
             log_probs = batching.scatter_padded(logp, mb)
             mask = field(mb, part.loss_mask)
+            if part.token_weights is not None:  # staleness_policy=downweight: stale tokens count less (the
+                mask = mask * field(mb, part.token_weights)  # denominators keep counting whole tokens)
             if algo.loss_type == "sft":
                 inputs = losses.LossBatch(log_probs=log_probs, old_log_probs=log_probs.detach(),
                                           advantages=torch.zeros_like(mask), loss_mask=mask)
