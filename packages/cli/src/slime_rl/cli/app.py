@@ -102,6 +102,10 @@ def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
     r = cfg.rollout
     if dotted == "rollout.reward":
         load_reward(spec, group=r.group_reward, reward_url=r.reward_url)
+    elif dotted == "rollout.generate_fn" and spec == "multi_turn":
+        from slime_rl.core.agent import load_tools
+
+        load_tools(list(r.tools), cfg)  # each tool imports; the built-in `python` tool finds the sandbox
     elif dotted == "rollout.generate_fn":
         fn = load_function(spec, {}, what="generate function")
         if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):

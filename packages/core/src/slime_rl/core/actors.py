@@ -207,7 +207,7 @@ class RolloutWorker(KeepsInitMistake):
             name: eval_source.for_eval(cfg, name, tokenizer=self.tokenizer).get_groups(10**9)
             for name in cfg.eval.prompt_data
         }
-        self.runner = RolloutRunner(cfg, self.engine, self._decode)
+        self.runner = RolloutRunner(cfg, self.engine, self._decode, self.tokenizer)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
