@@ -226,6 +226,9 @@ class SGLangEngine(RolloutEngine):
         req = self._inflight[rid] = _Request(rid)
         tokens: list[int] = []
         log_probs: list[float] = []
+        # "<session>/<turn>": every turn of one episode to the same server, whose prefix cache holds it
+        routing_key = rid.split("/", 1)[0] if "/" in rid else None
+        cached: int | None = None  # the first part's: its input is the caller's
         try:
             while True:
                 await self._gate(req)
@@ -235,16 +238,18 @@ class SGLangEngine(RolloutEngine):
                 part_params = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
                 req.wire_prefix = f"{rid}#{uuid.uuid4().hex[:12]}"  # unique: SGLang aborts by rid prefix
                 out = await self.client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
-                                                 default_version=self._version, should_stop=lambda: req.aborted)
+                                                 default_version=self._version, should_stop=lambda: req.aborted,
+                                                 routing_key=routing_key)
                 req.wire_prefix = None  # back from the server: nothing there to abort
+                cached = out.cached_tokens if not tokens and cached is None else cached
                 tokens += out.token_ids
                 log_probs += out.log_probs
                 paused_meanwhile = epoch != self._pause_epoch or bool(self._closed_by)
                 if out.finish_reason == "abort" and not req.aborted and paused_meanwhile:
                     if len(tokens) < params.max_new_tokens:
                         continue  # cut short by a sync or a memory release: go on where it stopped
-                    return GenerateOutput(tokens, log_probs, "length", out.weight_version)
-                return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version)
+                    return GenerateOutput(tokens, log_probs, "length", out.weight_version, cached)
+                return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version, cached)
         finally:
             req.done = True
             self._inflight.pop(rid, None)

@@ -115,8 +115,11 @@ def _turn_by_turn(tokenizer: Any, template: TurnTemplate, messages: list[dict[st
     while k < len(messages):
         if messages[k]["role"] != "assistant":
             raise TemplateError(f"message {k} is {messages[k]['role']!r}; the agent loop expects an assistant turn")
-        before = render(tokenizer, messages[:k], add_generation_prompt=True, tools=tools)
-        after = render(tokenizer, messages[:k + 1], tools=tools)
+        # As the model generated it: the newest turn, after its own generation prompt (a template that
+        # rewrites earlier turns renders it differently later; check_feature reports that).
+        probe = {"role": "user", "content": "U"}
+        before = render(tokenizer, [probe], add_generation_prompt=True)
+        after = render(tokenizer, [probe, messages[k]])
         if not after.startswith(before) or not after.endswith(template.closing):
             raise TemplateError(f"the template does not render assistant turn {len(generated) + 1} as the"
                                 " generation prompt followed by the turn and its closing")
@@ -145,3 +148,30 @@ def format_report(results: list[ParityResult]) -> str:
             lines.append(f"  {''.ljust(width)}  turn by turn: {r.turn_by_turn!r}")
             lines.append(f"  {''.ljust(width)}  template:     {r.template!r}")
     return "\n".join(lines)
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of an HF folder, a ``.gguf`` file, or a ``builtin:`` model (its converted folder when there
+    is one, else straight from the GGUF: the check needs no weights)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from slime_rl.core.builtin_models import BUILTIN_MODELS, BUILTIN_PREFIX, _gguf_path, default_cache_dir
+
+    if spec.startswith(BUILTIN_PREFIX):
+        name = spec[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN_MODELS:
+            raise ValueError(f"--model: unknown built-in model {name!r}; built in: "
+                             + ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_MODELS)))
+        converted = default_cache_dir() / name
+        if (converted / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(converted)
+        gguf = _gguf_path(BUILTIN_MODELS[name])
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if not path.is_dir():
+        raise ValueError(f"--model: {spec} is not a model folder, a .gguf file or builtin:<name>")
+    return AutoTokenizer.from_pretrained(path)
