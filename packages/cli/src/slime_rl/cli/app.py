@@ -107,7 +107,9 @@ def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
 
         load_tools(list(r.tools), cfg)  # each tool imports; the built-in `python` tool finds the sandbox
     elif dotted == "rollout.generate_fn":
-        fn = load_function(spec, {}, what="generate function")
+        from slime_rl.core.rollout import BUILTIN_GENERATE_FNS
+
+        fn = load_function(spec, dict.fromkeys(BUILTIN_GENERATE_FNS), what="generate function")
         if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
             raise PluginError(f"generate function {spec!r} is not an `async def`; the rollout awaits"
                               " `async def generate(sample, sampling_params, engine)`")

@@ -46,33 +46,35 @@ class ToolResult:
 
 
 def load_tools(specs: list[str], cfg: Config | None = None) -> dict[str, Tool]:
-    """``rollout.tools`` loaded: name -> Tool. Raises PluginError naming the entry and the fix."""
+    """``rollout.tools`` loaded: name -> Tool. Raises PluginError ``rollout.tools[i]: <why and the fix>``."""
     tools: dict[str, Tool] = {}
     for i, spec in enumerate(specs):
+        field = f"rollout.tools[{i}]"
         if spec == "python":
-            tool = Tool("python", _python_tool(cfg), spec)
+            tool = Tool("python", _python_tool(cfg, field), spec)
         elif ":" in spec:
-            fn = load_attr(spec, what=f"rollout.tools[{i}]")
+            try:
+                fn = load_attr(spec, what="tool")
+            except PluginError as err:
+                raise PluginError(f"{field}: {err}") from None
             if not callable(fn):
-                raise PluginError(f"rollout.tools[{i}] {spec!r} is a {type(fn).__name__}, not a callable; name a"
-                                  " function")
+                raise PluginError(f"{field}: {spec!r} is a {type(fn).__name__}, not a callable; name a function")
             tool = Tool(spec.rpartition(":")[2].rsplit(".", 1)[-1], fn, spec)
         else:
-            raise PluginError(f"rollout.tools[{i}] {spec!r}: give `module:attr` or a built-in tool"
-                              f" ({', '.join(BUILTIN_TOOLS)})")
+            raise PluginError(f"{field}: {spec!r}: give `module:attr` or a built-in tool ({', '.join(BUILTIN_TOOLS)})")
         if tool.name in tools:
-            raise PluginError(f"rollout.tools[{i}] {spec!r}: a tool named {tool.name!r} is already listed"
+            raise PluginError(f"{field}: {spec!r}: a tool named {tool.name!r} is already listed"
                               f" ({tools[tool.name].spec!r}); tool names must differ")
         tools[tool.name] = tool
     return tools
 
 
-def _python_tool(cfg: Config | None) -> Callable[..., Any]:
+def _python_tool(cfg: Config | None, field: str) -> Callable[..., Any]:
     # Imported here: the sandbox is its own module, and tools without it must work without it.
     try:
         from slime_rl.core.sandbox import SandboxSettings, make_python_tool
     except ImportError as err:
-        raise PluginError(f"rollout.tools: the built-in `python` tool needs slime_rl.core.sandbox ({err});"
+        raise PluginError(f"{field}: the built-in `python` tool needs slime_rl.core.sandbox ({err});"
                           " install a slime-rl-core that has it, or give your own tool as `module:attr`") from None
     if cfg is None:
         from slime_rl.core.config import Config
