@@ -68,6 +68,16 @@ def test_load_tools_refuses_bad_entries_naming_them(specs, expect):
     assert expect in str(err.value)
 
 
+def test_tool_schemas_come_from_signatures_and_docstrings():
+    from slime_rl.core.agent import tool_schemas
+
+    (schema,) = tool_schemas(load_tools(["agent_tools:add"]))
+    assert schema["function"]["name"] == "add" and schema["function"]["description"] == "Add two numbers."
+    assert schema["function"]["parameters"]["properties"] == {
+        "a": {"type": "integer", "description": "the first number"},
+        "b": {"type": "integer", "description": "the second number"}}
+
+
 def test_builtin_python_tool_comes_from_the_sandbox():
     if importlib.util.find_spec("slime_rl.core.sandbox") is None:
         with pytest.raises(PluginError, match="needs slime_rl.core.sandbox"):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _PROBE = "Xq7Zv"  # a text no template produces: where it sits tells the turn's closing apart
+_PROBE_TURNS = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _PROBE}]
 
 
 class TemplateError(ValueError):
@@ -45,8 +46,7 @@ class TurnTemplate:
         if getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError("the tokenizer has no chat template; multi-turn generation renders tool results"
                                 " with it: give model.tokenizer_path a tokenizer that has one")
-        text = render(tokenizer, [{"role": "user", "content": "U"}, {"role": "assistant", "content": _PROBE}],
-                      **template_kwargs)
+        text = render(tokenizer, _PROBE_TURNS, **template_kwargs)
         if _PROBE not in text:
             raise TemplateError("the chat template drops the assistant's content; it cannot render a conversation")
         closing = text[text.rindex(_PROBE) + len(_PROBE):]
@@ -68,10 +68,10 @@ class TurnTemplate:
         return cls(tokenizer, eot_ids, closing, after, template_kwargs)
 
     def observation_text(self, tool_messages: list[dict[str, Any]], *, ended_on_end_of_turn: bool) -> str:
-        """The text after a sampled assistant turn up to the next assistant turn's first sampled token."""
-        probe = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _PROBE}]
-        head = render(self.tokenizer, probe, **self.template_kwargs)
-        full = render(self.tokenizer, probe + tool_messages, add_generation_prompt=True, **self.template_kwargs)
+        """The text after a sampled assistant turn up to the next assistant turn's first sampled token: the
+        template's rendering of [probe turns + tool messages], less its rendering of the probe turns."""
+        head = render(self.tokenizer, _PROBE_TURNS, **self.template_kwargs)
+        full = render(self.tokenizer, _PROBE_TURNS + tool_messages, add_generation_prompt=True, **self.template_kwargs)
         if not full.startswith(head):
             raise TemplateError("the chat template renders the earlier turns differently once a tool message"
                                 " follows, so turns cannot be appended as tokens; check it with"
