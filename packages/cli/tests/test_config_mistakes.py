@@ -118,7 +118,14 @@ MISTAKES = [
      "did you mean 'freshest_first'?"),
     ("generate_fn not async", {"rollout.generate_fn": f"{MODULE}:sync_generate"}, [], "rollout.generate_fn",
      "not an `async def`"),
-    ("generate_fn builtin name", {"rollout.generate_fn": "multi_turn"}, [], "rollout.generate_fn", "module:attr"),
+    ("generate_fn typo", {"rollout.generate_fn": "multi_trun"}, [], "rollout.generate_fn",
+     "did you mean 'multi_turn'?"),
+    ("tool attribute missing", {"rollout.generate_fn": "multi_turn", "rollout.tools": [f"{MODULE}:nope"]}, [],
+     "rollout.tools[0]", "no attribute 'nope'"),
+    ("tool not callable", {"rollout.generate_fn": "multi_turn", "rollout.tools": [f"{MODULE}:NOT_CALLABLE"]}, [],
+     "rollout.tools[0]", "not a callable"),
+    ("tools without multi_turn", {"rollout.tools": [f"{MODULE}:sync_generate"]}, [], "rollout.tools",
+     "set rollout.generate_fn=multi_turn"),
     ("SyntaxError in the user's module", {"rollout.reward": "cfg_mistake_syntax:reward"}, [], "rollout.reward",
      "{tmp}/cfg_mistake_syntax.py:2: SyntaxError"),
     ("NameError in the user's module", {"rollout.dynamic_sampling_filter": "cfg_mistake_name:keep"}, [],
@@ -235,7 +242,8 @@ def test_the_base_config_plans(workspace):
     result = runner.invoke(app, ["plan", str(write_config(workspace, {
         "rollout.reward": "remote", "rollout.reward_url": "http://127.0.0.1:9/score", "rollout.top_k": 20,
         "rollout.dynamic_sampling_filter": "nonzero_std", "rollout.buffer_filter": "freshest_first",
-        "trainer.lr": 1, "trainer.clip_grad": 0, "algorithm.gamma": 0.99, "data.shuffle": True}))])
+        "trainer.lr": 1, "trainer.clip_grad": 0, "algorithm.gamma": 0.99, "data.shuffle": True,
+        "rollout.generate_fn": "multi_turn", "rollout.tools": [f"{MODULE}:sync_generate"]}))])
     assert result.exit_code == 0, result.output
 
 

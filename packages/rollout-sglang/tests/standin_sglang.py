@@ -98,6 +98,7 @@ class StandinServer:
         self.groups: dict[str, object] = {}
         self.events: list[dict] = []  # what happened, in order (test inspection)
         self.completed: list[str] = []  # rids answered (finished or aborted)
+        self.prefix_cache: list[list[int]] = []  # sequences served, newest last: the stand-in's radix cache
 
     # ------------------------------------------------------------------ model
 
@@ -121,6 +122,18 @@ class StandinServer:
         token = h % self.vocab_size
         log_prob = -0.05 - (h >> 20) % 400 / 100.0  # in (-4.05, -0.05]
         return token, log_prob
+
+    def cached_prefix(self, input_ids: list[int]) -> int:
+        """The longest prefix of ``input_ids`` this server has seen (what SGLang's radix cache would reuse)."""
+        best = 0
+        for seq in self.prefix_cache:
+            n = 0
+            for a, b in zip(seq, input_ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
 
     def record(self, kind: str, **fields) -> None:
         self.events.append({"kind": kind, "time": time.time(), **fields})
@@ -181,7 +194,9 @@ class StandinServer:
                                             for i in range(start, len(input_ids))]
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out, strict=True)]
             meta["output_token_logprobs_length"] = len(out)
-        meta.update(reasoning_tokens=0, completion_tokens=len(out), cached_tokens=0,
+        cached = self.cached_prefix(input_ids)
+        self.prefix_cache = (self.prefix_cache + [input_ids + out])[-512:]
+        meta.update(reasoning_tokens=0, completion_tokens=len(out), cached_tokens=cached,
                     e2e_latency=time.time() - started)
         return {"text": self.tokenizer.decode(out, skip_special_tokens=True), "output_ids": out, "meta_info": meta}
 

@@ -98,6 +98,31 @@ def test_generate_token_in_token_out_through_the_router(shared_engine):
     assert {rid.split("#")[0] for rid in wire} == {f"r{i}" for i in range(6)} and len(set(wire)) == 6
 
 
+def test_turns_of_one_session_go_to_one_engine_with_the_manual_policy(make_engine):
+    """A request id ``<session>/<turn>`` is the router's routing key: under rollout.router_policy=manual every
+    turn of an episode reaches the engine holding its prefix, and the cached tokens come back."""
+    engine = make_engine(router_policy="manual")
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+    async def episode(session: str) -> list[int | None]:
+        ids, cached = [5, 6, 7], []
+        for turn in range(3):
+            out = await engine.generate(ids, params, request_id=f"{session}/{turn}")
+            ids, cached = ids + out.token_ids + [9], cached + [out.cached_tokens]
+        return cached
+
+    async def episodes() -> list[list[int | None]]:
+        return await asyncio.gather(*(episode(f"s{k}") for k in range(6)))
+
+    cached = asyncio.run(episodes())
+    for k in range(6):
+        homes = {url for url in engine.engine_urls
+                 if any(e["rid"].startswith(f"s{k}/") for e in events(url, "generate"))}
+        assert len(homes) == 1, (k, homes)
+    # later turns find all of the episode but the observation id appended since: 3 + 4 (+ 1 + 4) tokens
+    assert all(c[1] >= 7 and c[2] >= 12 for c in cached), cached
+
+
 def test_stop_token_and_greedy_determinism(shared_engine):
     engine = shared_engine
     first = asyncio.run(engine.generate([9, 8, 7], GREEDY))

@@ -94,13 +94,15 @@ def test_sampling_fields_reach_the_worker_and_the_answer_is_parsed(router, worke
 def test_parse_response_reads_sglang_shapes():
     body = {"output_ids": [5, 9], "meta_info": {
         "id": "x", "finish_reason": {"type": "stop", "matched": 9}, "weight_version": "3",
-        "output_token_logprobs": [[-0.5, 5, None], [-1.25, 9, None]]}}
+        "output_token_logprobs": [[-0.5, 5, None], [-1.25, 9, None]], "cached_tokens": 12}}
     out = parse_response(body, default_version=0)
     assert (out.token_ids, out.log_probs, out.finish_reason, out.weight_version) == ([5, 9], [-0.5, -1.25], "stop", 3)
+    assert out.cached_tokens == 12  # the prefix-cache hits the rollout metrics report
     # an abort from SGLang's waiting queue has no log-probs and no prompt_tokens
     aborted = parse_response({"output_ids": [], "meta_info": {"id": "y", "weight_version": "default",
                                                               "finish_reason": {"type": "abort"}}}, default_version=2)
     assert (aborted.token_ids, aborted.finish_reason, aborted.weight_version) == ([], "abort", 2)
+    assert aborted.cached_tokens is None  # not reported: no hit rate from it
     with pytest.raises(GenerateError, match="2 output ids but 1 log-probs"):
         parse_response({"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "length"},
                                                             "output_token_logprobs": [[-1.0, 1, None]]}},
@@ -160,3 +162,50 @@ def test_routed_experts_are_asked_for_and_decoded():
     assert parse_response({"output_ids": [5, 6], "meta_info": meta}, default_version=0).routed_experts is None
     with pytest.raises(GenerateError, match="do not fill"):
         parse_response({"output_ids": [5, 6], "meta_info": meta}, default_version=0, routed_shape=(5, 4))
+
+
+def _episodes(client: GenerateClient, first_token: int, routing: bool) -> tuple[list[list[str]], float]:
+    """8 three-turn episodes at once (each turn's input: the last input, its answer and an 'observation'), through
+    the router; the rids of each episode's turns, and the share of input tokens served from a prefix cache."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    totals = {"input": 0, "cached": 0}
+
+    async def episode(e: int) -> list[str]:
+        ids, rids = [first_token, e + 1] + list(range(10, 60)), []
+        for turn in range(3):
+            rid = f"ep{first_token}-{e}-{turn}"
+            out = await client.generate(ids, params, rid, routing_key=f"ep{first_token}-{e}" if routing else None)
+            totals["input"] += len(ids)
+            totals["cached"] += out.cached_tokens
+            rids.append(f"{rid}.0")
+            ids = ids + out.token_ids + [7, 8, 9, 10 + turn]
+        return rids
+
+    async def run() -> list[list[str]]:
+        return await asyncio.gather(*(episode(e) for e in range(8)))
+
+    rids = asyncio.run(run())
+    return rids, totals["cached"] / totals["input"]
+
+
+def test_routing_key_keeps_an_episode_on_one_worker_and_its_prefix_cache(workers, tmp_path):
+    """Session affinity: with the router's manual policy, every turn carrying one routing key reaches the same
+    worker; the stand-in workers report cached tokens as SGLang does (the longest prefix they served), so the
+    hit rate with affinity beats round robin on the same kind of episodes."""
+    rates = {}
+    for policy, routing, first in (("manual", True, 1), ("round_robin", False, 2)):
+        router = launch_router(tmp_path / policy, policy=policy)
+        try:
+            for w in workers:
+                router.add_worker(w.url)
+            router.wait_ready(2)
+            rids, rates[policy] = _episodes(GenerateClient(router.url, max_concurrency=16), first, routing)
+        finally:
+            router.stop()
+        if policy == "manual":
+            for episode in rids:
+                homes = {w.url for w in workers if served(w.url, episode)}
+                assert len(homes) == 1 and all(len(served(h, episode)) == 3 for h in homes), episode
+    print(f"prefix-cache hit rate, 8 episodes x 3 turns over 2 stand-in workers: manual policy with routing keys "
+          f"{rates['manual']:.2f}, round robin {rates['round_robin']:.2f}")
+    assert rates["manual"] > rates["round_robin"]

@@ -102,8 +102,14 @@ def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
     r = cfg.rollout
     if dotted == "rollout.reward":
         load_reward(spec, group=r.group_reward, reward_url=r.reward_url)
+    elif dotted == "rollout.generate_fn" and spec == "multi_turn":
+        from slime_rl.core.agent import load_tools
+
+        load_tools(list(r.tools), cfg)  # each tool imports; the built-in `python` tool finds the sandbox
     elif dotted == "rollout.generate_fn":
-        fn = load_function(spec, {}, what="generate function")
+        from slime_rl.core.rollout import BUILTIN_GENERATE_FNS
+
+        fn = load_function(spec, dict.fromkeys(BUILTIN_GENERATE_FNS), what="generate function")
         if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
             raise PluginError(f"generate function {spec!r} is not an `async def`; the rollout awaits"
                               " `async def generate(sample, sampling_params, engine)`")
@@ -235,15 +241,33 @@ def _console() -> Console:
 
 
 @app.command()
-def doctor() -> None:
+def doctor(
+    model: Annotated[str | None, typer.Option(
+        "--model", metavar="PATH", help="Also check this model's chat template for multi-turn parity (an HF folder,"
+        " a .gguf file or builtin:<name>).")] = None,
+) -> None:
     """Report what is installed: Python, torch and CUDA, slime-rl packages and backends, libraries.
 
-    Exits 1 when an installed slime-rl package or backend does not import."""
+    With --model, also build a sample tool-calling conversation turn by turn as the multi-turn agent does and
+    compare its ids with the chat template's rendering, printing the first differing position with both
+    decodings. Exits 1 when an installed slime-rl package or backend does not import, or the template drifts."""
     from slime_rl.cli.doctor import collect, render
 
     report = collect()
     typer.echo(render(report))
-    raise typer.Exit(1 if report.broken else 0)
+    drift = False
+    if model is not None:
+        from slime_rl.core.agent.parity import DIFFERS, UNUSABLE, check_parity, format_report, load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(model)
+        except (ValueError, OSError, RuntimeError) as err:
+            fail(f"--model: {model}: the tokenizer does not load: {str(err).removeprefix('--model: ')}", 2)
+        results = check_parity(tokenizer)
+        typer.echo(f"\nchat template of {model} (multi-turn parity, docs/agents.md):")
+        typer.echo(format_report(results))
+        drift = any(r.status in (DIFFERS, UNUSABLE) for r in results)
+    raise typer.Exit(1 if report.broken or drift else 0)
 
 
 def main() -> None:

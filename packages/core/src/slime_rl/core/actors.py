@@ -209,7 +209,7 @@ class RolloutWorker(KeepsInitMistake):
             name: eval_source.for_eval(cfg, name, tokenizer=self.tokenizer).get_groups(10**9)
             for name in cfg.eval.prompt_data
         }
-        self.runner = RolloutRunner(cfg, self.engine, self._decode)
+        self.runner = RolloutRunner(cfg, self.engine, self._decode, self.tokenizer)
         self.fully = (FullyAsyncRollout(cfg, self.runner, self.data_source, lambda: self.engine.weight_version)
                       if cfg.cluster.async_mode == "fully" else None)
 

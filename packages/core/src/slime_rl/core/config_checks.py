@@ -139,6 +139,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("rollout.engine_python", f"{r.engine_python} is not an executable interpreter;"
                                                    " give the python of SGLang's environment")
     check_sandbox(cfg)
+    if r.tools and r.generate_fn != "multi_turn":
+        raise ConfigError("rollout.tools", "only the built-in agent loop calls tools; set rollout.generate_fn="
+                                           "multi_turn, or drop rollout.tools")
     check_model(cfg)
     plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)
 

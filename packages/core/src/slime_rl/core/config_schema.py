@@ -105,7 +105,10 @@ class RolloutConfig(_Section):
     over_sampling_batch_size: int | None = Field(None, ge=1)  # prompts submitted per refill; >= rollout_batch_size
     dynamic_sampling_filter: str | None = None  # "nonzero_std" (DAPO) or module:attr
     partial_rollout: bool = False  # aborted groups go back to the buffer with their tokens
-    generate_fn: str | None = None  # module:attr, replaces single-turn generation
+    generate_fn: str | None = None  # "multi_turn" (the built-in agent loop) or module:attr; unset: single turn
+    max_turns: int = Field(4, ge=1)  # multi_turn: assistant turns per episode
+    tools: list[str] = Field(default_factory=list)  # multi_turn: tools, each module:attr or the built-in "python"
+    tool_timeout: float = Field(30.0, gt=0)  # multi_turn: seconds per tool call; then its error is the observation
     reward: str = "math"  # built-in reward name or module:attr
     group_reward: bool = False  # the reward takes a whole group
     reward_key: str | None = None  # for dict rewards

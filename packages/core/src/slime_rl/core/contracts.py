@@ -53,6 +53,7 @@ class GenerateOutput:
     # The policy version that produced each new token (several when weights changed mid-request);
     # None: the engine does not say, and every token counts as ``weight_version``.
     token_versions: list[int] | None = None
+    cached_tokens: int | None = None  # input tokens served from the prefix cache; None: not reported
 
 
 class RolloutEngine(ABC):
@@ -83,7 +84,9 @@ class RolloutEngine(ABC):
         self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> GenerateOutput:
         """Sample a continuation of ``input_ids``. An aborted request returns the
-        tokens made so far with ``finish_reason="abort"``."""
+        tokens made so far with ``finish_reason="abort"``. A ``request_id`` of the form
+        ``<session>/<turn>`` marks the turns of one multi-turn episode: an engine with several
+        servers sends all of a session's requests to the same one (its prefix cache holds them)."""
 
     @abstractmethod
     async def abort(self, request_id: str | None = None) -> None:

@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import Buffer, DataSource, GenerateFn, RolloutEngine, SamplingParams
@@ -67,6 +68,9 @@ async def generate_single_turn(sample: Sample, params: SamplingParams, engine: R
     call_params = SamplingParams(**{**params.__dict__, "max_new_tokens": remaining})
     request_id = f"s{sample.index}-{next(_request_ids)}"
     out = await engine.generate(sample.tokens, call_params, request_id=request_id)
+    if out.cached_tokens is not None:  # the engine reports its prefix cache: rollout/prefix_cache_hit_rate
+        sample.metadata["prompt_tokens"] = sample.metadata.get("prompt_tokens", 0) + len(sample.tokens)
+        sample.metadata["cached_tokens"] = sample.metadata.get("cached_tokens", 0) + out.cached_tokens
     versions = out.token_versions if out.token_versions is not None else [out.weight_version] * len(out.token_ids)
     if sample.response_length == 0:
         sample.weight_version = min(versions, default=out.weight_version)  # the oldest token's
@@ -75,6 +79,24 @@ async def generate_single_turn(sample: Sample, params: SamplingParams, engine: R
         sample.rollout_routed_experts = out.routed_experts
     sample.status = _FINISH_STATUS[out.finish_reason]
     return sample
+
+
+BUILTIN_GENERATE_FNS = ("multi_turn",)  # built by load_generate_fn: they need the config and tokenizer
+
+
+def load_generate_fn(cfg: Config, tokenizer: Any = None) -> GenerateFn:
+    """``rollout.generate_fn``: single turn when unset, the built-in agent loop, or a user's ``module:attr``."""
+    spec = cfg.rollout.generate_fn
+    if not spec:
+        return generate_single_turn
+    if spec == "multi_turn":
+        from slime_rl.core.agent import MultiTurnGenerate
+
+        if tokenizer is None:
+            raise PluginError("rollout.generate_fn: multi_turn renders tool results with the model's tokenizer,"
+                              " and this rollout has none")
+        return MultiTurnGenerate.from_config(cfg, tokenizer)
+    return load_function(spec, {}, what="rollout.generate_fn")
 
 
 @dataclass
@@ -89,14 +111,11 @@ class RolloutResult:
 class RolloutRunner:
     """Generates, scores and filters groups through any `RolloutEngine`."""
 
-    def __init__(self, cfg: Config, engine: RolloutEngine, decode: Decode):
+    def __init__(self, cfg: Config, engine: RolloutEngine, decode: Decode, tokenizer: Any = None):
         self.cfg = cfg
         self.engine = engine
         self.decode = decode
-        self.generate_fn: GenerateFn = (
-            load_function(cfg.rollout.generate_fn, {}, what="rollout.generate_fn")
-            if cfg.rollout.generate_fn else generate_single_turn
-        )
+        self.generate_fn: GenerateFn = load_generate_fn(cfg, tokenizer)
         spec = cfg.rollout.dynamic_sampling_filter
         in_worker = bool(spec) and is_user_code(spec) and reward_workers(cfg.rollout) > 0
         self.keep_group = (None if not spec or in_worker  # a user's filter runs in a worker process
@@ -268,6 +287,7 @@ class RolloutRunner:
             "rollout/tokens": sum(lengths),
             "rollout/tokens_per_s": sum(lengths) / elapsed if elapsed > 0 else 0.0,
             "rollout/time": elapsed,
+            **_agent_metrics(samples),
         }
 
     async def evaluate(self, eval_sets: dict[str, list[Group]]) -> dict[str, float]:
@@ -287,3 +307,20 @@ class RolloutRunner:
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(
                 s.response_length for g in done for s in g) if done else 0.0
         return metrics
+
+
+def _agent_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Episode metrics of multi-turn samples, and the prefix-cache hit rate where the engine reports it."""
+    out: dict[str, float] = {}
+    prompt = sum(s.metadata.get("prompt_tokens", 0) for s in samples)
+    if prompt and any("cached_tokens" in s.metadata for s in samples):
+        out["rollout/prefix_cache_hit_rate"] = sum(s.metadata.get("cached_tokens", 0) for s in samples) / prompt
+    episodes = [s.metadata for s in samples if "episode_end" in s.metadata]
+    if episodes:
+        calls = sum(m["tool_calls"] for m in episodes)
+        out["rollout/turns_mean"] = statistics.fmean(m["turns"] for m in episodes)
+        out["rollout/tool_calls_mean"] = calls / len(episodes)
+        out["rollout/tool_error_frac"] = sum(m["tool_errors"] for m in episodes) / calls if calls else 0.0
+        for end in ("final_answer", "max_turns", "context_limit"):
+            out[f"rollout/episode_end_{end}_frac"] = sum(m["episode_end"] == end for m in episodes) / len(episodes)
+    return out

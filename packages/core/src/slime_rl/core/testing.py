@@ -114,3 +114,55 @@ def tiny_model_folder(out_dir: Path, family: str = "qwen2", *, tokenizer: PreTra
                          bos_token_id=eos if tokenizer.bos_token_id is None else tokenizer.bos_token_id,
                          pad_token_id=tokenizer.pad_token_id, **shape)
     return save_model(out_dir, tiny_model(config, seed=seed), tokenizer, dtype=dtype)
+
+
+# A ChatML template with Hermes/Qwen tool calls (`<tool_call>{json}</tool_call>`), a tool role and the tools'
+# schemas in the system turn: what Qwen2.5-style models use, small enough to read. With drop_thinking, earlier
+# assistant turns lose their <think> blocks, as Qwen3's template does (a history rewrite the parity check reports).
+_CHAT_TEMPLATE = (
+    "{%- if tools or messages[0]['role'] == 'system' -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] -}}{%- endif -%}"
+    "{%- if tools -%}{{- '\\n# Tools\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>."
+    " The tools:' -}}{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- set ns = namespace(last=-1) -%}"
+    "{%- for message in messages -%}{%- if message['role'] == 'assistant' -%}{%- set ns.last = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and loop.first -%}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{%- set content = message['content'] or '' -%}"
+    "{%- if DROP_THINKING and loop.index0 < ns.last and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{{- '<|im_start|>assistant\\n' + content -}}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{{- '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' -}}"
+    "{{- (call['function']['arguments'] | tojson) + '}</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")  # plain added tokens, as in Qwen's
+
+
+def chat_tokenizer(*, vocab_size: int = 1024, drop_thinking: bool = False,
+                   texts: Iterable[str] | None = None) -> PreTrainedTokenizerFast:
+    """A small BPE with a ChatML chat template that renders tools, tool calls and a tool role; ``<|im_end|>`` is
+    its eos (the end of an assistant turn) and ``<|endoftext|>`` its pad. ``drop_thinking``: the template drops
+    ``<think>...</think>`` from assistant turns before the last, as Qwen3's does. Trained on `stdlib_text` and a
+    few chat words unless ``texts`` is given."""
+    corpus = list(texts) if texts is not None else stdlib_text() + [
+        "You are a helpful assistant. What is 2 + 3? The answer is 5. Use the tool: add, python, code, result.",
+    ] * 20
+    tokenizer = train_tokenizer(corpus, vocab_size=vocab_size - len(CHAT_ADDED_TOKENS),
+                                special_tokens=CHAT_SPECIAL_TOKENS, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.add_tokens(list(CHAT_ADDED_TOKENS))
+    tokenizer.chat_template = _CHAT_TEMPLATE.replace("DROP_THINKING", "true" if drop_thinking else "false")
+    return tokenizer

@@ -29,6 +29,11 @@ from slime_rl.core.contracts import GenerateOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# sglang-router 0.3.2's header for session affinity: with `--policy manual` every request carrying the same key
+# goes to the same worker (a new key is assigned by --assignment-mode), so a multi-turn episode's turns reuse
+# the prefix cache of the worker that served its first turn. Other policies ignore it.
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+
 # Router answers worth retrying: no worker alive or reachable right now (500
 # call_upstream_request_error, 502/504 from a dying upstream, 503 no_available_workers).
 _RETRY_STATUS = {500, 502, 503, 504}
@@ -104,8 +109,9 @@ def parse_response(body: dict[str, Any], *, default_version: int,
     routed = None
     if routed_shape is not None and meta.get("routed_experts") is not None:
         routed = decode_routed_experts(meta["routed_experts"], routed_shape)
+    cached = meta.get("cached_tokens")  # input tokens the server took from its prefix cache
     return GenerateOutput(token_ids=ids, log_probs=log_probs, finish_reason=finish, weight_version=version,
-                          routed_experts=routed)
+                          routed_experts=routed, cached_tokens=int(cached) if isinstance(cached, int) else None)
 
 
 class GenerateClient:
@@ -138,21 +144,23 @@ class GenerateClient:
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid_prefix: str, *,
                        default_version: int = 0, should_stop: Callable[[], bool] | None = None,
-                       routed_shape: tuple[int, int] | None = None) -> GenerateOutput:
+                       routed_shape: tuple[int, int] | None = None, routing_key: str | None = None) -> GenerateOutput:
         """POST one request; on a dropped connection or a 5xx from the router, retry with a
         fresh rid (``{rid_prefix}.{attempt}``) until ``retry_timeout``. An abort of
         ``rid_prefix`` reaches every attempt (SGLang matches aborts by rid prefix).
-        ``should_stop()`` true when a slot frees up or before a retry: an empty abort result."""
+        ``should_stop()`` true when a slot frees up or before a retry: an empty abort result.
+        ``routing_key``: requests with the same key go to the same worker (router policy ``manual``)."""
         session, semaphore = self._bind()
         deadline = time.monotonic() + self.retry_timeout
         attempt, backoff = 0, 0.05
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         async with semaphore:
             while True:
                 if should_stop is not None and should_stop():
                     return GenerateOutput([], [], "abort", default_version)
                 payload = build_payload(input_ids, params, f"{rid_prefix}.{attempt}")
                 try:
-                    async with session.post(f"{self.router_url}/generate", json=payload) as resp:
+                    async with session.post(f"{self.router_url}/generate", json=payload, headers=headers) as resp:
                         if resp.status == 200:
                             return parse_response(await resp.json(), default_version=default_version,
                                                   routed_shape=routed_shape)

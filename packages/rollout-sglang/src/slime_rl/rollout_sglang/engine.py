@@ -230,6 +230,9 @@ class SGLangEngine(RolloutEngine):
         req = self._inflight[rid] = _Request(rid)
         tokens: list[int] = []
         log_probs: list[float] = []
+        # "<session>/<turn>": every turn of one episode to the same server, whose prefix cache holds it
+        routing_key = rid.split("/", 1)[0] if "/" in rid else None
+        cached: int | None = None  # the first part's: its input is the caller's
         try:
             while True:
                 await self._gate(req)
@@ -243,8 +246,9 @@ class SGLangEngine(RolloutEngine):
                     client, routed_shape = self._engine_client(rid), self._routed_shape()
                 out = await client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
                                             default_version=self._version, should_stop=lambda: req.aborted,
-                                            routed_shape=routed_shape)
+                                            routed_shape=routed_shape, routing_key=routing_key)
                 req.wire_prefix = None  # back from the server: nothing there to abort
+                cached = out.cached_tokens if not tokens and cached is None else cached
                 tokens += out.token_ids
                 log_probs += out.log_probs
                 paused_meanwhile = epoch != self._pause_epoch or bool(self._closed_by)
@@ -252,10 +256,10 @@ class SGLangEngine(RolloutEngine):
                     if len(tokens) < params.max_new_tokens:
                         continue  # cut short by a sync or a memory release: go on where it stopped
                     return GenerateOutput(tokens, log_probs, "length", out.weight_version,
-                                          routed_experts=out.routed_experts)
+                                          routed_experts=out.routed_experts, cached_tokens=cached)
                 # the last part's routed experts cover the whole sequence (its input held the earlier parts)
                 return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version,
-                                      routed_experts=out.routed_experts)
+                                      routed_experts=out.routed_experts, cached_tokens=cached)
         finally:
             req.done = True
             self._inflight.pop(rid, None)

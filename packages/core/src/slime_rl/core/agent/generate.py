@@ -1,0 +1,126 @@
+"""``rollout.generate_fn: multi_turn``: an agent loop over token ids.
+
+One episode: the model samples an assistant turn (its ids and log-probs appended as they are, loss
+mask 1); the turn ends on the template's end-of-turn token or a tool-call close; the tool calls in
+its text run; their results, rendered with the chat template's tool role, are appended as ids with
+loss mask 0; repeat. The episode ends on a turn without a tool call (``final_answer``), after
+``rollout.max_turns`` assistant turns (``max_turns``), or when the response budget
+(``rollout.max_response_len``, sampled and observation tokens together) runs out
+(``context_limit``); ``sample.metadata["episode_end"]`` says which, and the reward sees the whole
+trajectory. Sampled ids are never decoded and re-encoded into what the trainer scores.
+
+Turns of one episode share a request-id prefix (``<session>/<turn>``) so an engine with several
+servers can send them all to the one that holds the episode's prefix in its cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from slime_rl.core.agent.template import TurnTemplate, tool_message
+from slime_rl.core.agent.tool_calls import TOOL_CALL_CLOSE, parse_tool_calls
+from slime_rl.core.agent.tools import Tool, ToolResult, call_tool, load_tools
+from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams
+from slime_rl.core.sample import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from slime_rl.core.config import Config
+
+EPISODE_ENDS = ("final_answer", "max_turns", "context_limit", "aborted")
+_sessions = itertools.count()
+
+
+@dataclass
+class EpisodeStats:
+    turns: int = 0  # assistant turns sampled
+    tool_calls: int = 0
+    tool_errors: int = 0  # calls that raised, timed out, named no tool or could not be read
+    prompt_tokens: int = 0  # input ids sent to the engine over all turns
+    cached_tokens: int = 0  # of those, what the engine served from its prefix cache (where it reports it)
+    cache_reported: bool = False
+
+    def record(self, sample: Sample, end: str) -> None:
+        sample.metadata.update({"episode_end": end, "turns": self.turns, "tool_calls": self.tool_calls,
+                                "tool_errors": self.tool_errors})
+        if self.cache_reported:
+            sample.metadata.update({"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens})
+
+
+class MultiTurnGenerate:
+    """The built-in multi-turn generate function; `from_config` builds it in the rollout process."""
+
+    def __init__(self, tokenizer: Any, tools: dict[str, Tool], *, max_turns: int = 4, tool_timeout: float = 30.0,
+                 stop_on_tool_call: bool = True, **template_kwargs: Any):
+        self.tokenizer = tokenizer
+        self.template = TurnTemplate.from_tokenizer(tokenizer, **template_kwargs)
+        self.tools = tools
+        self.max_turns = max_turns
+        self.tool_timeout = tool_timeout
+        self.stop_on_tool_call = stop_on_tool_call
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer: Any) -> MultiTurnGenerate:
+        r = cfg.rollout
+        return cls(tokenizer, load_tools(list(r.tools), cfg), max_turns=r.max_turns, tool_timeout=r.tool_timeout)
+
+    def _turn_params(self, params: SamplingParams, remaining: int) -> SamplingParams:
+        stop = list(params.stop) + ([TOOL_CALL_CLOSE] if self.stop_on_tool_call else [])
+        stop_ids = list(params.stop_token_ids) + [t for t in self.template.end_of_turn_ids
+                                                  if t not in params.stop_token_ids]
+        return SamplingParams(**{**params.__dict__, "max_new_tokens": remaining, "stop": stop,
+                                 "stop_token_ids": stop_ids})
+
+    async def __call__(self, sample: Sample, params: SamplingParams, engine: RolloutEngine) -> Sample:
+        if sample.response_length:  # an aborted episode restarts: tool state cannot be resumed mid-way
+            sample.reset_to_prompt()
+        session = f"s{sample.index}-{next(_sessions)}"
+        stats = EpisodeStats()
+        budget = params.max_new_tokens
+        for turn in range(1, self.max_turns + 1):
+            remaining = budget - sample.response_length
+            if remaining <= 0:
+                return self._end(sample, stats, "context_limit", SampleStatus.TRUNCATED)
+            stats.prompt_tokens += len(sample.tokens)
+            out = await engine.generate(list(sample.tokens), self._turn_params(params, remaining),
+                                        request_id=f"{session}/{turn}")
+            _count_cache(stats, out)
+            if turn == 1:
+                sample.weight_version = out.weight_version
+            sample.append_response(out.token_ids, out.log_probs, trained=True)
+            stats.turns += 1
+            if out.finish_reason == "abort":
+                return self._end(sample, stats, "aborted", SampleStatus.ABORTED)
+            if out.finish_reason == "length":
+                return self._end(sample, stats, "context_limit", SampleStatus.TRUNCATED)
+            calls = parse_tool_calls(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
+            if not calls:
+                return self._end(sample, stats, "final_answer", SampleStatus.COMPLETED)
+            if turn == self.max_turns:
+                return self._end(sample, stats, "max_turns", SampleStatus.COMPLETED)
+            results: list[ToolResult] = await asyncio.gather(
+                *(call_tool(self.tools, call, self.tool_timeout) for call in calls))
+            stats.tool_calls += len(results)
+            stats.tool_errors += sum(r.error for r in results)
+            ended_on_eot = bool(out.token_ids) and out.token_ids[-1] in self.template.end_of_turn_ids
+            observation = self.template.observation_ids([tool_message(r.name, r.text) for r in results],
+                                                        ended_on_end_of_turn=ended_on_eot)
+            if sample.response_length + len(observation) >= budget:  # no room left for the model to answer
+                return self._end(sample, stats, "context_limit", SampleStatus.TRUNCATED)
+            sample.append_response(observation, None, trained=False)
+        raise AssertionError("unreachable: the last turn always ends the episode")
+
+    @staticmethod
+    def _end(sample: Sample, stats: EpisodeStats, end: str, status: SampleStatus) -> Sample:
+        sample.status = status
+        stats.record(sample, end)
+        return sample
+
+
+def _count_cache(stats: EpisodeStats, out: GenerateOutput) -> None:
+    cached = getattr(out, "cached_tokens", None)
+    if cached is not None:
+        stats.cached_tokens += cached
+        stats.cache_reported = True
