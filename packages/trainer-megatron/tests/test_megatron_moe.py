@@ -177,6 +177,12 @@ def test_expert_tensor_parallel_on_four_ranks_matches_one(tmp_path):
         assert torch.allclose(t, multi["final"][name], atol=1e-5, rtol=0), name
 
 
+def test_routing_replay_on_a_dense_model_is_refused(tmp_path):
+    model_dir = make_hf_model(tmp_path / "m", "qwen3", vocab=VOCAB)
+    with pytest.raises(ValueError, match="routing_replay: rollout needs a mixture-of-experts model"):
+        trainer_for(model_dir, ["algorithm.routing_replay=rollout"])
+
+
 def test_unsupported_expert_layouts_are_refused_with_the_fix():
     from slime_rl.trainer_megatron.moe import MoEShape, check_expert_parallel
 
