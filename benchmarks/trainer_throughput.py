@@ -15,6 +15,8 @@ the same batch (log-softmax of full logits under no_grad, then forward/backward 
 the same token-level loss, fused AdamW; SDPA attention, bf16 autocast when the trainer
 runs bf16: always on CUDA, with --dtype bfloat16 on the CPU, whose AMX units make bf16
 matmuls ~4x faster than fp32).
+MoE (``--shape tiny-moe``, ``--shape qwen3-30b-a3b-reduced``): the trainer's MoE layers next to
+transformers' own Qwen3-MoE; params in the FLOPs below are the active ones (router + top-k experts).
 Tokens/s counts every token of the batch per train step; MFU uses the standard
 6 * params + 12 * layers * hidden * seq FLOPs per token against --peak-tflops for both
 (the trainer skips the LM head on prompt tokens and packs instead of padding: work the
@@ -47,7 +49,13 @@ SHAPES = {
     "smollm2-135m": ("llama", 49152, 576, 1536, 30, 9, 3, True, 100000.0),
     "qwen2.5-0.5b": ("qwen2", 151936, 896, 4864, 24, 14, 2, True, 1000000.0),
     "qwen2.5-1.5b": ("qwen2", 151936, 1536, 8960, 28, 12, 2, True, 1000000.0),
+    # Qwen3-MoE shapes (the MOE table below adds experts); intermediate is unused (every layer is MoE)
+    "tiny-moe": ("qwen3_moe", 32768, 128, 352, 4, 4, 2, True, 10000.0),
+    "qwen3-30b-a3b-reduced": ("qwen3_moe", 151936, 2048, 6144, 4, 32, 4, False, 1000000.0),
 }
+# MoE shapes: (experts, top-k, expert intermediate size, head_dim). qwen3-30b-a3b-reduced is
+# Qwen3-30B-A3B's hidden size, heads, 128 experts, top-8 and expert size with 4 of its 48 layers.
+MOE = {"tiny-moe": (8, 2, 96, 32), "qwen3-30b-a3b-reduced": (128, 8, 768, 128)}
 
 
 def make_model(shape: str, folder: Path) -> Path:
@@ -56,10 +64,16 @@ def make_model(shape: str, folder: Path) -> Path:
     family, vocab, hidden, inter, layers, heads, kv, tied, theta = SHAPES[shape]
     if (folder / "config.json").is_file():
         return folder
-    cfg_cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+    extra = {}
+    if shape in MOE:
+        experts, topk, moe_inter, head_dim = MOE[shape]
+        extra = dict(num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=moe_inter,
+                     head_dim=head_dim, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     config = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                      num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
-                     max_position_embeddings=32768, rms_norm_eps=1e-6)
+                     max_position_embeddings=32768, rms_norm_eps=1e-6, **extra)
     config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1.5B is slow on a CPU
@@ -72,8 +86,11 @@ def make_model(shape: str, folder: Path) -> Path:
 def model_flops_per_token(shape: str, seq_len: int) -> float:
     family, vocab, hidden, inter, layers, heads, kv, tied, _ = SHAPES[shape]
     head_dim = hidden // heads
-    attn = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
     mlp = 3 * hidden * inter
+    if shape in MOE:  # active parameters: the router and top-k experts of each token
+        experts, topk, moe_inter, head_dim = MOE[shape]
+        mlp = hidden * experts + 3 * hidden * moe_inter * topk
+    attn = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
     params = layers * (attn + mlp) + vocab * hidden  # the LM head's matmul; the embedding lookup is free
     return 6 * params + 12 * layers * hidden * seq_len
 

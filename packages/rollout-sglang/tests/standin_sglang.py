@@ -75,6 +75,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--standin-never-healthy", action="store_true")  # /health always 503
     p.add_argument("--standin-crash-on-start", action="store_true")  # exit 1 after logging an error
     p.add_argument("--standin-token-delay", type=float, default=0.0)  # seconds per generated token
+    p.add_argument("--enable-return-routed-experts", action="store_true")  # SGLang's flag (MoE models)
     return p.parse_known_args(argv)
 
 
@@ -140,8 +141,20 @@ class StandinServer:
 
     # ------------------------------------------------------------------ generate
 
+    def routed_experts(self, fed: list[int]) -> str:
+        """SGLang's encoding: base64 of int32 ``[tokens fed, layers, top-k]``; a made-up routing that
+        depends on each token and layer (expert (token + layer + j) % experts)."""
+        import base64
+
+        import numpy as np
+
+        layers, k = int(self.hf_config["num_hidden_layers"]), int(self.hf_config["num_experts_per_tok"])
+        experts = int(self.hf_config["num_experts"])
+        ids = np.asarray(fed, dtype=np.int64)[:, None, None] + np.arange(layers)[None, :, None] + np.arange(k)
+        return base64.b64encode((ids % experts).astype("<i4").tobytes()).decode("ascii")
+
     async def generate_one(self, input_ids: list[int], sp: dict, rid: str, return_logprob: bool,
-                           logprob_start_len: int) -> dict:
+                           logprob_start_len: int, routed: bool = False) -> dict:
         aborted = asyncio.Event()
         self.running[rid] = aborted
         started = time.time()
@@ -188,6 +201,8 @@ class StandinServer:
             "weight_version": self.weight_version,
             "num_retractions": 0,
         }
+        if routed and self.args.enable_return_routed_experts:
+            meta["routed_experts"] = self.routed_experts(input_ids + out[:-1])
         if return_logprob:
             start = logprob_start_len if logprob_start_len is not None and logprob_start_len >= 0 else len(input_ids)
             meta["input_token_logprobs"] = [[None if i == 0 else -1.0, input_ids[i], None]
@@ -223,7 +238,8 @@ class StandinServer:
         sps = body.get("sampling_params") or {}
         sps = sps if isinstance(sps, list) else [sps] * len(batch)
         outs = await asyncio.gather(*[
-            self.generate_one(x, sp, rid, bool(body.get("return_logprob")), body.get("logprob_start_len", -1))
+            self.generate_one(x, sp, rid, bool(body.get("return_logprob")), body.get("logprob_start_len", -1),
+                              bool(body.get("return_routed_experts")))
             for x, sp, rid in zip(batch, sps, rids, strict=True)
         ])
         return web.json_response(outs[0] if single else outs)

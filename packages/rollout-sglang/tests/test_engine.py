@@ -434,3 +434,33 @@ def test_attach_to_running_servers(shared_engine, tiny_model, standin_python, tm
         asyncio.run(attached.shutdown())
     for server in launched.servers:  # shutting down an attached engine leaves the servers running
         assert server.process.alive()
+
+
+def test_routed_experts_go_straight_to_an_engine(tiny_model, standin_python, tmp_path):
+    """Routing replay: sglang-router 0.3.2 drops ``return_routed_experts``, so such requests go to an
+    engine directly (the same one for the same request id) and its base64 answer becomes
+    ``[prompt + new - 1][layers][top-k]``; other requests still go through the router."""
+    import json
+    import shutil
+
+    moe = tmp_path / "tiny-moe"
+    shutil.copytree(tiny_model, moe)  # the stand-in's routing reads only config.json's MoE fields
+    config = json.loads((moe / "config.json").read_text())
+    config.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2)
+    (moe / "config.json").write_text(json.dumps(config))
+    cfg = make_config(moe, standin_python, tmp_path / "run", engine_args={"enable_return_routed_experts": True})
+    engine = SGLangEngine.from_config(cfg)
+    try:
+        routed = SamplingParams(temperature=1.0, max_new_tokens=5, ignore_eos=True, return_routed_experts=True)
+        prompt = [3, 4, 5, 6]
+        out = asyncio.run(engine.generate(prompt, routed, request_id="moe-1"))
+        fed = prompt + out.token_ids[:-1]
+        expected = [[[(t + layer + j) % 8 for j in range(2)] for layer in range(3)] for t in fed]
+        assert out.routed_experts == expected
+        plain = asyncio.run(engine.generate(prompt, SamplingParams(max_new_tokens=5), request_id="plain-1"))
+        assert plain.routed_experts is None
+        bodies = {url: [e["body"] for e in events(url, "generate_body")] for url in engine.engine_urls}
+        asked = [url for url, seen in bodies.items() if any(b.get("return_routed_experts") for b in seen)]
+        assert len(asked) == 1  # straight to one engine: through the router the field would be gone
+    finally:
+        asyncio.run(engine.shutdown())

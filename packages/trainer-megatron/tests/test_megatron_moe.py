@@ -64,12 +64,16 @@ def _with_old(batch, trainer):
 @pytest.mark.parametrize("family,batching", [("qwen2_moe", ["trainer.max_tokens_per_gpu=40"]),
                                              ("qwen3_moe", ["trainer.micro_batch_size=2"])])
 def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
+    """Packed micro-batches (qwen2_moe) pack differently on the two ranks: split_to_count evens them.
+    With a KL term (reference weights swapped in) and a resume from a checkpoint saved after step 1."""
     model = make_hf_model(tmp_path / "model", family, vocab=VOCAB)
-    spec = dict(model=str(model), num_samples=6, vocab=VOCAB, steps=3)
+    spec = dict(model=str(model), num_samples=6, vocab=VOCAB, steps=3, ref=True)
+    batching = batching + ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"]
     ensure_single_rank_group()
     single = run_scenario({**spec, "overrides": COMMON + batching})
     multi = launch(2, {**spec, "overrides": COMMON + batching + ["parallel.expert_model_parallel_size=2",
-                                                                "cluster.actor_num_gpus_per_node=2"]}, tmp_path)
+                                                                "cluster.actor_num_gpus_per_node=2"],
+                       "save_after": 1, "ckpt": str(tmp_path / "ckpt")}, tmp_path)
     assert single["roundtrip_exact"] and multi["roundtrip_exact"]
     assert (single["local_experts"], multi["local_experts"]) == (2 * 8, 2 * 4)  # 2 layers; EP=2 holds half
     for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
@@ -80,6 +84,10 @@ def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
     assert multi["metrics"][2]["ppo_kl"] != 0  # the steps moved the policy
     for name, t in single["final"].items():
         assert torch.allclose(t, multi["final"][name], atol=1e-5, rtol=0), name
+    assert abs(single["metrics"][2]["ref_kl"] - multi["metrics"][2]["ref_kl"]) <= 1e-5
+    # resume after step 1 (experts in Megatron's distributed checkpoint): steps 2 and 3 replay bit for bit
+    assert multi["resumed_metrics"] == multi["metrics"][1:]
+    assert all(torch.equal(t, multi["resumed_final"][n]) for n, t in multi["final"].items())
 
 
 def _hf_routing(hf, tokens: list[int], forced: dict[int, torch.Tensor] | None = None):
@@ -169,6 +177,12 @@ def test_expert_tensor_parallel_on_four_ranks_matches_one(tmp_path):
         assert torch.allclose(t, multi["final"][name], atol=1e-5, rtol=0), name
 
 
+def test_routing_replay_on_a_dense_model_is_refused(tmp_path):
+    model_dir = make_hf_model(tmp_path / "m", "qwen3", vocab=VOCAB)
+    with pytest.raises(ValueError, match="routing_replay: rollout needs a mixture-of-experts model"):
+        trainer_for(model_dir, ["algorithm.routing_replay=rollout"])
+
+
 def test_unsupported_expert_layouts_are_refused_with_the_fix():
     from slime_rl.trainer_megatron.moe import MoEShape, check_expert_parallel
 
@@ -183,3 +197,17 @@ def test_unsupported_expert_layouts_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="the model has no experts"):
         check_expert_parallel(None, tp=1, ep=2, etp=1)
     check_expert_parallel(moe, tp=1, ep=4, etp=2)
+
+
+def test_split_to_count_evens_micro_batch_counts():
+    """Every rank of an EP group must run as many micro-batches: the heaviest are halved until the
+    count is reached, every row kept once; a rank with too few samples gets a clear error."""
+    from slime_rl.trainer_megatron.batching import split_to_count
+
+    lengths = [30, 5, 5, 20, 10]
+    groups = split_to_count([[0, 1, 2], [3, 4]], lengths, 4)
+    assert len(groups) == 4 and sorted(r for g in groups for r in g) == [0, 1, 2, 3, 4]
+    assert [0] in groups  # the 40-token group went first
+    assert split_to_count([[0], [1]], lengths, 2) == [[0], [1]]
+    with pytest.raises(ValueError, match="expert parallelism: 2 samples on this rank cannot make the 3"):
+        split_to_count([[0], [1]], lengths, 3)

@@ -281,6 +281,9 @@ class SGLangEngine(RolloutEngine):
         """(layers, top-k) of the served MoE model, from its config.json."""
         config = json.loads((Path(self.model_path) / "config.json").read_text())
         config = config.get("text_config", config)
+        if "num_experts_per_tok" not in config:
+            raise ValueError(f"algorithm.routing_replay: rollout needs a mixture-of-experts model; {self.model_path}"
+                             " has no num_experts_per_tok in config.json (set routing_replay to off)")
         return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
 
     async def abort(self, request_id: str | None = None) -> None:

@@ -138,6 +138,9 @@ class MegatronTrainer(PolicyTrainer):
         check_parallel_fits(self.shape, tp, pp)
         ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
         moe.check_expert_parallel(self.shape.moe, tp=tp, ep=ep, etp=etp)
+        if self.cfg.algorithm.routing_replay == "rollout" and self.shape.moe is None:
+            raise ValueError(f"algorithm.routing_replay: rollout needs a mixture-of-experts model; {self.cfg.model.path}"
+                             f" is {self.shape.architecture} (set routing_replay to off)")
         t = self.cfg.trainer
         moe_fields = None
         if self.shape.moe is not None:
