@@ -243,6 +243,7 @@ def test_packages_come_from_readonly_paths_and_pythonpath(tmp_path):
     assert isolation_support().isolated
     (tmp_path / "helper_pkg_for_sandbox.py").write_text("ANSWER = 42\n")
     tmp_path.chmod(0o755)  # a bind mount keeps the permissions: the code's uid must be let in
+    (tmp_path / "helper_pkg_for_sandbox.py").chmod(0o666)  # writable to all: only the read-only mount stops it
     settings = SandboxSettings(timeout_s=3.0, readonly_paths=(str(tmp_path),), env={"PYTHONPATH": str(tmp_path)})
     code = "import helper_pkg_for_sandbox as h\nprint(h.ANSWER)\nopen(h.__file__, 'a').write('x')"
     result = run_python(code, settings)
