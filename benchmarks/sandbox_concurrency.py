@@ -10,7 +10,7 @@ finish together, so all ``--samples`` tool calls are queued at once; second turn
 
 - free: the tool returns the observation at once (the step without the tool calls' CPU cost);
 - sandbox: the tool runs the code in the sandbox (core/sandbox) at ``--concurrency`` calls at once
-  (default: the sandbox's default, half the cores).
+  (default: the sandbox's default, one per core).
 
 Variants alternate over ``--rounds`` rounds (the machine is shared; the median and each round are
 printed). Target: sandbox / free <= 1.5.
