@@ -237,3 +237,15 @@ def test_doctor_report_says_where_isolation_is_missing(monkeypatch):
     monkeypatch.setattr(report, "isolation_support", lambda: none)
     lines = {name: (status, ok) for name, status, ok in report.sandbox_report(FAST)}
     assert "EPERM" in lines["isolation"][0] and lines["require_isolation"][0].startswith("refused here")
+
+
+def test_packages_come_from_readonly_paths_and_pythonpath(tmp_path):
+    assert isolation_support().isolated
+    (tmp_path / "helper_pkg_for_sandbox.py").write_text("ANSWER = 42\n")
+    tmp_path.chmod(0o755)  # a bind mount keeps the permissions: the code's uid must be let in
+    (tmp_path / "helper_pkg_for_sandbox.py").chmod(0o666)  # writable to all: only the read-only mount stops it
+    settings = SandboxSettings(timeout_s=3.0, readonly_paths=(str(tmp_path),), env={"PYTHONPATH": str(tmp_path)})
+    code = "import helper_pkg_for_sandbox as h\nprint(h.ANSWER)\nopen(h.__file__, 'a').write('x')"
+    result = run_python(code, settings)
+    assert result.stdout == "42\n" and "Read-only file system" in result.stderr
+    assert "ModuleNotFoundError" in run_python("import helper_pkg_for_sandbox", FAST).stderr  # not without them

@@ -85,7 +85,7 @@ class SandboxConfig(_Section):
     max_processes: int = Field(16, ge=1)  # RLIMIT_NPROC of the call's own uid
     max_open_files: int = Field(64, ge=16)  # RLIMIT_NOFILE
     max_output_bytes: int = Field(65536, ge=1)  # per stream; past it the call is killed, output truncated
-    max_concurrency: int | None = Field(None, ge=1)  # calls at once per process; None: half the cores
+    max_concurrency: int | None = Field(None, ge=1)  # calls at once per process; None: the cores, at most 32
     require_isolation: bool = False  # refuse to start where namespaces are unavailable
     python: str | None = None  # interpreter for the code; None: the base interpreter of this one
     readonly_paths: list[str] = Field(default_factory=list)  # extra host paths the code may read

@@ -93,7 +93,8 @@ def _build_root(job: dict) -> str:
     uid = job["uid"]
     _mount("tmpfs", root + "/scratch", "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={job['scratch_mb']}m,mode=700,uid={uid},gid={uid}")
-    os.symlink("scratch", root + "/tmp")
+    if not os.path.lexists(root + "/tmp"):  # a readonly path under /tmp made it a directory already
+        os.symlink("scratch", root + "/tmp")
     _write_inputs(job, root + "/scratch")
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)  # only /scratch stays writable
     os.chroot(root)
@@ -127,7 +128,9 @@ def _exec_code(job: dict, scratch: str) -> None:
             os.setuid(job["uid"])
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU):
             signal.signal(sig, signal.SIG_DFL)
-        os.execve(job["python"], [job["python"], "-I", "-u", CODE_FILE], job["env"])
+        # -S: no site-packages (the base interpreter's .pth files can import half a package index at
+        # startup); -s: no user site. The environment is the job's alone, so PYTHONPATH there is honoured.
+        os.execve(job["python"], [job["python"], "-S", "-s", "-u", CODE_FILE], job["env"])
     except BaseException as err:  # noqa: B036 - whatever happens, the child must not return into the launcher
         os.write(2, f"sandbox: cannot start the code: {err}\n".encode())
     os._exit(127)

@@ -149,21 +149,27 @@ async def _run_once(code: str, settings: SandboxSettings, stdin: str | None,
             raise SandboxUnavailable(f"rollout.sandbox.require_isolation: {error}")
         isolated = (await asyncio.to_thread(isolation_support)).isolated  # the first call probes
     lease = UidLease(settings.uid_base)
+    swept = False  # whether the launcher's init killed every process of the call itself
     place = tempfile.mkdtemp(prefix="slime-sandbox-")  # isolated: the new root's mount point; else the scratch
     try:
         if not isolated and os.geteuid() == 0:
             os.chown(place, lease.uid, lease.uid)
             os.chmod(place, 0o700)
         job = _job(code, settings, stdin, lease.uid, isolated, place)
-        return await _launch(job, settings)
+        result, swept = await _launch(job, settings)
+        return result
     finally:
-        # the launcher's namespace took its processes with it; this catches the rest (no namespaces)
-        await asyncio.to_thread(kill_uid, lease.uid)
+        # A namespace whose init reported back took every process of the call with it; otherwise
+        # (no namespaces, the call killed from here, an error) kill what is left of the uid.
+        if not (isolated and swept):
+            await asyncio.to_thread(kill_uid, lease.uid)
         lease.release()
         shutil.rmtree(place, ignore_errors=True)
 
 
-async def _launch(job: dict, settings: SandboxSettings) -> SandboxResult:
+async def _launch(job: dict, settings: SandboxSettings) -> tuple[SandboxResult, bool]:
+    """The result, and whether the launcher's init ran to the end (then it killed every process of
+    the call in its namespace) rather than being killed from here."""
     status_read, status_write = os.pipe()
     try:
         proc = await asyncio.create_subprocess_exec(
@@ -199,17 +205,19 @@ async def _launch(job: dict, settings: SandboxSettings) -> SandboxResult:
     if not status and killed_reason is None:
         raise SandboxError(f"the sandbox launcher exited with {proc.returncode} without a status;"
                            f" its stderr: {err.decode(errors='replace')[-500:]}")
+    killed_here = killed_reason is not None
     sig = status.get("signal")
     if status.get("timed_out"):
         killed_reason = killed_reason or "timeout"
     elif sig is not None:
         killed_reason = killed_reason or SIGNAL_REASONS.get(sig, f"signal {signal.Signals(sig).name}")
+    init_finished = bool(status) and not killed_here
     return SandboxResult(
         stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
         exit_code=status.get("exit_code"), signal=sig, timed_out=bool(status.get("timed_out")) or
         killed_reason == "timeout", killed_reason=killed_reason, stdout_truncated=out_cut,
         stderr_truncated=err_cut, duration_s=status.get("duration_s", 0.0),
-        isolation="namespaces" if job["isolated"] else "none")
+        isolation="namespaces" if job["isolated"] else "none"), init_finished
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int, kill) -> tuple[bytes, bool]:
