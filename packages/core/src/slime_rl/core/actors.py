@@ -253,6 +253,7 @@ class RolloutWorker(KeepsInitMistake):
 
     def _put_shards(self, samples: list[Sample], out: RolloutStep, current_version: int) -> None:
         r = self.cfg.rollout
+        out.metrics.update(self.engine.stats())
         out.metrics.update(staleness.metrics(samples, current_version))
         weights = staleness.apply_policy(samples, current_version, r.max_staleness, r.staleness_policy)
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)
