@@ -275,3 +275,17 @@ def test_the_in_flight_state_is_json_and_a_resume_skips_and_repeats_nothing():
     after = asyncio.run(second_life())
     assert sorted(trained_before + after) == list(range(6))
     assert resumed.ledger.trained == trained_before + after
+
+
+async def broken_filter(group: list[Sample]) -> bool:
+    raise ValueError("not a filter")
+
+
+def test_a_failing_producer_surfaces_in_next_batch_instead_of_hanging():
+    cfg = make_cfg()
+    engine, source = ScriptedEngine(), ListSource(4)
+    rollout = make_rollout(cfg, engine, source)
+    rollout.runner._filter = broken_filter  # a bug past the per-sample error handling
+
+    with pytest.raises(RuntimeError, match="producer failed"):
+        asyncio.run(asyncio.wait_for(rollout.next_batch(0), 10))

@@ -96,6 +96,7 @@ class FullyAsyncRollout:
             return
         self._changed, self._space = asyncio.Event(), asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._produce(), name="fully-async-producer")
+        self._task.add_done_callback(lambda _: self._changed.set())  # a failed producer wakes next_batch
 
     @property
     def finished(self) -> bool:
@@ -169,6 +170,7 @@ class FullyAsyncRollout:
         while True:
             self._changed.clear()
             if self._task.done() and self._task.exception() is not None:
+                await self.stop()  # the other groups' tasks: cancelled, their errors collected
                 raise RuntimeError("the fully async producer failed") from self._task.exception()
             self._drop_stale(current_version)
             failure = self._failure()
