@@ -250,7 +250,7 @@ class FullyAsyncRollout:
         self.source_exhausted = bool(state["source_exhausted"])
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._running) if t is not None and not t.done()]
+        tasks = [t for t in (self._task, *self._running) if t is not None]
         for task in tasks:
-            task.cancel()
+            task.cancel()  # a done one is left as it is; gather collects its error
         await asyncio.gather(*tasks, return_exceptions=True)
