@@ -260,6 +260,7 @@ def test_the_in_flight_state_is_json_and_a_resume_skips_and_repeats_nothing():
     trained_before = [g[0].group_index for g in first.groups]
 
     engine2, source2 = ScriptedEngine(), ListSource(6)
+    engine2.version = 1  # a resume syncs the checkpoint's weights (one step: version 1) first
     source2.load_state_dict(state["source"])
     resumed = make_rollout(cfg, engine2, source2)
     resumed.load_state_dict(state["fully"])
@@ -267,11 +268,46 @@ def test_the_in_flight_state_is_json_and_a_resume_skips_and_repeats_nothing():
     async def second_life():
         out = []
         while True:
-            batch = await resumed.next_batch(0)
+            batch = await resumed.next_batch(engine2.version)
             out += [g[0].group_index for g in batch.groups]
+            await engine2.update_weights([], version=engine2.version + 1, last=True)  # the step's sync
             if batch.exhausted or not batch.groups:
                 return out
 
     after = asyncio.run(second_life())
     assert sorted(trained_before + after) == list(range(6))
     assert resumed.ledger.trained == trained_before + after
+
+
+async def broken_filter(group: list[Sample]) -> bool:
+    raise ValueError("not a filter")
+
+
+def test_a_failing_producer_surfaces_in_next_batch_instead_of_hanging():
+    cfg = make_cfg()
+    engine, source = ScriptedEngine(), ListSource(4)
+    rollout = make_rollout(cfg, engine, source)
+    rollout.runner._filter = broken_filter  # a bug past the per-sample error handling
+
+    with pytest.raises(RuntimeError, match="producer failed"):
+        asyncio.run(asyncio.wait_for(rollout.next_batch(0), 10))
+
+
+def test_generation_runs_at_most_eta_versions_ahead_of_the_trainer():
+    """AReaL's bound: with an engine far faster than the trainer, nothing is generated only to turn stale."""
+    cfg = make_cfg(max_staleness=1)
+    engine, source = ScriptedEngine(), ListSource(40)
+    rollout = make_rollout(cfg, engine, source)
+
+    async def main():
+        for _ in range(5):
+            batch = await rollout.next_batch(engine.version)
+            assert len(batch.groups) == 2
+            await asyncio.sleep(0.05)  # "training": the producer has all the time it wants
+            assert len(rollout.ledger.trained) + len(rollout.ready) + len(rollout.in_flight) <= (
+                engine.version + 2) * 2
+            await engine.update_weights([], version=engine.version + 1, last=True)
+        await rollout.stop()
+
+    asyncio.run(main())
+    assert rollout.ledger.dropped_stale == [] and source.pos <= (5 + 2) * 2

@@ -80,3 +80,52 @@ def with_suppressed_kill(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+@pytest.mark.slow
+def test_fully_async_sigkill_then_resume_trains_every_prompt_once_or_records_it(tiny_model_dir, tmp_path):
+    """cluster.async_mode=fully: the checkpoint holds the groups in flight and ready (JSON); across the
+    killed run and its resume no group is trained twice, and every group the data source handed out is
+    trained, still held (ready or in flight), or recorded as filtered, failed or dropped as stale."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": f"x{i} = ", "label": str(i)}) + "\n" for i in range(40)))
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=2",
+        "data.n_samples_per_prompt=4", "data.num_rollout=8", "rollout.max_response_len=4",
+        "rollout.reward=toy_rewards:digit_token_fraction", "cluster.async_mode=fully", "rollout.max_staleness=1",
+        "cluster.device=cpu", f"logging.dir={run_dir}", "logging.tensorboard=false", "logging.save_rollouts=true",
+        "checkpoint.save_interval=2",
+    ]
+    env = {**os.environ, "TOY_TOKENIZER": str(tiny_model_dir), "PYTHONPATH": str(Path(__file__).parent),
+           "SLIME_RL_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([sys.executable, "-c", TRAIN, *overrides], env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while len(run_rows(run_dir / "metrics.jsonl")) < 4:  # past the step-2 checkpoint
+            assert first.poll() is None, "the first run ended before it could be killed"
+            assert time.time() < deadline, "the first run made no progress"
+            time.sleep(0.05)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        folder, meta = checkpoint.latest(run_dir / "checkpoints")
+        assert 2 <= meta["step"] < 8
+        second = subprocess.run([sys.executable, "-c", TRAIN, *overrides, "checkpoint.resume=true"], env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert second.returncode == 0, second.stderr[-3000:]
+    finally:
+        with_suppressed_kill(first.pid)
+
+    trained = [json.loads(lines[i])["group_index"] for k in range(1, 9)
+               for lines in [(run_dir / "rollouts" / f"step_{k:06d}.jsonl").read_text().splitlines()]
+               for i in range(0, len(lines), 4)]
+    assert len(trained) == len(set(trained)) == 16  # none twice
+    state = checkpoint.latest(run_dir / "checkpoints")[1]["rollout_state"]
+    fully = json.loads(json.dumps(state["fully_async"]))  # held as JSON in meta.json
+    ledger = fully["ledger"]
+    assert ledger["trained"] == trained
+    held = [g[0]["group_index"] for g in fully["ready"] + fully["in_flight"]]
+    accounted = trained + held + ledger["filtered"] + ledger["failed"] + ledger["dropped_stale"]
+    assert len(accounted) == len(set(accounted))
+    assert sorted(accounted) == list(range(len(accounted)))  # every group handed out so far, none lost

@@ -405,6 +405,7 @@ def test_a_killed_engine_is_replaced_and_nothing_is_lost_or_doubled(make_engine,
     for out in outs:
         assert out.finish_reason == "length" and len(out.token_ids) == 300 and out.weight_version == 1
     assert engine.restarts == 1 and healthy
+    assert engine.stats()["engine/restarts"] == 1.0  # what the step metrics show
     fresh = engine.servers[1]
     assert fresh.url != victim.url and fresh.process.alive()
     assert {w["url"] for w in engine.router.workers()} == {engine.servers[0].url, fresh.url}
@@ -417,6 +418,12 @@ def test_a_killed_engine_is_replaced_and_nothing_is_lost_or_doubled(make_engine,
 
     asyncio.run(again())
     assert any(e["rid"].startswith("after") for e in events(fresh.url, "generate"))
+
+
+def test_the_restart_bound_comes_from_the_config_and_the_counters_reach_the_metrics(make_engine):
+    engine = make_engine(num_engines=1, max_engine_restarts=5)
+    assert engine.max_recovery_attempts == 5 and engine.pause_mode == "abort"  # in_place only when fully async
+    assert engine.stats() == {"engine/restarts": 0.0, "engine/request_retries": 0.0}
 
 
 def test_attach_to_running_servers(shared_engine, tiny_model, standin_python, tmp_path, monkeypatch):

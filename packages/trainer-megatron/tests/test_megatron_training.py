@@ -258,3 +258,26 @@ def test_a_reference_pass_leaves_training_untouched(model_dir, dtype):
         batch.ref_log_probs = torch.full((batch.num_response_tokens,), -1.0)
         runs.append([trainer.train_step(batch) for _ in range(2)])
     assert runs[0] == runs[1]
+
+
+def test_staleness_token_weights_scale_each_tokens_loss(model_dir):
+    """staleness_policy=downweight: RolloutBatch.token_weights multiply each token's loss; the
+    denominator still counts whole tokens (core/staleness.py)."""
+    trainer = trainer_for(model_dir)
+    samples = make_samples(4, VOCAB, seed=5)
+    for k, s in enumerate(samples):
+        s.group_index, s.reward = k // 2, float(k % 2)
+    batch = to_batch(samples)
+    compute_advantages(batch, trainer.cfg.algorithm, n_samples_per_prompt=2)
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    batch.token_weights = torch.linspace(0.2, 1.0, batch.num_response_tokens)
+    inputs = losses.LossBatch(
+        log_probs=batch.padded(batch.old_log_probs), old_log_probs=batch.padded(batch.old_log_probs),
+        advantages=batch.padded(batch.advantages),
+        loss_mask=batch.padded(batch.loss_mask) * batch.padded(batch.token_weights))
+    expected, _ = losses.compute_loss(trainer.cfg.algorithm, inputs, eps_clip_high=trainer.cfg.eps_clip_high,
+                                      num_tokens=float(batch.loss_mask.sum()), num_seqs=len(batch))
+    unweighted = surrogate(trainer.cfg, batch, batch.old_log_probs)
+    metrics = trainer.train_step(batch)
+    assert metrics["loss"] == pytest.approx(float(expected), abs=1e-6)
+    assert float(expected) != pytest.approx(unweighted, abs=1e-4)

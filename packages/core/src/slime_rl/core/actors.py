@@ -238,10 +238,14 @@ class RolloutWorker(KeepsInitMistake):
         self.fully.start()
 
     @trims_after
-    async def next_batch(self, step: int, current_version: int) -> RolloutStep:
+    async def next_batch(self, step: int, current_version: int | None = None) -> RolloutStep:
         """cluster.async_mode=fully: training step ``step``'s batch, once enough groups are eligible
-        for the trainer at ``current_version`` (core/fully_async.py)."""
+        for the trainer at ``current_version`` (core/fully_async.py); by default the engine's version,
+        which is the trainer's: every trained step is synced before the next batch is asked for (a
+        failed step trains and syncs nothing, so the step count is no version)."""
         _set_threads(self.cfg)
+        if current_version is None:
+            current_version = self.engine.weight_version
         batch = await self.fully.next_batch(current_version)
         samples = [s for g in batch.groups for s in g]
         if self.cfg.logging.save_rollouts and self.log_dir is not None and samples:
@@ -253,6 +257,7 @@ class RolloutWorker(KeepsInitMistake):
 
     def _put_shards(self, samples: list[Sample], out: RolloutStep, current_version: int) -> None:
         r = self.cfg.rollout
+        out.metrics.update(self.engine.stats())
         out.metrics.update(staleness.metrics(samples, current_version))
         weights = staleness.apply_policy(samples, current_version, r.max_staleness, r.staleness_policy)
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)

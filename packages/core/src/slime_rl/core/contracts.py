@@ -120,6 +120,10 @@ class RolloutEngine(ABC):
     async def health(self) -> bool:
         return True
 
+    def stats(self) -> dict[str, float]:
+        """Counters for the step metrics (``engine/restarts``, ``engine/request_retries``). Optional."""
+        return {}
+
     async def shutdown(self) -> None:
         """Stop servers and free resources. Safe to call twice."""
 

@@ -2,9 +2,11 @@
 
 A producer task in the rollout worker's event loop keeps groups in flight: it submits prompt
 groups (held-over ones first, then the data source) while fewer than
-``rollout.over_sampling_batch_size`` are generating and fewer than ``(eta + 1) *
-over_sampling_batch_size`` are generating or waiting to be trained (eta = ``rollout.max_staleness``,
-1 when unset): AReaL's bound, so generation runs at most eta versions ahead of the trainer.
+``rollout.over_sampling_batch_size`` are generating and, AReaL's bound, the groups trained, ready
+and generating number fewer than ``(version + eta + 1) * rollout_batch_size`` (version: the engine's
+weights; eta = ``rollout.max_staleness``, 1 when unset): generation runs at most eta versions ahead
+of the trainer, so with a fast engine nothing is generated only to be dropped as stale. Filtered
+and dropped groups take no trainer slot: the producer replaces them.
 Each finished group is scored and put through the dynamic-sampling filter as in a synchronous
 rollout; kept ones wait in ``ready``.
 
@@ -74,7 +76,7 @@ class FullyAsyncRollout:
         self.cfg, self.runner, self.data_source, self.weight_version = cfg, runner, data_source, weight_version
         self.eta = cfg.rollout.max_staleness
         self.in_flight_cap = cfg.over_sampling_batch_size
-        self.capacity = ((self.eta if self.eta is not None else 1) + 1) * cfg.over_sampling_batch_size
+        self.ahead = self.eta if self.eta is not None else 1  # versions generation may run ahead
         self.order = load_function(cfg.rollout.buffer_filter or "oldest_first", BUFFER_FILTERS,
                                    what="rollout.buffer_filter")
         self.ready: list[Group] = []
@@ -96,6 +98,7 @@ class FullyAsyncRollout:
             return
         self._changed, self._space = asyncio.Event(), asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._produce(), name="fully-async-producer")
+        self._task.add_done_callback(lambda _: self._changed.set())  # a failed producer wakes next_batch
 
     @property
     def finished(self) -> bool:
@@ -118,7 +121,7 @@ class FullyAsyncRollout:
         running = self._running
         while True:
             self._space.clear()
-            while len(running) < self.in_flight_cap and len(self.ready) + len(running) < self.capacity:
+            while len(running) < self.in_flight_cap and self._below_bound(len(running)):
                 group = self._next_group()
                 if group is None:
                     break
@@ -136,6 +139,11 @@ class FullyAsyncRollout:
             for task in done - {space}:
                 running.discard(task)
                 task.result()  # a bug in here ends the producer; next_batch reports it
+
+    def _below_bound(self, running: int) -> bool:
+        """AReaL's admission rule: trained + ready + generating < (version + eta + 1) * batch."""
+        limit = (self.weight_version() + self.ahead + 1) * self.cfg.data.rollout_batch_size
+        return len(self.ledger.trained) + len(self.ready) + running < limit
 
     async def _run_group(self, group: Group, params: Any) -> None:
         group_index = group[0].group_index
@@ -166,9 +174,11 @@ class FullyAsyncRollout:
         """``rollout_batch_size`` eligible groups (fewer only when the data ran out), as soon as they exist."""
         want = self.cfg.data.rollout_batch_size
         self.start()
+        self._space.set()  # the weights may be newer since the last call: room to submit under the bound
         while True:
             self._changed.clear()
             if self._task.done() and self._task.exception() is not None:
+                await self.stop()  # the other groups' tasks: cancelled, their errors collected
                 raise RuntimeError("the fully async producer failed") from self._task.exception()
             self._drop_stale(current_version)
             failure = self._failure()
@@ -248,7 +258,7 @@ class FullyAsyncRollout:
         self.source_exhausted = bool(state["source_exhausted"])
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._running) if t is not None and not t.done()]
+        tasks = [t for t in (self._task, *self._running) if t is not None]
         for task in tasks:
-            task.cancel()
+            task.cancel()  # a done one is left as it is; gather collects its error
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -125,9 +125,8 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
             timings: dict[str, float] = {}
             step_start = time.perf_counter()
             with phase(timings, "rollout"):
-                # fully: the trainer's weights are version `step` (one sync per step)
                 if pending is None:
-                    pending = (run.rollout.next_batch.remote(step + 1, step) if fully
+                    pending = (run.rollout.next_batch.remote(step + 1) if fully
                                else run.rollout.run_step.remote(step + 1))
                 rollout: RolloutStep = ray.get(pending)
             metrics = rollout.metrics

@@ -109,7 +109,9 @@ class SGLangEngine(RolloutEngine):
         self._recovering: set[int] = set()
         self._failures: dict[int, int] = {}  # consecutive failed health checks per engine
         self._recovery_failures: dict[int, int] = {}
-        self.max_recovery_attempts = 3
+        self.max_recovery_attempts = 3  # rollout.max_engine_restarts
+        # cluster.async_mode=fully: running requests wait in place through a sync (not verified on a GPU yet)
+        self.pause_mode = "abort"
         self._monitor_task: asyncio.Task | None = None
         self._shut = False
         self.restarts = 0  # engines restarted after a failure (a metric)
@@ -130,11 +132,19 @@ class SGLangEngine(RolloutEngine):
                       transport=r.update_weight_transport, colocated=c.colocate,
                       startup_timeout=r.engine_startup_timeout, sync_timeout=r.weight_sync_timeout)
         if r.engine_urls:
-            return cls.attach(r.engine_urls, **common)
-        plan = plan_placement(cfg)
-        return cls.launch(cfg.model.path, num_engines=len(plan.engines), tp_size=c.rollout_num_gpus_per_engine,
-                          engine_args=fleet.engine_args(cfg), python=r.engine_python,
-                          gpu_ids=fleet.engine_gpu_ids(plan), host=fleet.server_host(plan), **common)
+            engine = cls.attach(r.engine_urls, **common)
+        else:
+            plan = plan_placement(cfg)
+            engine = cls.launch(cfg.model.path, num_engines=len(plan.engines), tp_size=c.rollout_num_gpus_per_engine,
+                                engine_args=fleet.engine_args(cfg), python=r.engine_python,
+                                gpu_ids=fleet.engine_gpu_ids(plan), host=fleet.server_host(plan), **common)
+        engine.max_recovery_attempts = r.max_engine_restarts
+        engine.pause_mode = "in_place" if c.async_mode == "fully" else "abort"
+        return engine
+
+    def stats(self) -> dict[str, float]:
+        """Counters since launch, for the step metrics."""
+        return {"engine/restarts": float(self.restarts), "engine/request_retries": float(self.client.retries)}
 
     @classmethod
     def launch(cls, model_path: str, *, num_engines: int = 1, tp_size: int = 1, engine_args: dict | None = None,
@@ -379,7 +389,7 @@ class SGLangEngine(RolloutEngine):
         self._pause_epoch += 1
         try:
             await self._control(ws.pause_generation, self.targets(), timeout=self.sync_timeout,
-                                    step=f"weight sync v{version}: pause generation")
+                                    step=f"weight sync v{version}: pause generation", mode=self.pause_mode)
         except BaseException:
             self._end_sync()  # nothing changed yet: let the engines that did pause go on
             await self._control(_try, ws.continue_generation, self.targets(), timeout=30.0, step="undo pause")
@@ -399,7 +409,8 @@ class SGLangEngine(RolloutEngine):
                 for target in targets:
                     await self._control(ws.check_weights, target, self._verify_sample,
                                             timeout=self.sync_timeout, step=step)
-            await self._control(ws.flush_cache, targets, timeout=self.sync_timeout, step=f"{step}: flush cache")
+            if self.pause_mode != "in_place":  # SGLang refuses a flush while requests are held in place
+                await self._control(ws.flush_cache, targets, timeout=self.sync_timeout, step=f"{step}: flush cache")
             if "memory" not in self._closed_by:
                 await self._control(ws.continue_generation, targets, timeout=self.sync_timeout,
                                         step=f"{step}: continue generation")

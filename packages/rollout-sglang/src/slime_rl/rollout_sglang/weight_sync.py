@@ -100,10 +100,11 @@ def post_all(targets: list[Target], path: str, body: Callable[[int, Target], dic
         return [f.result() for f in futures]
 
 
-def pause_generation(targets: list[Target], *, timeout: float, step: str) -> None:
-    """Stop generating: SGLang aborts in-flight requests (they return what they have) and holds
-    new ones until `continue_generation`."""
-    post_all(targets, "/pause_generation", {"mode": "abort"}, timeout=timeout, step=step)
+def pause_generation(targets: list[Target], *, timeout: float, step: str, mode: str = "abort") -> None:
+    """Stop generating until `continue_generation`: ``abort`` (SGLang's default) aborts in-flight requests
+    (they return what they have); ``in_place`` (fully async) holds them where they are, KV cache and all,
+    and they go on with the new weights, without a re-prefill. New requests wait either way."""
+    post_all(targets, "/pause_generation", {"mode": mode}, timeout=timeout, step=step)
 
 
 def continue_generation(targets: list[Target], *, timeout: float, step: str) -> None:
