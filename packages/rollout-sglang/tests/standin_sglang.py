@@ -299,6 +299,7 @@ class StandinServer:
             self.record("flush_cache", success=False)
             return web.Response(status=400, text="Cache not flushed because there are pending requests.\n")
         self.record("flush_cache", success=True)
+        self.prefix_cache.clear()
         return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
                             "(When there are running or waiting requests, the operation will not be performed.)\n")
 
