@@ -4,7 +4,6 @@ or hang, the loss mask, the episode's end, and that the sampled ids reach the sa
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -78,12 +77,23 @@ def test_tool_schemas_come_from_signatures_and_docstrings():
         "b": {"type": "integer", "description": "the second number"}}
 
 
-def test_builtin_python_tool_comes_from_the_sandbox():
-    if importlib.util.find_spec("slime_rl.core.sandbox") is None:
-        with pytest.raises(PluginError, match="needs slime_rl.core.sandbox"):
-            load_tools(["python"])
-    else:
-        assert callable(load_tools(["python"])["python"].fn)
+def test_builtin_python_tool_runs_the_models_code_in_the_sandbox():
+    """A model's ``python`` call runs as another user in its own process: its output is the observation,
+    and code that fails or hangs ends as an error text, never as an exception in the rollout."""
+    from slime_rl.core.config import Config
+
+    cfg = Config.model_validate({"rollout": {"sandbox": {"timeout_s": 2.0}}})
+    tools = load_tools(["python"], cfg)
+
+    async def calls():
+        return await asyncio.gather(
+            call_tool(tools, ToolCall("python", {"code": "import os; print(6 * 7, os.getuid() != 0)"}), 10),
+            call_tool(tools, ToolCall("python", {"code": "while True: pass"}), 10),
+            call_tool(tools, ToolCall("python", {"code": "raise ValueError('nope')"}), 10))
+
+    ok, hung, raised = asyncio.run(calls())
+    assert ok.text.strip() == "42 True" and not ok.error
+    assert "timeout" in hung.text and "ValueError: nope" in raised.text
 
 
 def test_call_tool_turns_every_failure_into_an_error_observation():

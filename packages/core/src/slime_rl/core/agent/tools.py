@@ -51,7 +51,7 @@ def load_tools(specs: list[str], cfg: Config | None = None) -> dict[str, Tool]:
     for i, spec in enumerate(specs):
         field = f"rollout.tools[{i}]"
         if spec == "python":
-            tool = Tool("python", _python_tool(cfg, field), spec)
+            tool = Tool("python", _python_tool(cfg), spec)
         elif ":" in spec:
             try:
                 fn = load_attr(spec, what="tool")
@@ -69,18 +69,12 @@ def load_tools(specs: list[str], cfg: Config | None = None) -> dict[str, Tool]:
     return tools
 
 
-def _python_tool(cfg: Config | None, field: str) -> Callable[..., Any]:
-    # Imported here: the sandbox is its own module, and tools without it must work without it.
-    try:
-        from slime_rl.core.sandbox import SandboxSettings, make_python_tool
-    except ImportError as err:
-        raise PluginError(f"{field}: the built-in `python` tool needs slime_rl.core.sandbox ({err});"
-                          " install a slime-rl-core that has it, or give your own tool as `module:attr`") from None
-    if cfg is None:
-        from slime_rl.core.config import Config
+def _python_tool(cfg: Config | None) -> Callable[..., Any]:
+    """The sandboxed ``python`` tool under ``rollout.sandbox`` (the defaults without a config)."""
+    from slime_rl.core.config import Config
+    from slime_rl.core.sandbox import SandboxSettings, make_python_tool
 
-        cfg = Config()
-    return make_python_tool(SandboxSettings.from_config(cfg))
+    return make_python_tool(SandboxSettings.from_config(cfg if cfg is not None else Config()))
 
 
 @functools.cache
