@@ -68,12 +68,12 @@ def test_infinite_loop_is_stopped_by_the_wall_clock(level):
 
 
 def test_cpu_time_limit(level):
-    result = run_python("while True:\n    pass", SandboxSettings(timeout_s=20.0, cpu_time_s=1))
+    result = run_python("while True:\n    pass", SandboxSettings(timeout_s=60.0, cpu_time_s=1))  # 1 s of CPU ends it
     assert result.killed_reason == "cpu time limit" and not result.timed_out
 
 
 def test_fork_bomb_is_contained_and_leaves_no_process(level):
-    settings = SandboxSettings(timeout_s=2.0, cpu_time_s=5, max_processes=8, uid_base=310_000)
+    settings = SandboxSettings(timeout_s=3.0, cpu_time_s=5, max_processes=8, uid_base=310_000)
     code = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError as err:\n"
             "        print(type(err).__name__, flush=True)\n")
     result = run_python(code, settings)
@@ -175,7 +175,7 @@ def test_killing_the_parent_process_group_kills_only_the_code(level):
 
 def test_calls_run_concurrently_up_to_the_bound():
     settings = SandboxSettings(timeout_s=10.0, max_concurrency=2)
-    code = "import time\nprint(time.time())\ntime.sleep(0.6)\nprint(time.time())"
+    code = "import time\nprint(time.time())\ntime.sleep(1.2)\nprint(time.time())"  # overlaps even on a loaded machine
 
     async def main():
         ticks = 0
@@ -187,7 +187,7 @@ def test_calls_run_concurrently_up_to_the_bound():
                 ticks += 1
 
         tick = asyncio.ensure_future(ticker())
-        results = await asyncio.gather(*(arun_python(code, settings) for _ in range(6)))
+        results = await asyncio.gather(*(arun_python(code, settings) for _ in range(4)))
         tick.cancel()
         return results, ticks
 
@@ -195,7 +195,7 @@ def test_calls_run_concurrently_up_to_the_bound():
     spans = [tuple(map(float, r.stdout.split())) for r in results]
     most_at_once = max(sum(start <= t < end for start, end in spans) for t, _ in spans)
     assert most_at_once == 2
-    assert ticks > 10  # the event loop kept running while six calls waited and ran
+    assert ticks > 10  # the event loop kept running while four calls waited and ran
 
 
 def test_python_tool_returns_the_observation():
