@@ -5,6 +5,8 @@ here also checks that root's powers do not reach the code."""
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -249,3 +251,24 @@ def test_packages_come_from_readonly_paths_and_pythonpath(tmp_path):
     result = run_python(code, settings)
     assert result.stdout == "42\n" and "Read-only file system" in result.stderr
     assert "ModuleNotFoundError" in run_python("import helper_pkg_for_sandbox", FAST).stderr  # not without them
+
+
+def test_mounts_below_a_readonly_path_are_read_only_too(tmp_path):
+    """A writable tmpfs mounted inside a readonly_paths folder stays read-only for the code. The tmpfs
+    lives in a mount namespace of this test's own (unshare), so the host never sees it."""
+    assert isolation_support().isolated
+    shared = tmp_path / "shared"
+    (shared / "sub").mkdir(parents=True)
+    tmp_path.chmod(0o755)
+    shared.chmod(0o755)
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import sys\nfrom slime_rl.core.sandbox import SandboxSettings, run_python\n"
+        f"r = run_python(\"open('{shared}/sub/x', 'w')\", SandboxSettings(timeout_s=5, readonly_paths=('{shared}',)))\n"
+        "print(r.stderr)\n")
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o mode=777 tmpfs {shared}/sub && {sys.executable} {script}"],
+        capture_output=True, text=True, timeout=60)
+    assert "Read-only file system" in out.stdout, out.stdout + out.stderr
+    assert not (shared / "sub" / "x").exists()
