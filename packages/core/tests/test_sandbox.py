@@ -5,6 +5,8 @@ here also checks that root's powers do not reach the code."""
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -68,12 +70,12 @@ def test_infinite_loop_is_stopped_by_the_wall_clock(level):
 
 
 def test_cpu_time_limit(level):
-    result = run_python("while True:\n    pass", SandboxSettings(timeout_s=20.0, cpu_time_s=1))
+    result = run_python("while True:\n    pass", SandboxSettings(timeout_s=60.0, cpu_time_s=1))  # 1 s of CPU ends it
     assert result.killed_reason == "cpu time limit" and not result.timed_out
 
 
 def test_fork_bomb_is_contained_and_leaves_no_process(level):
-    settings = SandboxSettings(timeout_s=2.0, cpu_time_s=5, max_processes=8, uid_base=310_000)
+    settings = SandboxSettings(timeout_s=3.0, cpu_time_s=5, max_processes=8, uid_base=310_000)
     code = ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError as err:\n"
             "        print(type(err).__name__, flush=True)\n")
     result = run_python(code, settings)
@@ -175,7 +177,7 @@ def test_killing_the_parent_process_group_kills_only_the_code(level):
 
 def test_calls_run_concurrently_up_to_the_bound():
     settings = SandboxSettings(timeout_s=10.0, max_concurrency=2)
-    code = "import time\nprint(time.time())\ntime.sleep(0.6)\nprint(time.time())"
+    code = "import time\nprint(time.time())\ntime.sleep(1.2)\nprint(time.time())"  # overlaps even on a loaded machine
 
     async def main():
         ticks = 0
@@ -187,7 +189,7 @@ def test_calls_run_concurrently_up_to_the_bound():
                 ticks += 1
 
         tick = asyncio.ensure_future(ticker())
-        results = await asyncio.gather(*(arun_python(code, settings) for _ in range(6)))
+        results = await asyncio.gather(*(arun_python(code, settings) for _ in range(4)))
         tick.cancel()
         return results, ticks
 
@@ -195,7 +197,7 @@ def test_calls_run_concurrently_up_to_the_bound():
     spans = [tuple(map(float, r.stdout.split())) for r in results]
     most_at_once = max(sum(start <= t < end for start, end in spans) for t, _ in spans)
     assert most_at_once == 2
-    assert ticks > 10  # the event loop kept running while six calls waited and ran
+    assert ticks > 10  # the event loop kept running while four calls waited and ran
 
 
 def test_python_tool_returns_the_observation():
@@ -249,3 +251,24 @@ def test_packages_come_from_readonly_paths_and_pythonpath(tmp_path):
     result = run_python(code, settings)
     assert result.stdout == "42\n" and "Read-only file system" in result.stderr
     assert "ModuleNotFoundError" in run_python("import helper_pkg_for_sandbox", FAST).stderr  # not without them
+
+
+def test_mounts_below_a_readonly_path_are_read_only_too(tmp_path):
+    """A writable tmpfs mounted inside a readonly_paths folder stays read-only for the code. The tmpfs
+    lives in a mount namespace of this test's own (unshare), so the host never sees it."""
+    assert isolation_support().isolated
+    shared = tmp_path / "shared"
+    (shared / "sub").mkdir(parents=True)
+    tmp_path.chmod(0o755)
+    shared.chmod(0o755)
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import sys\nfrom slime_rl.core.sandbox import SandboxSettings, run_python\n"
+        f"r = run_python(\"open('{shared}/sub/x', 'w')\", SandboxSettings(timeout_s=5, readonly_paths=('{shared}',)))\n"
+        "print(r.stderr)\n")
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs -o mode=777 tmpfs {shared}/sub && {sys.executable} {script}"],
+        capture_output=True, text=True, timeout=60)
+    assert "Read-only file system" in out.stdout, out.stdout + out.stderr
+    assert not (shared / "sub" / "x").exists()

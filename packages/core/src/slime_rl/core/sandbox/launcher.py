@@ -74,6 +74,17 @@ def _bind_read_only(path: str, root: str) -> None:
     _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
+def _submounts_read_only(root: str) -> None:
+    """A recursive bind brings the mounts below a path along, writable as they were: remount each
+    read-only too (the remount in _bind_read_only reaches only the top one)."""
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in points:
+        point = point.replace("\\040", " ")
+        if point.startswith(root + "/"):
+            _mount(None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
 def _build_root(job: dict) -> str:
     """A tmpfs root holding read-only binds of the system and the interpreter, the devices the code
     may need, a fresh /proc, and a size-limited tmpfs /scratch owned by the code's uid; returns it."""
@@ -82,6 +93,7 @@ def _build_root(job: dict) -> str:
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     for path in SYSTEM_PATHS + tuple(job["readonly_paths"]):
         _bind_read_only(path, root)
+    _submounts_read_only(root)
     os.makedirs(root + "/dev")
     for device in DEVICES:
         if os.path.exists(device):
