@@ -52,6 +52,7 @@ SHAPES = {
     "qwen3-tiny": ("qwen3", 1024, 256, 688, 2, 4, 2, False),
     "tiny": ("qwen2", 1024, 64, 128, 2, 4, 2, False),  # the CPU smoke test
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 WRITE_WEIGHTS_BELOW = 200_000_000  # parameters; larger shapes start the engine on dummy weights
 PATHS = ("direct", "trainer", "engine", "engine-copy", "disk")
 GPU_ENGINE_ARGS = {"skip_tokenizer_init": True, "attention_backend": "triton", "sampling_backend": "pytorch",
@@ -89,6 +90,7 @@ def make_model_folder(shape: str, folder: Path, *, weights: bool | None = None) 
                          num_heads=heads, num_kv_heads=kv, tie_word_embeddings=tied, max_position_embeddings=32768,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config.dtype = torch.bfloat16
+    config.architectures = [ARCHITECTURES[family]]  # SGLang picks its model class by this
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(folder)
     if weights is None:

@@ -3,7 +3,8 @@
 #   bash scripts/gpu/run.sh STAGE...
 # Stages: check, sglang (issue 7 a,c,d,e + disk), sglang-d (d alone), megatron (issue 5 bf16 TP=2, parity),
 # e2e (issue 7 b,f), e2e-offload (f with offload only), bench-trainer (like for like, with the
-# 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout.
+# 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
+# bench-sync, bench-sync-small, bench-step, bench-step-nographs (issue 16).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -22,6 +23,14 @@ for stage in "$@"; do
     bench-trainer-packed) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b
                                --samples 32 --prompt-len 256 --response-len 512 --jitter 240
                                --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
+    bench-sync) cmd=(timeout 330 python3 benchmarks/weight_sync.py --shape qwen2.5-7b --bucket-mb 512 2048 4096
+                     --json "$logs/bench-sync.json") ;;
+    bench-sync-small) cmd=(timeout 250 python3 benchmarks/weight_sync.py --shape qwen2-tiny qwen3-tiny llama-tiny
+                           qwen2.5-1.5b --bucket-mb 512 2048 --mem-fraction 0.1 --json "$logs/bench-sync-small.json") ;;
+    bench-step) cmd=(python3 benchmarks/colocated_step.py --prompts 32 --samples 8 --prompt-len 1024 --response-len 512
+                     --timeout 400 --json "$logs/bench-step.json") ;;
+    bench-step-nographs) cmd=(python3 benchmarks/colocated_step.py --prompts 32 --samples 8 --prompt-len 1024
+                              --response-len 512 --cuda-graphs off --timeout 300 --json "$logs/bench-step-nographs.json") ;;
     bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py --logs-to "$logs/rollout-logs") ;;
     bench-rollout-one-wave) cmd=(python3 benchmarks/rollout_throughput.py --requests 256 --rounds 3 --logs-to "$logs/rollout-logs") ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -45,6 +45,19 @@ def test_a_server_that_never_becomes_healthy_fails_with_its_log_and_is_stopped(t
     assert not server.process.alive()
 
 
+def test_servers_start_with_a_health_endpoint_that_does_not_generate(tiny_model, standin_python, tmp_path):
+    """SGLang's /health generates a token and answers 503 after 20 s without output, which a server busy with
+    long generations does; the monitor then restarted healthy engines mid-rollout (issue 16, on the H200)."""
+    server = start_server(0, str(tiny_model), log_dir=tmp_path, python=standin_python,
+                          engine_args={"standin_never_healthy": True})
+    try:
+        environ = dict(item.split("=", 1) for item in
+                       open(f"/proc/{server.process.pid}/environ").read().split("\0") if "=" in item)
+        assert environ["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
+    finally:
+        server.process.stop()
+
+
 def test_a_server_that_crashes_at_start_fails_fast_with_exit_code_and_log(tiny_model, standin_python, tmp_path):
     server = start_server(0, str(tiny_model), log_dir=tmp_path, python=standin_python,
                           engine_args={"standin_crash_on_start": True})

@@ -145,6 +145,10 @@ def start_server(index: int, model_path: str, *, log_dir: str | Path, python: st
     for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                        "NVSHMEM_DISABLE_NVLS": "1"}.items():
         child_env.setdefault(key, value)
+    # SGLang's /health otherwise queues a one-token generation and answers 503 when no output came for 20 s,
+    # which a busy server does during long generations: the health monitor then restarted healthy engines
+    # in the middle of a rollout (docs/gpu-results.md, issue 16). A hung scheduler is SGLang's watchdog's to end.
+    child_env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
     if gpu_ids is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
     log_path = Path(log_dir) / f"sglang-engine-{index}-port{port}.log"
