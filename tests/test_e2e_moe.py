@@ -43,4 +43,6 @@ def test_grpo_on_a_tiny_moe_learns_toy_reward(tmp_path):
     assert sum(rewards[-5:]) / 5 >= 0.9, rewards[-10:]
     # replayed experts: on-policy at step 0 the trainer scores the engine's tokens as the engine did
     assert rows[0]["train/train_rollout_logprob_abs_diff"] <= 1e-4
-    assert all(r["train/moe_expert_load_max_over_mean"] >= 1.0 for r in rows if "train/loss" in r)
+    trained = [r for r in rows if "train/loss" in r]
+    assert len(trained) == 50 and all(r["train/moe_expert_load_max_over_mean"] >= 1.0 for r in trained)
+    assert all(r["train/moe_routing_replayed"] == 1.0 for r in trained)  # the engine's experts reached the trainer

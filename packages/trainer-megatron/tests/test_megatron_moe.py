@@ -156,21 +156,31 @@ def test_routing_replay_follows_the_given_experts(family, tmp_path):
     assert abs(metrics["ppo_kl"]) <= 1e-6 and metrics["grad_norm"] > 0
 
 
+FOUR_RANK_LAYOUTS = {
+    # EP=2 x ETP=2: each expert split over two ranks (gloo's missing reduce-scatter replaced on the CPU)
+    "ep2-etp2": (["parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=2"],
+                 ["trainer.micro_batch_size=2"], 2 * 4),
+    # PP=2 x EP=2 x DP=2: one layer per stage, 1F1B over packed micro-batches evened across EP ranks
+    "pp2-ep2": (["parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],
+                ["trainer.max_tokens_per_gpu=40"], 1 * 4),
+}
+
+
 @pytest.mark.slow
-def test_expert_tensor_parallel_on_four_ranks_matches_one(tmp_path):
-    """EP=2 x ETP=2 (each expert split over two ranks; gloo's missing reduce-scatter replaced on the
-    CPU) gives one rank's losses, gradient norms and weights."""
+@pytest.mark.parametrize("layout", sorted(FOUR_RANK_LAYOUTS))
+def test_four_rank_expert_layouts_match_one_rank(layout, tmp_path):
+    """Losses, gradient norms and weights of one rank, over three steps."""
+    parallel, batching, local_experts = FOUR_RANK_LAYOUTS[layout]
     model = make_hf_model(tmp_path / "model", "qwen2_moe", vocab=VOCAB)
     spec = dict(model=str(model), num_samples=8, vocab=VOCAB, steps=3)
     # Adam's first steps move every weight by about +-lr whatever its gradient's size: at the default
     # eps a gradient of ~1e-9 summed in another order (four ranks) flips one weight by 1.3e-5.
-    batching = ["trainer.micro_batch_size=2", "trainer.adam_eps=1e-6"]
+    batching = batching + ["trainer.adam_eps=1e-6"]
     ensure_single_rank_group()
     single = run_scenario({**spec, "overrides": COMMON + batching})
-    multi = launch(4, {**spec, "overrides": COMMON + batching + [
-        "parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=2",
-        "cluster.actor_num_gpus_per_node=4"]}, tmp_path)
-    assert multi["roundtrip_exact"] and multi["local_experts"] == 2 * 4
+    multi = launch(4, {**spec, "overrides": COMMON + batching + parallel + ["cluster.actor_num_gpus_per_node=4"]},
+                   tmp_path)
+    assert multi["roundtrip_exact"] and multi["local_experts"] == local_experts  # rank 0's layers x experts
     for one, four in zip(single["metrics"], multi["metrics"], strict=True):
         assert abs(one["loss"] - four["loss"]) <= 1e-5 and abs(one["grad_norm"] - four["grad_norm"]) <= 1e-5
     for name, t in single["final"].items():

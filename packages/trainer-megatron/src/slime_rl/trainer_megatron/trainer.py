@@ -428,6 +428,8 @@ class MegatronTrainer(PolicyTrainer):
         metrics = self._share_metrics(outputs if self.is_last_stage else [])  # the same on every rank
         if self.router_stats is not None:
             metrics.update(self.router_stats.take(parallel_state.get_data_parallel_group()))
+        if self.routing_replay is not None:  # 1.0: every micro-batch ran on the engine's experts
+            metrics["moe_routing_replayed"] = float(all(mb.routed_experts is not None for mb in mbs))
         bad = nonfinite_update(metrics["loss"], self.model, self.dtype, self.device)
         if bad is None:
             update_ok, grad_norm, _ = self.optimizer.step()
