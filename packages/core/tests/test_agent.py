@@ -294,3 +294,16 @@ def test_rollout_runner_builds_multi_turn_and_reports_episode_metrics(tok, monke
     prompt = sum(s.metadata["prompt_tokens"] for s in samples)
     assert metrics["rollout/prefix_cache_hit_rate"] == pytest.approx(
         sum(s.metadata["cached_tokens"] for s in samples) / prompt)
+
+
+def test_a_turn_with_several_calls_gets_all_results_in_order(tok):
+    two = CALL + '<tool_call>{"name": "slow_echo", "arguments": {"text": "hi"}}</tool_call>'
+    engine = TextEngine(tok, [two, "done"])
+    agent = MultiTurnGenerate(tok, load_tools(["agent_tools:add", "agent_tools:slow_echo"]), max_turns=3,
+                              tool_timeout=5, stop_on_tool_call=False)
+    out = run(agent(_prompt(tok), PARAMS, engine))
+    assert "</tool_call>" not in engine.requests[0][2].stop
+    assert out.metadata["tool_calls"] == 2 and out.metadata["episode_end"] == "final_answer"
+    observation = [t for t, m in zip(out.response_tokens, out.loss_mask, strict=True) if m == 0]
+    assert tok.decode(observation) == ("\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>tool\nhi<|im_end|>\n"
+                                       "<|im_start|>assistant\n")
