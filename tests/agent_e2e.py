@@ -32,7 +32,7 @@ class RecordingEngine(HFEngine):
 
 
 class RecordingTrainer(MegatronTrainer):
-    """The Megatron trainer, writing down the ids and loss mask of every sample it trains on."""
+    """The Megatron trainer, writing down the ids, loss mask and engine log-probs of every sample it trains on."""
 
     def train_step(self, batch):
         offsets, response_offsets = batch.offsets().tolist(), batch.response_offsets().tolist()
@@ -40,7 +40,8 @@ class RecordingTrainer(MegatronTrainer):
             _record("trainer", {
                 "sample_id": sample_id,
                 "tokens": batch.tokens[offsets[row]:offsets[row + 1]].tolist(),
-                "loss_mask": batch.loss_mask[response_offsets[row]:response_offsets[row + 1]].tolist()})
+                "loss_mask": batch.loss_mask[response_offsets[row]:response_offsets[row + 1]].tolist(),
+                "rollout_log_probs": batch.rollout_log_probs[response_offsets[row]:response_offsets[row + 1]].tolist()})
         return super().train_step(batch)
 
 

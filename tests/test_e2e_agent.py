@@ -1,7 +1,7 @@
 """End to end on CPU through `slime-cli train`: the built-in multi-turn agent with a tool, the transformers
 engine and the Megatron trainer, on a toy tool task (call the tool, then answer). Trajectories take 2-4 turns;
 every observation token has loss mask 0 and every sampled token 1; the ids the trainer trains on are the ids
-the engine sampled, token by token; the reward rises."""
+the engine sampled, token by token, with the engine's log-probs beside them; the reward rises."""
 
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def test_agent_learns_toy_tool_task_through_slime_cli(agent_model, tmp_path):
         tokens, mask = row["tokens"], row["loss_mask"]
         prompt_len = len(tokens) - len(mask)
         # the engine session whose turns build exactly this trajectory (a sample aborted and redone has others)
-        matches = [s for s in sessions_of[row["sample_id"]] if _rebuilds(sorted(engine_turns[s], key=lambda t: t["turn"]),
-                                                                         tokens, mask, prompt_len)]
+        matches = [s for s in sessions_of[row["sample_id"]]
+                   if _rebuilds(sorted(engine_turns[s], key=lambda t: t["turn"]), row, prompt_len)]
         assert len(matches) == 1, (row["sample_id"], sessions_of[row["sample_id"]])
         turns = sorted(engine_turns[matches[0]], key=lambda t: t["turn"])
         turn_counts.append(len(turns))
@@ -104,15 +104,19 @@ def test_agent_learns_toy_tool_task_through_slime_cli(agent_model, tmp_path):
     assert max(turn_counts) <= 4
 
 
-def _rebuilds(turns: list[dict], tokens: list[int], mask: list[int], prompt_len: int) -> bool:
-    """True when ``tokens``/``mask`` are the engine's turns: each turn's input is the trajectory so far, its
-    sampled ids follow with mask 1, and every other response token (observations) has mask 0."""
-    sampled = [0] * len(mask)
+def _rebuilds(turns: list[dict], row: dict, prompt_len: int) -> bool:
+    """True when the trainer's ``row`` is the engine's turns: each turn's input is the trajectory so far, its
+    sampled ids follow with mask 1 and the engine's log-probs, and every other response token (observations)
+    has mask 0 and log-prob 0."""
+    tokens, mask = row["tokens"], row["loss_mask"]
+    sampled, log_probs = [0] * len(mask), [0.0] * len(mask)
     for turn in turns:
         start = len(turn["input_ids"])
         if tokens[:start] != turn["input_ids"] or tokens[start:start + len(turn["token_ids"])] != turn["token_ids"]:
             return False
-        for k in range(start, start + len(turn["token_ids"])):
-            sampled[k - prompt_len] = 1
+        for k, lp in enumerate(turn["log_probs"]):
+            sampled[start + k - prompt_len], log_probs[start + k - prompt_len] = 1, lp
     end = len(turns[-1]["input_ids"]) + len(turns[-1]["token_ids"])
-    return end == len(tokens) and sampled == mask
+    return (end == len(tokens) and sampled == mask
+            and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(log_probs, row["rollout_log_probs"],
+                                                                           strict=True)))
