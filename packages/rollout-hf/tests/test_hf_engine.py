@@ -405,7 +405,7 @@ def test_moe_returns_the_experts_of_every_token_fed(arch, tokenizer, make_model)
     """With return_routed_experts, each response carries [prompt + new - 1][layers][top-k]: what one
     transformers forward over the whole sequence routes (batched, left-padded prefill and cached decode
     included); without it, nothing."""
-    from slime_rl.rollout_hf.engine import routed_experts
+    from slime_rl.rollout_hf.moe import routed_experts
 
     model = make_model(arch, len(tokenizer))
     engine = HFEngine(model, tokenizer)

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import inspect
 import random
-import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from slime_rl.core.contracts import FinishReason, GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 from slime_rl.core.device import resolve_device
+from slime_rl.rollout_hf.moe import RouterRecorder, routed_experts, weight_target
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -351,7 +351,7 @@ class HFEngine(RolloutEngine):
 
     def _load_weights(self, named_tensors: NamedTensors) -> None:
         params = self.model.state_dict(keep_vars=True)
-        targets = {name: _weight_target(name, params) for name, _ in named_tensors}
+        targets = {name: weight_target(name, params) for name, _ in named_tensors}
         unknown = [name for name, target in targets.items() if target is None]
         if unknown:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
@@ -363,30 +363,6 @@ class HFEngine(RolloutEngine):
                                  f"{tuple(targets[name].shape)}")
         for name, tensor in named_tensors:
             targets[name].copy_(tensor)
-
-
-_CHECKPOINT_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def _weight_target(name: str, params: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The tensor (or view) a checkpoint-named weight goes to. MoE checkpoints (and the trainer) name
-    experts one by one (``mlp.experts.{e}.gate_proj.weight``); transformers 5 holds them fused:
-    ``experts.gate_up_proj`` ``[experts, 2 * inter, hidden]`` (gate rows first) and
-    ``experts.down_proj`` ``[experts, hidden, inter]``."""
-    if name in params:
-        return params[name]
-    m = _CHECKPOINT_EXPERT.match(name)
-    if m is None:
-        return None
-    prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-    if proj == "down_proj":
-        fused = params.get(f"{prefix}.down_proj")
-        return None if fused is None else fused[expert]
-    fused = params.get(f"{prefix}.gate_up_proj")
-    if fused is None:
-        return None
-    gate, up = fused[expert].chunk(2, dim=0)
-    return gate if proj == "gate_proj" else up
 
 
 class _DecodeBatch:
@@ -499,51 +475,6 @@ class _DecodeBatch:
         if max_positions is not None and len(req.input_ids) + len(req.token_ids) >= max_positions:
             return "length"
         return None
-
-
-class RouterRecorder:
-    """Forward hooks on an MoE model's routers (``mlp.gate`` of each layer) that keep their logits
-    while ``recording``: the experts the engine chose are the top-k of these. (transformers'
-    ``output_router_logits`` also computes the load-balancing loss, which fails on cached decode.)"""
-
-    def __init__(self, model: PreTrainedModel):
-        self.logits: list[torch.Tensor] = []
-        self._on = False
-        self.gates = [m.mlp.gate for m in model.modules() if hasattr(getattr(m, "mlp", None), "gate")
-                      and hasattr(m.mlp, "experts")]
-        for gate in self.gates:
-            gate.register_forward_hook(self._keep)
-
-    @classmethod
-    def for_model(cls, model: PreTrainedModel) -> RouterRecorder | None:
-        if getattr(model.config.get_text_config(), "num_experts_per_tok", None) is None:
-            return None
-        return cls(model)
-
-    def _keep(self, module, inputs, output):
-        if self._on:
-            self.logits.append((output[0] if isinstance(output, tuple) else output).detach())
-
-    @contextlib.contextmanager
-    def recording(self):
-        self.logits, self._on = [], True
-        try:
-            yield
-        finally:
-            self._on = False
-
-    def take(self) -> list[torch.Tensor]:
-        logits, self.logits = self.logits, []
-        return logits
-
-
-def routed_experts(router_logits, config, shape: torch.Size) -> torch.Tensor:
-    """The top-k experts of every token fed, ``[batch, seq, layers, k]`` int16, from transformers'
-    per-layer router logits (``[batch * seq, experts]`` each): MoE routing picks the top-k of the
-    softmax of these, the same order as the top-k of the logits."""
-    k = config.get_text_config().num_experts_per_tok
-    chosen = [logits.float().topk(k, dim=-1).indices for logits in router_logits]
-    return torch.stack(chosen, dim=1).reshape(*shape, len(chosen), k).to(torch.int16).cpu()
 
 
 def _tolist(values: torch.Tensor | list) -> list:

@@ -16,10 +16,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
+import json
 import logging
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -66,6 +69,17 @@ def build_payload(input_ids: list[int], params: SamplingParams, rid: str) -> dic
     if params.return_routed_experts:  # an engine field: sglang-router 0.3.2 drops it (send to an engine)
         payload["return_routed_experts"] = True
     return payload
+
+
+@functools.cache
+def served_routing_shape(model_path: str | Path) -> tuple[int, int]:
+    """(layers, top-k) of a served MoE model, from its config.json: the shape routed experts decode to."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    if "num_experts_per_tok" not in config:
+        raise ValueError(f"algorithm.routing_replay: rollout needs a mixture-of-experts model; {model_path}"
+                         " has no num_experts_per_tok in config.json (set routing_replay to off)")
+    return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
 
 
 def decode_routed_experts(value: Any, routed_shape: tuple[int, int]) -> list[list[list[int]]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import shutil
 import tempfile
@@ -37,7 +36,7 @@ from slime_rl.core.placement import plan_placement
 from slime_rl.core.weight_sync import resolve_transport
 from slime_rl.rollout_sglang import launch as fleet
 from slime_rl.rollout_sglang import weight_sync as ws
-from slime_rl.rollout_sglang.client import GenerateClient
+from slime_rl.rollout_sglang.client import GenerateClient, served_routing_shape
 from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router
 from slime_rl.rollout_sglang.server import ServerStartError, SGLangServer, restart_server, wait_healthy
@@ -253,7 +252,7 @@ class SGLangEngine(RolloutEngine):
                 req.wire_prefix = f"{rid}#{uuid.uuid4().hex[:12]}"  # unique: SGLang aborts by rid prefix
                 client, routed_shape = self.client, None
                 if params.return_routed_experts:
-                    client, routed_shape = self._engine_client(rid), self._routed_shape()
+                    client, routed_shape = self._engine_client(rid), served_routing_shape(self.model_path)
                 out = await client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
                                             default_version=self._version, should_stop=lambda: req.aborted,
                                             routed_shape=routed_shape, routing_key=routing_key)
@@ -285,16 +284,6 @@ class SGLangEngine(RolloutEngine):
                                                  request_timeout=self.client.request_timeout,
                                                  retry_timeout=self.client.retry_timeout, api_key=self.keys.api_key)
         return clients[server.url]
-
-    @functools.cache  # noqa: B019 - one engine per run
-    def _routed_shape(self) -> tuple[int, int]:
-        """(layers, top-k) of the served MoE model, from its config.json."""
-        config = json.loads((Path(self.model_path) / "config.json").read_text())
-        config = config.get("text_config", config)
-        if "num_experts_per_tok" not in config:
-            raise ValueError(f"algorithm.routing_replay: rollout needs a mixture-of-experts model; {self.model_path}"
-                             " has no num_experts_per_tok in config.json (set routing_replay to off)")
-        return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
 
     async def abort(self, request_id: str | None = None) -> None:
         """Abort one request or all in flight; they return what they have with ``finish_reason="abort"``.
