@@ -103,12 +103,18 @@ def main() -> int:
             break
         while not logged_since(run_dir / "metrics.jsonl", started, start_step) and proc.poll() is None:
             time.sleep(0.05)
-        if proc.poll() is not None:
-            print(f"life {life} ended before its kill (exit {proc.returncode}); see {work}/life_{life}.err")
-            return 1
+        if proc.poll() is not None:  # the run finished before this kill: check what there is
+            print(f"life {life} ran to the end before its kill (exit {proc.returncode}); give more --steps"
+                  " for all the kills")
+            if proc.returncode != 0:
+                return 1
+            break
         wait = rng.uniform(0.0, args.max_wait)
         time.sleep(wait)
         rows = metric_rows(run_dir / "metrics.jsonl")
+        if proc.poll() is not None:
+            print(f"life {life} ran to the end before its kill; give more --steps for all the kills")
+            break
         kill_group(proc)
         kills.append((life, resume, wait, rows[-1]["step"] if rows else 0, latest_step(run_dir)))
 
