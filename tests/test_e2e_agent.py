@@ -55,7 +55,7 @@ def test_agent_learns_toy_tool_task_through_slime_cli(agent_model, tmp_path):
         "rollout": {"engine": "agent_e2e:RecordingEngine", "generate_fn": "multi_turn",
                     "tools": ["agent_task:lookup"], "max_turns": 4, "tool_timeout": 10,
                     "reward": "agent_task:used_tool_then_answered", "max_response_len": 160, "temperature": 1.0},
-        "trainer": {"backend": "agent_e2e:RecordingTrainer", "lr": 3e-3, "adam_beta2": 0.99},
+        "trainer": {"backend": "agent_e2e:RecordingTrainer", "lr": 1e-3, "adam_beta2": 0.99},
         "cluster": {"device": "cpu"},
         "logging": {"dir": str(run_dir), "tensorboard": False, "progress_bar": False, "save_rollouts": True},
     }))
@@ -71,7 +71,8 @@ def test_agent_learns_toy_tool_task_through_slime_cli(agent_model, tmp_path):
     third = STEPS // 3
     first, last = statistics.fmean(rewards[:third]), statistics.fmean(rewards[-third:])
     print(f"reward per step: {' '.join(f'{r:.2f}' for r in rewards)}; first third {first:.2f}, last third {last:.2f}")
-    # Means of thirds, not single steps: one step's 32 episodes swing by +-0.15 (measured 0.25 -> 0.80 over 30 steps)
+    # Means of thirds, not single steps: one step's 32 episodes swing by +-0.15. At lr 3e-3 the policy
+    # collapsed at step 7 on an idle machine (reward 0 from then on); at 1e-3 thirds went 0.37 -> 0.73.
     assert last >= first + 0.25, rewards
 
     # Every trained sample, against what the engine sampled for it, token by token.
