@@ -24,15 +24,17 @@ def run_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.slow
-def test_driver_sigkill_then_resume_skips_and_repeats_no_prompt(tiny_model_dir, tmp_path):
+def kill_then_resume(tiny_model_dir: Path, tmp_path: Path, extra: list[str], rows_before_kill: int) -> tuple[Path, list[str]]:
+    """Train 8 steps on 40 toy prompts (a checkpoint every 2), SIGKILL the driver once ``rows_before_kill``
+    metric rows exist (past the step-2 checkpoint), check a checkpoint of step 2-7 is there, and resume
+    to the end. Returns the run folder and the overrides both runs used."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input": f"x{i} = ", "label": str(i)}) + "\n" for i in range(40)))
     run_dir = tmp_path / "run"
     overrides = [
         f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=2",
         "data.n_samples_per_prompt=4", "data.num_rollout=8", "rollout.max_response_len=4",
-        "rollout.reward=toy_rewards:digit_token_fraction",
+        "rollout.reward=toy_rewards:digit_token_fraction", *extra,
         "cluster.device=cpu", f"logging.dir={run_dir}", "logging.tensorboard=false", "logging.save_rollouts=true",
         "checkpoint.save_interval=2",
     ]
@@ -42,13 +44,13 @@ def test_driver_sigkill_then_resume_skips_and_repeats_no_prompt(tiny_model_dir, 
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
-        while len(run_rows(run_dir / "metrics.jsonl")) < 3:  # past the step-2 checkpoint
+        while len(run_rows(run_dir / "metrics.jsonl")) < rows_before_kill:
             assert first.poll() is None, "the first run ended before it could be killed"
             assert time.time() < deadline, "the first run made no progress"
             time.sleep(0.05)
         os.kill(first.pid, signal.SIGKILL)  # the driver only, mid-run; steps are fast, so where
         first.wait()  # exactly it stops varies: the resume must hold from whichever checkpoint
-        folder, meta = checkpoint.latest(run_dir / "checkpoints")
+        _, meta = checkpoint.latest(run_dir / "checkpoints")
         assert 2 <= meta["step"] < 8
 
         second = subprocess.run([sys.executable, "-c", TRAIN, *overrides, "checkpoint.resume=true"], env=env,
@@ -56,6 +58,12 @@ def test_driver_sigkill_then_resume_skips_and_repeats_no_prompt(tiny_model_dir, 
         assert second.returncode == 0, second.stderr[-3000:]
     finally:
         with_suppressed_kill(first.pid)  # Ray's processes orphaned by the kill
+    return run_dir, overrides
+
+
+@pytest.mark.slow
+def test_driver_sigkill_then_resume_skips_and_repeats_no_prompt(tiny_model_dir, tmp_path):
+    run_dir, overrides = kill_then_resume(tiny_model_dir, tmp_path, [], rows_before_kill=3)
 
     steps = [json.loads(line)["group_index"] for k in range(1, 9)
              for line in (run_dir / "rollouts" / f"step_{k:06d}.jsonl").read_text().splitlines()]
@@ -87,35 +95,8 @@ def test_fully_async_sigkill_then_resume_trains_every_prompt_once_or_records_it(
     """cluster.async_mode=fully: the checkpoint holds the groups in flight and ready (JSON); across the
     killed run and its resume no group is trained twice, and every group the data source handed out is
     trained, still held (ready or in flight), or recorded as filtered, failed or dropped as stale."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input": f"x{i} = ", "label": str(i)}) + "\n" for i in range(40)))
-    run_dir = tmp_path / "run"
-    overrides = [
-        f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=2",
-        "data.n_samples_per_prompt=4", "data.num_rollout=8", "rollout.max_response_len=4",
-        "rollout.reward=toy_rewards:digit_token_fraction", "cluster.async_mode=fully", "rollout.max_staleness=1",
-        "cluster.device=cpu", f"logging.dir={run_dir}", "logging.tensorboard=false", "logging.save_rollouts=true",
-        "checkpoint.save_interval=2",
-    ]
-    env = {**os.environ, "TOY_TOKENIZER": str(tiny_model_dir), "PYTHONPATH": str(Path(__file__).parent),
-           "SLIME_RL_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, "-c", TRAIN, *overrides], env=env, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 300
-        while len(run_rows(run_dir / "metrics.jsonl")) < 4:  # past the step-2 checkpoint
-            assert first.poll() is None, "the first run ended before it could be killed"
-            assert time.time() < deadline, "the first run made no progress"
-            time.sleep(0.05)
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait()
-        folder, meta = checkpoint.latest(run_dir / "checkpoints")
-        assert 2 <= meta["step"] < 8
-        second = subprocess.run([sys.executable, "-c", TRAIN, *overrides, "checkpoint.resume=true"], env=env,
-                                capture_output=True, text=True, timeout=600)
-        assert second.returncode == 0, second.stderr[-3000:]
-    finally:
-        with_suppressed_kill(first.pid)
+    run_dir, _ = kill_then_resume(tiny_model_dir, tmp_path, ["cluster.async_mode=fully", "rollout.max_staleness=1"],
+                                  rows_before_kill=4)
 
     trained = [json.loads(lines[i])["group_index"] for k in range(1, 9)
                for lines in [(run_dir / "rollouts" / f"step_{k:06d}.jsonl").read_text().splitlines()]
