@@ -90,6 +90,7 @@ class SGLangEngine(RolloutEngine):
         self.keys = keys or EngineKeys()  # the run's keys (keys.py); the servers and the router refuse others
         self.client = GenerateClient(router.url, max_concurrency=max_concurrency, request_timeout=request_timeout,
                                      retry_timeout=startup_timeout, api_key=router.key)
+        self._engine_clients: dict[str, GenerateClient] = {}  # url -> a client straight to that engine
         self._version = 0
         self._inflight: dict[str, _Request] = {}
         self._closed_by: set[str] = set()  # why generation is held: "sync", "memory"
@@ -278,7 +279,7 @@ class SGLangEngine(RolloutEngine):
         meet its prefix cache): sglang-router 0.3.2 drops ``return_routed_experts``. Unverified on a
         GPU; a dead engine's requests retry on it until the restart (no router failover)."""
         server = self.servers[zlib.crc32(rid.encode()) % len(self.servers)]
-        clients = self.__dict__.setdefault("_engine_clients", {})
+        clients = self._engine_clients
         if server.url not in clients:
             clients[server.url] = GenerateClient(server.url, max_concurrency=self.client._max_concurrency,
                                                  request_timeout=self.client.request_timeout,
@@ -571,7 +572,8 @@ class SGLangEngine(RolloutEngine):
         self._shut = True
         if self._monitor_task is not None and not self._monitor_task.done():
             self._monitor_task.cancel()
-        await self.client.aclose()
+        for client in (self.client, *self._engine_clients.values()):
+            await client.aclose()
         self._pusher.close()
         self.router.stop()
         for server in self.servers:
