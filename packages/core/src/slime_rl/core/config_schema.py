@@ -132,6 +132,7 @@ class RolloutConfig(_Section):
     update_weight_transport: Literal["auto", "tensor", "nccl", "disk"] = "auto"
     update_weight_buffer_mb: int = Field(2048, ge=1)  # bucket size; 512 MiB buckets made a 7B sync 3.4x slower
     check_weight_update: bool = False  # after each sync, compare engine weights with the trainer's (slow)
+    lora_sync: Literal["adapter", "merged"] = "adapter"  # with trainer.lora: send the adapters, or merged weights
     max_staleness: int | None = Field(None, ge=0)  # eta: tokens more than this many versions behind are stale
     staleness_policy: Literal["drop", "mask", "downweight"] = "drop"  # what happens to stale tokens (core/staleness.py)
     buffer_filter: str | None = None  # which buffered groups to hand out: "oldest_first", "freshest_first", module:attr
@@ -169,6 +170,23 @@ SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp")  # Megatron's recompute_modul
 # Micro-batches packed up to this many tokens unless the user asks for micro-batches by count: one
 # sample per micro-batch (the old default) kept a 3B model's train phase at ~1% MFU (issue 16).
 DEFAULT_MAX_TOKENS_PER_GPU = 8192
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # HF names
+
+
+class LoraConfig(_Section):
+    """trainer.lora: low-rank adapters on the attention and MLP projections (core/lora.py); rank 0: off."""
+    rank: int = Field(0, ge=0)
+    alpha: float = Field(32.0, gt=0)  # the adapter's output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGET_MODULES))  # HF projection names
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_modules(cls, value: list[str]) -> list[str]:
+        unknown = [m for m in value if m not in LORA_TARGET_MODULES]
+        if unknown or not value:
+            raise ValueError(f"{unknown or value!r}: give a non-empty list of {', '.join(LORA_TARGET_MODULES)}")
+        return value
 
 
 class TrainerConfig(_Section):
@@ -202,6 +220,7 @@ class TrainerConfig(_Section):
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0)  # MoE router load-balancing loss
     moe_z_loss_coeff: float | None = Field(None, ge=0.0)  # MoE router z-loss; None: off
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    lora: LoraConfig = Field(default_factory=LoraConfig)  # rank > 0: train adapters only, the base frozen
 
     @field_validator("recompute", mode="before")
     @classmethod
