@@ -233,8 +233,14 @@ def _start(cfg: Config, run_id: str, summary: dict[str, Any]) -> Run:
         critic.call("ready")
     summary["nodes"] = {"trainer": sorted(set(ray.get([w.node_id.remote() for w in actor.workers]))),
                         "rollout": ray.get(rollout.node_id.remote())}
-    offload = cfg.offload and plan.device == "cuda"
-    return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout), run_id, offload)
+    return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout), run_id,
+               hands_memory_over(cfg, plan))
+
+
+def hands_memory_over(cfg: Config, plan: Placement) -> bool:
+    """Whether trainer and engines take turns with the device memory: colocated with offload, on GPUs
+    (on a CPU both live in host memory, so there is nothing to hand over)."""
+    return cfg.offload and plan.device == "cuda"
 
 
 def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
