@@ -584,7 +584,8 @@ class SGLangEngine(RolloutEngine):
 
 def _target(server: SGLangServer) -> ws.Target:
     """A server as control calls see it; they carry its admin key (the trainer's sender gets these too)."""
-    return ws.Target(server.name, server.url, server.tp_size, admin_key=server.keys.admin_key)
+    return ws.Target(server.name, server.url, server.tp_size, admin_key=server.keys.admin_key,
+                     api_key=server.keys.api_key)
 
 
 def _try(fn, *args, **kwargs) -> None:
