@@ -19,6 +19,7 @@ Every version is also written as a PEFT folder (`adapter_folder`), which a resta
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ import torch
 from slime_rl.core.config import ConfigError
 from slime_rl.core.lora import LoraSpec, adapter_name, hf_name, peft_adapter_config
 from slime_rl.rollout_sglang import weight_sync as ws
+
+logger = logging.getLogger(__name__)
 
 # SGLang 0.5.17's --lora-target-modules choices that slime-rl's trainer.lora.target_modules can name
 # (sglang/srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES holds these and more).
@@ -127,16 +130,27 @@ def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.Nam
     the module docstring), after writing it to ``folder`` (the copy a restarted server is given)."""
     check_adapter_tensors(named_tensors, version=version)
     name, step = adapter_name(version), f"weight sync v{version} ({transport}, adapter)"
-    save_adapter_folder(named_tensors, folder, spec, base_model)
-    if transport == "disk":
-        for target in targets:
-            load_adapter_from_folder(target, name, folder, timeout=timeout, step=step)
-        return
     if transport == "nccl":
         named_tensors = [(n, t.detach().to("cpu")) for n, t in named_tensors]
-    elif transport != "tensor":
+    elif transport not in ("tensor", "disk"):
         raise ValueError(f"rollout.update_weight_transport: unknown transport {transport!r}; "
                          "use one of auto, tensor, nccl, disk")
-    for target in targets:
-        load_adapter_from_tensors(target, name, named_tensors, spec, base_model=base_model, timeout=timeout,
-                                  step=step)
+    loaded: list[ws.Target] = []
+    try:
+        save_adapter_folder(named_tensors, folder, spec, base_model)
+        for target in targets:
+            if transport == "disk":
+                load_adapter_from_folder(target, name, folder, timeout=timeout, step=step)
+            else:
+                load_adapter_from_tensors(target, name, named_tensors, spec, base_model=base_model,
+                                          timeout=timeout, step=step)
+            loaded.append(target)
+    except BaseException:
+        # the servers that took it give it back; the current adapter stays on all of them
+        for target in loaded:
+            try:
+                unload_adapter(target, name, timeout=min(timeout, 30.0), step=f"{step}: clean-up")
+            except ws.WeightSyncError as err:
+                logger.warning("%s", err)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
