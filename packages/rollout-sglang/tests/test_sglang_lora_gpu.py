@@ -241,3 +241,33 @@ def test_engine_adapter_sync_through_the_router(tiny_llama, tmp_path):
         assert adapter_name(2) in served and adapter_name(1) not in served
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_smoke_client_and_standin_lora_shapes_match_this_sglang():
+    """What the client sends and the CPU tests' stand-in (standin_lora.py) answers are this SGLang's LoRA
+    request and response fields (managers/io_struct.py), flags (server_args.py) and modules (utils/common.py)."""
+    import dataclasses
+
+    import msgspec
+    from sglang.srt.managers import io_struct
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.common import SUPPORTED_LORA_TARGET_MODULES
+
+    def fields(cls) -> tuple[set[str], set[str]]:
+        infos = msgspec.structs.fields(cls)
+        return {f.name for f in infos}, {f.name for f in infos if f.required}
+
+    sent = {  # the bodies adapters.py posts
+        io_struct.LoadLoRAAdapterFromTensorsReqInput: {"lora_name", "config_dict", "serialized_named_tensors",
+                                                       "load_format"},
+        io_struct.LoadLoRAAdapterReqInput: {"lora_name", "lora_path"},
+        io_struct.UnloadLoRAAdapterReqInput: {"lora_name"},
+    }
+    for cls, keys in sent.items():
+        known, required = fields(cls)
+        assert keys <= known and required <= keys, (cls.__name__, keys - known, required - keys)
+    assert fields(io_struct.LoRAUpdateOutput)[0] == {"success", "error_message", "loaded_adapters"}
+    assert "lora_path" in {f.name for f in dataclasses.fields(io_struct.GenerateReqInput)}
+    flags = {f.name for f in dataclasses.fields(ServerArgs)}
+    assert set(adapters.lora_engine_args(SPEC)) <= flags
+    assert set(adapters.SGLANG_LORA_MODULES) <= set(SUPPORTED_LORA_TARGET_MODULES)
