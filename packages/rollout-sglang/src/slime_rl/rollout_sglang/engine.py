@@ -10,6 +10,10 @@ call returns exactly once.
 A weight sync pauses generation (SGLang aborts in-flight requests, which come back with
 the tokens made so far); those requests continue from where they stopped once the new
 weights are in, so a sync loses no work and never surfaces as an abort to the caller.
+
+With LoRA adapters (``trainer.lora``, ``rollout.lora_sync: adapter``) a sync pauses nothing: each
+version is loaded as a new adapter beside the current one, requests from then on name it, and the
+old one leaves the servers after its last request (adapter_roster.py, docs/lora-sglang.md).
 """
 
 from __future__ import annotations
