@@ -3,6 +3,7 @@
     python benchmarks/weight_sync.py --shape qwen2.5-7b --bucket-mb 512 2048 4096    # the H200 run (issue 16)
     python benchmarks/weight_sync.py --shape llama-tiny qwen2-tiny qwen3-tiny --syncs 1  # the equality check
     python benchmarks/weight_sync.py --shape tiny --engine-python FAKE_PYTHON --device cpu  # the CPU smoke test
+    python benchmarks/weight_sync.py --shape qwen2.5-1.5b --lora-rank 16 --paths trainer adapter  # LoRA (issue 20)
 
 The trainer side is random bf16 weights of the shape, on the GPU, cut into buckets of ``--bucket-mb``
 (the sync needs the weights only, so a 7B fits one H200 next to its engine); the engine is started
@@ -15,11 +16,17 @@ path is timed over ``--syncs`` syncs of the whole model:
   `SGLangWeightSender.send`, `end_weight_sync` (pause, push, flush, continue);
 - ``engine``: `SGLangEngine.update_weights`, bucket by bucket, from tensors in the engine's process;
 - ``engine-copy``: the same with ``keep_weights_for_recovery=True`` (a pinned host copy of each version);
-- ``disk``: the trainer path by ``disk`` (HF shards the engine loads).
+- ``disk``: the trainer path by ``disk`` (HF shards the engine loads);
+- ``adapter`` (with ``--lora-rank``): the trainer path with ``trainer.lora`` (`SGLangWeightSender` loads
+  random rank-R adapters on every projection as one SGLang adapter per version, by CUDA IPC), against a
+  server started with slime-rl's LoRA flags (`adapters.lora_engine_args`; the full-weight paths run on the
+  same server); ``adapter-engine``: the same through `SGLangEngine.update_weights`. The figure for issue 20
+  is an adapter row's seconds over the full ``trainer`` row's (target: at most 1/10).
 
 Reported: seconds per sync (median), GB/s over the model's bytes, the peak extra GPU memory in this
 process and on the device during a sync, and the engine's checksums of every parameter it holds
-under a trainer name (SGLang's ``/weights_checker``) compared with the trainer's after the last sync.
+under a trainer name (SGLang's ``/weights_checker``) compared with the trainer's after the last sync
+(adapter rows: the servers that list the last version's adapter in ``/v1/models``).
 """
 
 from __future__ import annotations
@@ -38,8 +45,12 @@ from pathlib import Path
 import torch
 
 from slime_rl.core.config import Config
+from slime_rl.core.lora import LoraSpec, adapter_name, peft_name
 from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.adapter_roster import AdapterRoster
+from slime_rl.rollout_sglang.adapters import SGLANG_LORA_MODULES, lora_engine_args
 from slime_rl.rollout_sglang.engine import SGLangEngine
+from slime_rl.rollout_sglang.keys import bearer
 from slime_rl.rollout_sglang.trainer_sync import SGLangWeightSender
 
 SHAPES = {
@@ -55,6 +66,7 @@ SHAPES = {
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 WRITE_WEIGHTS_BELOW = 200_000_000  # parameters; larger shapes start the engine on dummy weights
 PATHS = ("direct", "trainer", "engine", "engine-copy", "disk")
+ADAPTER_PATHS = ("adapter", "adapter-engine")  # with --lora-rank
 GPU_ENGINE_ARGS = {"skip_tokenizer_init": True, "attention_backend": "triton", "sampling_backend": "pytorch",
                    "grammar_backend": "none", "cuda_graph_backend_decode": "disabled",
                    "cuda_graph_backend_prefill": "disabled", "dtype": "bfloat16", "max_total_tokens": 65536}
@@ -128,6 +140,32 @@ def trainer_weights(folder: Path, device: str, seed: int = 7) -> ws.NamedTensors
             for name, shape in weight_shapes(AutoConfig.from_pretrained(folder))]
 
 
+def trainer_adapter(folder: Path, spec: LoraSpec, device: str, seed: int) -> ws.NamedTensors:
+    """Random bf16 LoRA A [rank, in] and B [out, rank] under PEFT names for every projection of the
+    folder's shape that ``spec`` targets, as the trainer's `named_weights` yields them with LoRA."""
+    from transformers import AutoConfig
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = []
+    for name, shape in weight_shapes(AutoConfig.from_pretrained(folder)):
+        if any(name.endswith(f".{module}.weight") for module in spec.target_modules):
+            for which, dims in (("A", (spec.rank, shape[1])), ("B", (shape[0], spec.rank))):
+                tensor = torch.randn(dims, generator=gen, device=device, dtype=torch.float32) * 0.01
+                tensors.append((peft_name(name, which), tensor.to(torch.bfloat16)))
+    return tensors
+
+
+def serving_adapter(engine: SGLangEngine, version: int) -> int:
+    """How many of the engine's servers list version ``version``'s adapter (``/v1/models``)."""
+    import httpx
+
+    count = 0
+    for server in engine.servers:
+        cards = httpx.get(f"{server.url}/v1/models", headers=bearer(server.keys.api_key), timeout=60).json()["data"]
+        count += adapter_name(version) in {card["id"] for card in cards}
+    return count
+
+
 def bucketed(named: ws.NamedTensors, bucket_bytes: int) -> list[ws.NamedTensors]:
     """Consecutive tensors up to ``bucket_bytes`` each (a larger tensor alone), as the trainer cuts them."""
     buckets, current, size = [], [], 0
@@ -168,9 +206,11 @@ class DeviceMemoryWatch:
         return (self.start_free - self.lowest) / 2**30 if self.on_cuda else 0.0
 
 
-def sync_config(folder: Path, work: Path, transport: str) -> Config:
+def sync_config(folder: Path, work: Path, transport: str, spec: LoraSpec | None = None) -> Config:
+    lora = {"rank": spec.rank, "alpha": spec.alpha, "target_modules": list(spec.target_modules)} if spec else {}
     return Config.model_validate({"model": {"path": str(folder)}, "logging": {"dir": str(work)},
-                                  "rollout": {"engine": "sglang", "update_weight_transport": transport}})
+                                  "rollout": {"engine": "sglang", "update_weight_transport": transport},
+                                  "trainer": {"lora": lora}})
 
 
 async def one_sync(path: str, engine: SGLangEngine, buckets: list[ws.NamedTensors], version: int,
@@ -180,7 +220,7 @@ async def one_sync(path: str, engine: SGLangEngine, buckets: list[ws.NamedTensor
             for i, bucket in enumerate(buckets):
                 ws.update_from_tensor(target, bucket, version=version if i == len(buckets) - 1 else None,
                                       timeout=engine.sync_timeout, step=f"direct bucket {i}")
-    elif path in ("trainer", "disk"):
+    elif path in ("trainer", "disk", "adapter"):
         targets = await engine.begin_weight_sync(version, transport=transport)
         senders[path].send(iter(buckets), targets, version=version, transport=transport)
         await engine.end_weight_sync(version)
@@ -196,20 +236,33 @@ async def run_shape(args, shape: str, work: Path) -> list[Row]:
     engine_args = dict(GPU_ENGINE_ARGS, mem_fraction_static=args.mem_fraction) if on_cuda else {}
     if on_cuda and param_count_of(folder) >= WRITE_WEIGHTS_BELOW:
         engine_args["load_format"] = "dummy"
+    spec = LoraSpec(args.lora_rank, 2.0 * args.lora_rank, 0.0, SGLANG_LORA_MODULES) if args.lora_rank else None
+    if spec is not None:  # one server for both: the full-weight paths and the adapter paths
+        engine_args.update(lora_engine_args(spec))
     engine = SGLangEngine.launch(str(folder), engine_args=engine_args, python=args.engine_python,
                                  work_dir=work / f"{shape}-engine", startup_timeout=args.startup_timeout,
                                  health_interval=0)
+    # The adapter paths swap this roster in (the engine then syncs adapters) and out again.
+    roster = AdapterRoster(spec, engine.work_dir) if spec is not None else None
     rows: list[Row] = []
     try:
         weights = trainer_weights(folder, args.device)
         gb = sum(t.numel() * t.element_size() for _, t in weights) / 1e9
-        print(f"[{shape}] {len(weights)} tensors, {gb:.2f} GB on {args.device}", flush=True)
+        lora = trainer_adapter(folder, spec, args.device, seed=3) if spec is not None else []
+        lora_gb = sum(t.numel() * t.element_size() for _, t in lora) / 1e9
+        print(f"[{shape}] {len(weights)} tensors, {gb:.2f} GB on {args.device}" +
+              (f"; rank-{spec.rank} adapter: {len(lora)} tensors, {lora_gb * 1e3:.1f} MB" if spec else ""), flush=True)
         version = 0
         for bucket_mib in args.bucket_mb:
-            buckets = bucketed(weights, bucket_mib * 2**20)
             for path in args.paths:
+                if path in ADAPTER_PATHS and spec is None:
+                    raise SystemExit(f"--paths {path}: give --lora-rank")
+                adapter_path = path in ADAPTER_PATHS
+                buckets = bucketed(lora if adapter_path else weights, bucket_mib * 2**20)
+                engine.roster = roster if adapter_path else None
                 transport = "disk" if path == "disk" else "tensor"
-                senders = {path: SGLangWeightSender(sync_config(folder, work / f"{shape}-{path}", transport), rank=0)}
+                senders = {path: SGLangWeightSender(sync_config(folder, work / f"{shape}-{path}", transport,
+                                                                spec if adapter_path else None), rank=0)}
                 seconds, peak_process, peak_device = [], 0.0, 0.0
                 for _ in range(args.syncs + args.warmup):
                     version += 1
@@ -226,17 +279,22 @@ async def run_shape(args, shape: str, work: Path) -> list[Row]:
                     if on_cuda:
                         peak_process = max(peak_process, (torch.cuda.max_memory_allocated() - held) / 2**30)
                     peak_device = max(peak_device, watch.extra_gib)
-                checked = sum(ws.check_weights(t, ws.check_sample(weights, tp_size=t.tp_size, every=True),
-                                               timeout=engine.sync_timeout, step=f"{path} check")
-                              for t in engine.targets())
-                row = Row(shape, path, bucket_mib, len(buckets), seconds[args.warmup:], gb, peak_process,
-                          peak_device, checked)
+                if adapter_path:
+                    checked = serving_adapter(engine, version)
+                else:
+                    checked = sum(ws.check_weights(t, ws.check_sample(weights, tp_size=t.tp_size, every=True),
+                                                   timeout=engine.sync_timeout, step=f"{path} check")
+                                  for t in engine.targets())
+                row = Row(shape, path, bucket_mib, len(buckets), seconds[args.warmup:], lora_gb if adapter_path else gb,
+                          peak_process, peak_device, checked)
                 rows.append(row)
-                print(f"[{shape}] {path:11s} {bucket_mib:5d} MiB x{len(buckets):3d}: "
-                      f"{' '.join(f'{s:.3f}' for s in seconds)} s; {gb / row.median:.1f} GB/s; "
-                      f"checksums equal: {checked} tensors", flush=True)
+                what = f"servers listing {adapter_name(version)}: {checked}" if adapter_path else \
+                    f"checksums equal: {checked} tensors"
+                print(f"[{shape}] {path:14s} {bucket_mib:5d} MiB x{len(buckets):3d}: "
+                      f"{' '.join(f'{s:.3f}' for s in seconds)} s; {row.gb / row.median:.2f} GB/s; {what}", flush=True)
     finally:
         engine.keep_weights_for_recovery = False
+        engine.roster = None
         await engine.shutdown()
     return rows
 
@@ -258,11 +316,21 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def adapter_ratios(rows: list[Row]) -> list[str]:
+    """Issue 20's figure: each adapter row's median over the full-weight ``trainer`` row's (same shape, bucket)."""
+    full = {(r.shape, r.bucket_mib): r.median for r in rows if r.path == "trainer"}
+    return [f"[{r.shape}] {r.path} / trainer (full weights), {r.bucket_mib} MiB buckets: "
+            f"{r.median / full[(r.shape, r.bucket_mib)]:.3f} ({r.median * 1e3:.1f} ms vs "
+            f"{full[(r.shape, r.bucket_mib)] * 1e3:.1f} ms)"
+            for r in rows if r.path in ADAPTER_PATHS and (r.shape, r.bucket_mib) in full]
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", nargs="+", default=["qwen2.5-7b"], choices=sorted(SHAPES))
     parser.add_argument("--bucket-mb", nargs="+", type=int, default=[2048])
-    parser.add_argument("--paths", nargs="+", default=list(PATHS[:4]), choices=PATHS)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS[:4]), choices=PATHS + ADAPTER_PATHS)
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA rank of the adapter paths (0: none)")
     parser.add_argument("--syncs", type=int, default=2, help="timed syncs per path")
     parser.add_argument("--warmup", type=int, default=1, help="untimed syncs before them")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -277,6 +345,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     for shape in args.shape:
         rows += asyncio.run(run_shape(args, shape, work))
     print(table(rows), flush=True)
+    for line in adapter_ratios(rows):
+        print(line, flush=True)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return rows

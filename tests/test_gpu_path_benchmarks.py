@@ -37,6 +37,26 @@ def test_weight_sync_benchmark_times_every_path_and_checks_the_engines_weights(t
     assert "| tiny | engine-copy | 1 | 1 |" in out
 
 
+def test_weight_sync_benchmark_times_adapter_syncs_against_the_full_sync(tmp_path, capsys):
+    """--lora-rank (issue 20): the server starts with the LoRA flags; the adapter paths load rank-4 adapters
+    (the stand-in checks every tensor's PEFT name and shape against the model) and each adapter row is
+    set against the full-weight trainer row."""
+    pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
+    weight_sync = bench("weight_sync")
+    rows = weight_sync.main(["--shape", "tiny", "--device", "cpu", "--engine-python", fake_sglang_python(tmp_path),
+                             "--bucket-mb", "1", "--paths", "trainer", "adapter", "adapter-engine", "--lora-rank", "4",
+                             "--syncs", "2", "--warmup", "0", "--work-dir", str(tmp_path / "work")])
+    full, adapter, adapter_engine = rows
+    assert (full.path, adapter.path, adapter_engine.path) == ("trainer", "adapter", "adapter-engine")
+    assert full.checked == 2 + 2 * 4 + 1 and adapter.checked == adapter_engine.checked == 1  # one server lists it
+    # tiny: 2 layers x 7 projections x (A + B), rank 4, bf16
+    shapes = {"q": (64, 64), "k": (32, 64), "v": (32, 64), "o": (64, 64), "gate": (128, 64), "up": (128, 64),
+              "down": (64, 128)}
+    assert adapter.gb * 1e9 == 2 * sum(4 * (out + inp) * 2 for out, inp in shapes.values())
+    out = capsys.readouterr().out
+    assert "[tiny] adapter / trainer (full weights), 1 MiB buckets: " in out
+
+
 @pytest.mark.slow
 def test_colocated_step_benchmark_tables_every_phase_of_a_step(tmp_path, capsys):
     """Through the real loop (Megatron trainer, HF engine on the CPU): each phase's time and share of the

@@ -4,7 +4,9 @@
 # Stages: check, sglang (issue 7 a,c,d,e + disk), sglang-d (d alone), megatron (issue 5 bf16 TP=2, parity),
 # e2e (issue 7 b,f), e2e-offload (f with offload only), bench-trainer (like for like, with the
 # 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
-# bench-sync, bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19).
+# bench-sync, bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
+# lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
+# SGLangEngine), bench-sync-lora.
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -14,6 +16,9 @@ for stage in "$@"; do
   case $stage in
     check) cmd=(bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, sglang, megatron.core, sglang_router, transformers; from importlib.metadata import version; print(torch.__version__, torch.cuda.device_count(), sglang.__version__, megatron.core.__version__, version(\"ray\"), transformers.__version__)"') ;;
     sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -p no:cacheprovider) ;;
+    lora-smoke) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -k smoke
+                     -p no:cacheprovider) ;;
+    lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -p no:cacheprovider) ;;
     megatron) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -p no:cacheprovider) ;;
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
     sglang-d) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -k test_d -p no:cacheprovider) ;;
@@ -31,6 +36,9 @@ for stage in "$@"; do
                      --json "$logs/bench-sync.json") ;;
     bench-sync-small) cmd=(timeout 250 python3 benchmarks/weight_sync.py --shape qwen2-tiny qwen3-tiny llama-tiny
                            qwen2.5-1.5b --bucket-mb 512 2048 --mem-fraction 0.1 --json "$logs/bench-sync-small.json") ;;
+    bench-sync-lora) cmd=(timeout 300 python3 benchmarks/weight_sync.py --shape qwen2.5-1.5b --bucket-mb 2048
+                          --paths direct trainer adapter adapter-engine --lora-rank 16 --mem-fraction 0.3
+                          --json "$logs/bench-sync-lora.json") ;;
     bench-step) cmd=(python3 benchmarks/colocated_step.py --prompts 32 --samples 8 --prompt-len 1024 --response-len 512
                      --timeout 400 --json "$logs/bench-step.json") ;;
     bench-step-nographs) cmd=(python3 benchmarks/colocated_step.py --prompts 32 --samples 8 --prompt-len 1024

@@ -29,17 +29,16 @@ import argparse
 import asyncio
 import base64
 import hashlib
-import io
 import json
-import pickle
 import secrets
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 from aiohttp import web
 from safetensors.torch import load_file
+from standin_lora import LoraError, LoraRegistry, add_flags, decode_tensor_payload
+from standin_nccl import join_group, receive_broadcast
 from tokenizers import Tokenizer
 
 
@@ -76,6 +75,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--standin-crash-on-start", action="store_true")  # exit 1 after logging an error
     p.add_argument("--standin-token-delay", type=float, default=0.0)  # seconds per generated token
     p.add_argument("--enable-return-routed-experts", action="store_true")  # SGLang's flag (MoE models)
+    add_flags(p)  # --enable-lora and the other LoRA flags (standin_lora.py)
     return p.parse_known_args(argv)
 
 
@@ -100,6 +100,7 @@ class StandinServer:
         self.events: list[dict] = []  # what happened, in order (test inspection)
         self.completed: list[str] = []  # rids answered (finished or aborted)
         self.prefix_cache: list[list[int]] = []  # sequences served, newest last: the stand-in's radix cache
+        self.lora = LoraRegistry(args, self.weights, args.tp_size, self.record)  # run-time LoRA adapters
 
     # ------------------------------------------------------------------ model
 
@@ -144,7 +145,6 @@ class StandinServer:
     def routed_experts(self, fed: list[int]) -> str:
         """SGLang's encoding: base64 of int32 ``[tokens fed, layers, top-k]``; a made-up routing that
         depends on each token and layer (expert (token + layer + j) % experts)."""
-        import base64
 
         import numpy as np
 
@@ -154,11 +154,13 @@ class StandinServer:
         return base64.b64encode((ids % experts).astype("<i4").tobytes()).decode("ascii")
 
     async def generate_one(self, input_ids: list[int], sp: dict, rid: str, return_logprob: bool,
-                           logprob_start_len: int, routed: bool = False) -> dict:
+                           logprob_start_len: int, routed: bool = False, lora: str | None = None,
+                           lora_fingerprint: int | None = None) -> dict:
+        """One request; ``lora``: the adapter it names, already counted in use (`LoraRegistry.resolve`)."""
         aborted = asyncio.Event()
         self.running[rid] = aborted
         started = time.time()
-        self.record("generate", rid=rid, input_len=len(input_ids), sampling_params=sp)
+        self.record("generate", rid=rid, input_len=len(input_ids), sampling_params=sp, lora=lora)
         try:
             await self.resumed.wait()  # paused: new requests wait (SGLang's is_pause_cond)
             max_new = sp.get("max_new_tokens", 128)
@@ -179,7 +181,8 @@ class StandinServer:
                 if aborted.is_set():
                     finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
                     break
-                token, lp = self.next_token(self.fingerprint(), input_ids + out, salt)
+                fingerprint = self.fingerprint() if lora_fingerprint is None else hash((self.fingerprint(), lora_fingerprint))
+                token, lp = self.next_token(fingerprint, input_ids + out, salt)
                 out.append(token)
                 lps.append(lp)
                 if token in stop_ids:
@@ -193,7 +196,10 @@ class StandinServer:
                         break
         finally:
             self.running.pop(rid, None)
+            await self.lora.release(lora)
         self.completed.append(rid)
+        if lora is not None:  # when a request naming an adapter ended (tests order it before the unload)
+            self.record("generate_end", rid=rid, lora=lora)
         meta = {
             "id": rid,
             "finish_reason": finish,
@@ -237,10 +243,16 @@ class StandinServer:
             rids = [rids] if single else [f"{rids}_{i}" for i in range(len(batch))]
         sps = body.get("sampling_params") or {}
         sps = sps if isinstance(sps, list) else [sps] * len(batch)
+        loras = body.get("lora_path")
+        loras = loras if isinstance(loras, list) else [loras] * len(batch)
+        try:
+            prints = [self.lora.resolve(name) for name in loras]
+        except LoraError as err:  # SGLang answers 400 with the message
+            return _error(str(err))
         outs = await asyncio.gather(*[
             self.generate_one(x, sp, rid, bool(body.get("return_logprob")), body.get("logprob_start_len", -1),
-                              bool(body.get("return_routed_experts")))
-            for x, sp, rid in zip(batch, sps, rids, strict=True)
+                              bool(body.get("return_routed_experts")), lora, fp)
+            for x, sp, rid, lora, fp in zip(batch, sps, rids, loras, prints, strict=True)
         ])
         return web.json_response(outs[0] if single else outs)
 
@@ -282,6 +294,10 @@ class StandinServer:
             "has_image_understanding": False, "has_audio_understanding": False,
             "model_type": self.hf_config.get("model_type"), "architectures": self.hf_config.get("architectures"),
         })
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        base = {"id": self.args.model_path, "object": "model", "root": self.args.model_path, "parent": None}
+        return web.json_response({"object": "list", "data": [base, *self.lora.model_cards()]})
 
     async def handle_get_load(self, request: web.Request) -> web.Response:
         return web.json_response([{"dp_rank": 0, "num_reqs": len(self.running), "num_waiting_reqs": 0,
@@ -360,13 +376,7 @@ class StandinServer:
         try:
             if len(payloads) != self.args.tp_size:
                 raise ValueError(f"{len(payloads)} payloads for tp_size {self.args.tp_size}")
-            data = pickle.load(io.BytesIO(base64.b64decode(payloads[0], validate=True)))
-            if body.get("load_format") == "flattened_bucket":
-                flat = data["flattened_tensor"]
-                named = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in data["metadata"]]
-            else:
-                named = data
-            self._apply(named, body.get("weight_version"))
+            self._apply(decode_tensor_payload(payloads[0], body.get("load_format")), body.get("weight_version"))
         except Exception as err:  # SGLang answers 400 with success=false
             return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
         return web.json_response({"success": True, "message": "Success"})
@@ -389,7 +399,7 @@ class StandinServer:
         body = await request.json()
         self.record("init_weights_update_group", **body)
         try:
-            group = await asyncio.to_thread(_join_group, body)
+            group = await asyncio.to_thread(join_group, body)
         except Exception as err:
             return web.json_response({"success": False, "message": f"Failed to init group: {err}"}, status=400)
         self.groups[body.get("group_name", "weight_update_group")] = group
@@ -414,7 +424,7 @@ class StandinServer:
             return web.json_response({"success": False, "message": "Please call `init_weights_update_group` first."},
                                      status=400)
         try:
-            named = await asyncio.to_thread(_receive_broadcast, group, body)
+            named = await asyncio.to_thread(receive_broadcast, group, body)
             self._apply(named, body.get("weight_version"))
         except Exception as err:
             return web.json_response({"success": False, "message": f"Failed to update parameter online: {err}"},
@@ -447,41 +457,6 @@ class StandinServer:
         self.record("weights_checker")
         return web.json_response({"success": True, "message": "", "ranks": [rank],
                                   "per_engine_checksum": hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()})
-
-
-def _join_group(body: dict):
-    """Join the trainer's weight-update group as ranks rank_offset.. (SGLang's init_custom_process_group)."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    world_size, rank = int(body["world_size"]), int(body["rank_offset"])
-    url = f"tcp://{body['master_address']}:{body['master_port']}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timedelta(seconds=60)))
-    store = PrefixStore(body.get("group_name", "weight_update_group"), store)
-    group, _ = _new_process_group_helper(world_size, rank, [], torch.distributed.Backend(body.get("backend", "nccl")),
-                                         store, group_name=body.get("group_name", "weight_update_group"),
-                                         timeout=timedelta(seconds=60))
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
-
-def _receive_broadcast(group, body: dict) -> list[tuple[str, torch.Tensor]]:
-    shapes = [torch.Size(s) for s in body["shapes"]]
-    dtypes = [getattr(torch, d) for d in body["dtypes"]]
-    if body.get("load_format") == "flattened_bucket":
-        sizes = [int(torch.Size(s).numel()) * torch.empty(0, dtype=d).element_size() for s, d in zip(shapes, dtypes, strict=True)]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        torch.distributed.broadcast(flat, src=0, group=group)
-        named, offset = [], 0
-        for name, shape, dtype, size in zip(body["names"], shapes, dtypes, sizes, strict=True):
-            named.append((name, flat[offset:offset + size].view(dtype).reshape(shape)))
-            offset += size
-        return named
-    named = []
-    for name, shape, dtype in zip(body["names"], shapes, dtypes, strict=True):
-        tensor = torch.empty(shape, dtype=dtype)
-        torch.distributed.broadcast(tensor, src=0, group=group)
-        named.append((name, tensor))
-    return named
 
 
 # SGLang 0.5.17's endpoints marked @auth_level(AuthLevel.ADMIN_OPTIONAL) (http_server.py); every other
@@ -555,7 +530,8 @@ def build_app(server: StandinServer) -> web.Application:
         r.add_get(path, server.handle_health)
     for path, handler in {"/server_info": server.handle_server_info, "/get_server_info": server.handle_server_info,
                           "/model_info": server.handle_model_info, "/get_model_info": server.handle_model_info,
-                          "/get_load": server.handle_get_load, "/standin/state": server.handle_state}.items():
+                          "/get_load": server.handle_get_load, "/standin/state": server.handle_state,
+                          "/v1/models": server.handle_models}.items():
         r.add_get(path, handler)
     r.add_route("POST", "/generate", server.handle_generate)
     r.add_route("PUT", "/generate", server.handle_generate)
@@ -572,7 +548,10 @@ def build_app(server: StandinServer) -> web.Application:
                           "/update_weights_from_disk": server.handle_update_from_disk,
                           "/init_weights_update_group": server.handle_init_group,
                           "/destroy_weights_update_group": server.handle_destroy_group,
-                          "/update_weights_from_distributed": server.handle_update_from_distributed}.items():
+                          "/update_weights_from_distributed": server.handle_update_from_distributed,
+                          "/load_lora_adapter": server.lora.handle_load,
+                          "/load_lora_adapter_from_tensors": server.lora.handle_load_from_tensors,
+                          "/unload_lora_adapter": server.lora.handle_unload}.items():
         r.add_post(path, handler)
     return app
 

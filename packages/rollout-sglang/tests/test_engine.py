@@ -26,10 +26,12 @@ from slime_rl.rollout_sglang.weight_sync import WeightSyncError
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
 
-def make_config(tiny_model, standin_python, tmp_path, num_engines: int = 2, **rollout) -> Config:
+def make_config(tiny_model, standin_python, tmp_path, num_engines: int = 2, trainer: dict | None = None,
+                **rollout) -> Config:
     engine_args = {"standin_token_delay": 0.002, **rollout.pop("engine_args", {})}
     return Config.model_validate({
         "model": {"path": str(tiny_model)},
+        "trainer": trainer or {},
         "rollout": {"engine": "sglang", "engine_python": standin_python, "engine_args": engine_args, **rollout},
         "cluster": {"device": "cpu", "colocate": True, "actor_num_gpus_per_node": 2, "rollout_num_gpus": num_engines,
                     "rollout_num_gpus_per_engine": 1},

@@ -46,8 +46,10 @@ class GenerateError(RuntimeError):
     pass
 
 
-def build_payload(input_ids: list[int], params: SamplingParams, rid: str) -> dict[str, Any]:
-    """An SGLang ``/generate`` body. ``logprob_start_len=-1``: log-probs of the new tokens only."""
+def build_payload(input_ids: list[int], params: SamplingParams, rid: str, lora_path: str | None = None,
+                  ) -> dict[str, Any]:
+    """An SGLang ``/generate`` body. ``logprob_start_len=-1``: log-probs of the new tokens only.
+    ``lora_path``: the name of a loaded LoRA adapter to generate with (SGLang resolves it by name)."""
     sampling: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
@@ -68,6 +70,8 @@ def build_payload(input_ids: list[int], params: SamplingParams, rid: str) -> dic
                "logprob_start_len": -1, "rid": rid}
     if params.return_routed_experts:  # an engine field: sglang-router 0.3.2 drops it (send to an engine)
         payload["return_routed_experts"] = True
+    if lora_path is not None:
+        payload["lora_path"] = lora_path
     return payload
 
 
@@ -158,12 +162,14 @@ class GenerateClient:
 
     async def generate(self, input_ids: list[int], params: SamplingParams, rid_prefix: str, *,
                        default_version: int = 0, should_stop: Callable[[], bool] | None = None,
-                       routed_shape: tuple[int, int] | None = None, routing_key: str | None = None) -> GenerateOutput:
+                       routed_shape: tuple[int, int] | None = None, routing_key: str | None = None,
+                       lora_path: str | None = None) -> GenerateOutput:
         """POST one request; on a dropped connection or a 5xx from the router, retry with a
         fresh rid (``{rid_prefix}.{attempt}``) until ``retry_timeout``. An abort of
         ``rid_prefix`` reaches every attempt (SGLang matches aborts by rid prefix).
         ``should_stop()`` true when a slot frees up or before a retry: an empty abort result.
-        ``routing_key``: requests with the same key go to the same worker (router policy ``manual``)."""
+        ``routing_key``: requests with the same key go to the same worker (router policy ``manual``).
+        ``lora_path``: the LoRA adapter to generate with (`build_payload`)."""
         session, semaphore = self._bind()
         deadline = time.monotonic() + self.retry_timeout
         attempt, backoff = 0, 0.05
@@ -172,7 +178,7 @@ class GenerateClient:
             while True:
                 if should_stop is not None and should_stop():
                     return GenerateOutput([], [], "abort", default_version)
-                payload = build_payload(input_ids, params, f"{rid_prefix}.{attempt}")
+                payload = build_payload(input_ids, params, f"{rid_prefix}.{attempt}", lora_path)
                 try:
                     async with session.post(f"{self.router_url}/generate", json=payload, headers=headers) as resp:
                         if resp.status == 200:

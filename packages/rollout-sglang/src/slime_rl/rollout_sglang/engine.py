@@ -10,6 +10,10 @@ call returns exactly once.
 A weight sync pauses generation (SGLang aborts in-flight requests, which come back with
 the tokens made so far); those requests continue from where they stopped once the new
 weights are in, so a sync loses no work and never surfaces as an abort to the caller.
+
+With LoRA adapters (``trainer.lora``, ``rollout.lora_sync: adapter``) a sync pauses nothing: each
+version is loaded as a new adapter beside the current one, requests from then on name it, and the
+old one leaves the servers after its last request (adapter_roster.py, docs/lora-sglang.md).
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import shutil
 import tempfile
 import uuid
 import zlib
@@ -31,15 +34,19 @@ import httpx
 import torch
 
 from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
+from slime_rl.core.lora import LoraSpec, lora_spec, syncs_adapters
 from slime_rl.core.net import LOOPBACK
 from slime_rl.core.placement import plan_placement
 from slime_rl.core.weight_sync import resolve_transport
+from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import launch as fleet
 from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.adapter_roster import AdapterRoster
 from slime_rl.rollout_sglang.client import GenerateClient, served_routing_shape
+from slime_rl.rollout_sglang.engine_recovery import EngineRecovery, server_target
 from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router
-from slime_rl.rollout_sglang.server import ServerStartError, SGLangServer, restart_server, wait_healthy
+from slime_rl.rollout_sglang.server import SGLangServer
 from slime_rl.rollout_sglang.transport import BucketPusher
 
 if TYPE_CHECKING:
@@ -60,7 +67,7 @@ class _Request:
     done: bool = False
 
 
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(EngineRecovery, RolloutEngine):
     """N SGLang servers behind one sglang-router. Build with `from_config`, `launch` or `attach`.
     Tunables beyond the config are attributes: ``verify_weights``, ``sync_timeout``,
     ``health_interval`` (0: no monitor), ``keep_weights_for_recovery``."""
@@ -72,7 +79,8 @@ class SGLangEngine(RolloutEngine):
                  max_concurrency: int = 512, transport: Transport = "auto", colocated: bool = True,
                  request_timeout: float = 3600.0, sync_timeout: float = 600.0, startup_timeout: float = 900.0,
                  health_interval: float = 5.0, keep_weights_for_recovery: bool | None = None,
-                 verify_weights: bool = False, weights_cpu_backup: bool = False, keys: EngineKeys | None = None):
+                 verify_weights: bool = False, weights_cpu_backup: bool = False, keys: EngineKeys | None = None,
+                 lora: LoraSpec | None = None):
         self.servers = servers
         self.router = router
         self.model_path = model_path
@@ -80,6 +88,9 @@ class SGLangEngine(RolloutEngine):
         self.transport = transport
         self.colocated = colocated
         self._pusher = BucketPusher(weights_dir=self.work_dir / "weights", model_path=model_path, timeout=sync_timeout)
+        # trainer.lora with rollout.lora_sync=adapter: syncs load adapters (adapter_roster.py), the base stays
+        self.roster = AdapterRoster(lora, self.work_dir) if lora is not None else None
+        self._unloads: set[asyncio.Task] = set()  # retired adapters leaving the servers
         self.startup_timeout = startup_timeout  # a restarted server until /health
         self.health_interval = health_interval
         # A host copy of each synced version, to restore a restarted engine. None: only when the buckets are
@@ -130,7 +141,8 @@ class SGLangEngine(RolloutEngine):
         r, c = cfg.rollout, cfg.cluster
         common = dict(work_dir=fleet.work_dir(cfg), policy=r.router_policy, max_concurrency=r.max_concurrency,
                       transport=r.update_weight_transport, colocated=c.colocate,
-                      startup_timeout=r.engine_startup_timeout, sync_timeout=r.weight_sync_timeout)
+                      startup_timeout=r.engine_startup_timeout, sync_timeout=r.weight_sync_timeout,
+                      lora=lora_spec(cfg) if syncs_adapters(cfg) else None)
         if r.engine_urls:
             engine = cls.attach(r.engine_urls, **common)
         else:
@@ -197,7 +209,7 @@ class SGLangEngine(RolloutEngine):
 
     def targets(self) -> list[ws.Target]:
         """The servers that take part in control calls now (not those being restarted)."""
-        return [_target(s) for s in self.servers if s.index not in self._recovering]
+        return [server_target(s) for s in self.servers if s.index not in self._recovering]
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -254,9 +266,15 @@ class SGLangEngine(RolloutEngine):
                 client, routed_shape = self.client, None
                 if params.return_routed_experts:
                     client, routed_shape = self._engine_client(rid), served_routing_shape(self.model_path)
-                out = await client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
-                                            default_version=self._version, should_stop=lambda: req.aborted,
-                                            routed_shape=routed_shape, routing_key=routing_key)
+                lora, version = self.roster.acquire() if self.roster else (None, self._version)
+                try:
+                    out = await client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
+                                                default_version=version, should_stop=lambda: req.aborted,
+                                                routed_shape=routed_shape, routing_key=routing_key, lora_path=lora)
+                finally:
+                    self._release_adapter(lora)
+                if lora is not None:  # the server's own version is the base's; the adapter is the policy
+                    out = replace(out, weight_version=version)
                 req.wire_prefix = None  # back from the server: nothing there to abort
                 cached = out.cached_tokens if not tokens and cached is None else cached
                 tokens += out.token_ids
@@ -324,6 +342,8 @@ class SGLangEngine(RolloutEngine):
         elif version != self._syncing:
             raise ws.WeightSyncError(f"weight sync v{self._syncing} is unfinished (no bucket with last=True) "
                                      f"and a bucket for v{version} arrived")
+        if self.roster is not None:
+            return await self._update_adapter(named_tensors, version=version, last=last)
         step = f"weight sync v{version} bucket {self._bucket_index} ({self._sync_transport})"
         try:
             copied = self._keep_copy(named_tensors) if self._sync_transport != "disk" else None
@@ -375,6 +395,8 @@ class SGLangEngine(RolloutEngine):
         await self._lock().acquire()  # held until the sync ends: a restarted engine waits for its result
         self._syncing, self._bucket_index, self._sync_transport = version, 0, transport
         self._verify_sample = {}
+        if self.roster is not None:  # the new adapter loads beside the one requests are using: no pause
+            return self.targets()
         self._closed_by.add("sync")
         self._pause_epoch += 1
         try:
@@ -392,6 +414,9 @@ class SGLangEngine(RolloutEngine):
         folder holding this version) is what a restarted engine is restored from."""
         if self._syncing != version:
             raise ws.WeightSyncError(f"end of weight sync v{version}, but the sync in progress is {self._syncing}")
+        if self.roster is not None:
+            await self._switch_adapter(version)
+            return
         step = f"weight sync v{version}"
         targets = self.targets()
         try:
@@ -420,6 +445,53 @@ class SGLangEngine(RolloutEngine):
                             index=self._bucket_index, last=last, step=step)
         if last and self._sync_transport == "disk":
             self._disk_folder = self._pusher.folder(version)
+
+    async def _update_adapter(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
+        """A bucket of adapter tensors: gathered until the last, then loaded into every server as one
+        adapter (a failed load leaves the current adapter serving, and raises naming server and adapter)."""
+        try:
+            adapters.check_adapter_tensors(named_tensors, version=version)
+            self.roster.pending.append(named_tensors)
+            if last:
+                await self._control(self.roster.push, self._sync_transport, self.targets(), version,
+                                    base_model=self.model_path, timeout=self.sync_timeout)
+        except BaseException:
+            self.roster.pending = []
+            self._end_sync()
+            raise
+        if last:
+            await self.end_weight_sync(version)
+
+    async def _switch_adapter(self, version: int) -> None:
+        """Requests from now on name version ``version``'s adapter; retired ones that no request names go
+        (awaited here: a caller's event loop may end with this call)."""
+        self._version = version
+        try:
+            for name in self.roster.switch(version):
+                self.roster.unloading.add(name)
+                await self._control(self.roster.unload, self.targets(), name, timeout=self.sync_timeout)
+        finally:
+            self._end_sync()
+
+    def _release_adapter(self, name: str | None) -> None:
+        if self.roster is not None and self.roster.release(name):
+            self._unload_adapter(name)
+
+    def _unload_adapter(self, name: str) -> None:
+        """Take a retired adapter off every server, in the background (the caller is a request's return).
+        An unload lost before it started (its event loop ended) is retried at the next sync."""
+        self.roster.unloading.add(name)
+
+        async def unload() -> None:
+            try:  # roster.unload logs a server that refuses, and forgets the adapter either way
+                await self._control(self.roster.unload, self.targets(), name, timeout=self.sync_timeout)
+            except BaseException:
+                self.roster.unloading.discard(name)
+                raise
+
+        task = asyncio.get_running_loop().create_task(unload())
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
 
     def _end_sync(self, reopen: bool = True) -> None:
         self._syncing = None
@@ -458,105 +530,6 @@ class SGLangEngine(RolloutEngine):
                                         step="resume: continue generation")
             self._closed_by.discard("memory")
 
-    # ------------------------------------------------------------------ faults
-
-    def _restore_source(self) -> Path:
-        """An HF folder holding the current version: the model itself, the last disk sync, or the
-        CPU copy of the last tensor/NCCL sync written out once."""
-        if self._version == 0:
-            return Path(self.model_path)
-        if self._disk_folder is not None and self._sync_transport in (None, "disk"):
-            return self._disk_folder
-        if self._restore_folder is not None and self._restore_folder[0] == self._version:
-            return self._restore_folder[1]
-        if not self._weights_cpu:
-            raise ws.WeightSyncError(f"cannot restore weight version {self._version}: no copy was kept "
-                                     "(SGLangEngine.keep_weights_for_recovery: set it to True to keep one)")
-        folder = self.work_dir / "weights" / f"restore-v{self._version}"
-        shutil.rmtree(folder, ignore_errors=True)
-        ws.save_hf_folder(list(self._weights_cpu.items()), folder, self.model_path)
-        if self._restore_folder is not None:
-            shutil.rmtree(self._restore_folder[1], ignore_errors=True)
-        self._restore_folder = (self._version, folder)
-        return folder
-
-    def _restore_weights(self, targets: list[ws.Target]) -> None:
-        folder = self._restore_source()
-        for target in targets:
-            ws.update_from_disk(target, folder, version=self._version, timeout=self.sync_timeout,
-                                step=f"restore weight version {self._version}")
-        ws.flush_cache(targets, timeout=self.sync_timeout, step="restore: flush cache")
-
-    async def _restore_stale_weights(self) -> None:
-        async with self._lock():
-            if self._weights_stale:
-                await self._control(self._restore_weights, self.targets())
-                self._weights_stale = False
-
-    async def _monitor(self) -> None:
-        while not self._shut:
-            await asyncio.sleep(self.health_interval)
-            for server in list(self.servers):
-                given_up = self._recovery_failures.get(server.index, 0) >= self.max_recovery_attempts
-                if server.index in self._recovering or given_up or self._shut:
-                    continue
-                if await self._is_dead(server):
-                    self._recovering.add(server.index)
-                    asyncio.get_running_loop().create_task(self._recover(server))
-
-    async def _is_dead(self, server: SGLangServer, failures_allowed: int = 3) -> bool:
-        if server.process is not None and not server.process.alive():
-            return True
-        try:
-            async with httpx.AsyncClient(timeout=5.0) as http:
-                ok = (await http.get(f"{server.url}/health")).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        self._failures[server.index] = 0 if ok else self._failures.get(server.index, 0) + 1
-        return self._failures[server.index] >= failures_allowed
-
-    async def _recover(self, server: SGLangServer) -> None:
-        """Out of the router, restarted (or waited for), current weights in, back in the router."""
-        idx = server.index
-        if self._recovery_failures.get(idx, 0) >= self.max_recovery_attempts:
-            self._recovering.discard(idx)
-            return  # given up on (logged below); health() reports False
-        fresh = server
-        try:
-            logger.warning("%s failed; taking it out of the router and restarting it", server.name)
-            await self._control(self.router.remove_worker, server.url)
-            await self._control(self._pusher.drop_group, self.targets())  # members changed: made anew at the next sync
-            if server.process is not None:
-                fresh = await self._control(restart_server, server)
-            await self._control(wait_healthy, fresh, self.startup_timeout)
-            if self._shut:
-                raise RuntimeError("the engine shut down during recovery")
-            async with self._lock():  # a sync in progress ends first; then this engine gets its version
-                target = _target(fresh)
-                if self._version > 0 or self._weights_stale:
-                    await self._control(self._restore_weights, [target])
-                if self._released:  # a colocated trainer holds the GPU now: give the memory back again
-                    await self._control(ws.release_memory, [target], sorted(self._released),
-                                            timeout=self.sync_timeout)
-                if self._closed_by:
-                    await self._control(ws.pause_generation, [target], timeout=self.sync_timeout,
-                                            step="recovery: hold generation")
-                self.servers[self.servers.index(server)] = fresh
-                self._failures[idx] = 0
-                await self._control(self.router.add_worker, fresh.url, api_key=fresh.keys.api_key)
-            self.restarts += 1
-            self._recovery_failures[idx] = 0
-            logger.warning("%s is back with weight version %d", fresh.name, self._version)
-        except (ServerStartError, ws.WeightSyncError, OSError, RuntimeError) as err:
-            self._recovery_failures[idx] = self._recovery_failures.get(idx, 0) + 1
-            if fresh is not server and fresh.process is not None:
-                fresh.process.stop()  # never left running outside the engine's list
-            left = self.max_recovery_attempts - self._recovery_failures[idx]
-            logger.error("recovery of %s failed (%s); %s", server.name, err,
-                         f"{left} more attempts" if left > 0 else "giving up on this engine")
-        finally:
-            self._recovering.discard(idx)
-
     async def health(self) -> bool:
         """True when every server answers ``/health`` and none is being restarted."""
         if self._recovering or any(n >= self.max_recovery_attempts for n in self._recovery_failures.values()):
@@ -580,11 +553,6 @@ class SGLangEngine(RolloutEngine):
             if server.process is not None:
                 server.process.stop()
         self._control_threads.shutdown(wait=False, cancel_futures=True)
-
-
-def _target(server: SGLangServer) -> ws.Target:
-    """A server as control calls see it; they carry its admin key (the trainer's sender gets these too)."""
-    return ws.Target(server.name, server.url, server.tp_size, admin_key=server.keys.admin_key)
 
 
 def _try(fn, *args, **kwargs) -> None:

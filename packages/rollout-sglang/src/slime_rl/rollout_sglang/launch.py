@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from slime_rl.core.config import ConfigError
+from slime_rl.core.lora import lora_spec, syncs_adapters
 from slime_rl.core.net import LOOPBACK, node_address
+from slime_rl.rollout_sglang.adapters import lora_engine_args
 from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router, launch_router
 from slime_rl.rollout_sglang.server import SGLangServer, attach_server, start_server, wait_healthy
@@ -70,6 +72,9 @@ def engine_args(cfg: Config) -> dict[str, Any]:
         args.setdefault("skip_tokenizer_init", True)
     if cfg.algorithm.routing_replay == "rollout":  # MoE: the experts each token went to, per request
         args.setdefault("enable_return_routed_experts", True)
+    if syncs_adapters(cfg):  # weight syncs load LoRA adapters at run time (adapters.py)
+        for key, value in lora_engine_args(lora_spec(cfg)).items():
+            args.setdefault(key, value)
     return args
 
 

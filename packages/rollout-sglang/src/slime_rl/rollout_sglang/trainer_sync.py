@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, WeightSender
+from slime_rl.core.lora import lora_spec, syncs_adapters
+from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.launch import work_dir
 from slime_rl.rollout_sglang.transport import BucketPusher
@@ -31,7 +33,10 @@ def _with_last(buckets: Iterator[NamedTensors]) -> Iterator[tuple[int, NamedTens
 
 class SGLangWeightSender(WeightSender):
     """Rank 0 pushes each bucket by the sync's transport (`transport.BucketPusher`, as the engine does
-    with buckets in its own process); the other ranks take part in the gather."""
+    with buckets in its own process); the other ranks take part in the gather. With LoRA adapters
+    (`slime_rl.core.lora.syncs_adapters`) rank 0 gathers the adapter tensors and loads them into every
+    server as version ``version``'s adapter (`adapters.push_adapter`); the engine switches to it at
+    `SGLangEngine.end_weight_sync`."""
 
     def __init__(self, cfg: Config, *, rank: int):
         super().__init__(cfg, rank=rank)
@@ -45,6 +50,13 @@ class SGLangWeightSender(WeightSender):
                 pass
             return
         targets = list(handle)
+        spec = lora_spec(self.cfg) if syncs_adapters(self.cfg) else None
+        if spec is not None:  # the adapters only, loaded as one adapter per version (adapters.py)
+            tensors = [item for bucket in buckets for item in bucket]
+            adapters.push_adapter(transport, targets, tensors, spec, version=version, base_model=self.cfg.model.path,
+                                  folder=adapters.adapter_folder(work_dir(self.cfg), version),
+                                  timeout=self.pusher.timeout)
+            return
         expected: dict[str, str] = {}  # checksums of each bucket's first and last tensor, for check_weight_update
         for index, bucket, last in _with_last(buckets):
             if self.cfg.rollout.check_weight_update:

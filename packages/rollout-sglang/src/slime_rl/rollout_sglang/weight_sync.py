@@ -59,6 +59,7 @@ class Target:
     url: str
     tp_size: int = 1
     admin_key: str | None = field(default=None, repr=False)  # the server's --admin-api-key (keys.py)
+    api_key: str | None = field(default=None, repr=False)  # its --api-key, for the endpoints SGLang marks NORMAL
 
     @property
     def headers(self) -> dict[str, str]:
@@ -69,10 +70,13 @@ class Target:
 
 
 def post(target: Target, path: str, body: dict[str, Any] | None, *, timeout: float, step: str,
-         ok_status: tuple[int, ...] = (200,)) -> Any:
-    """POST and check SGLang's answer (HTTP 200 and, where present, ``success: true``)."""
+         ok_status: tuple[int, ...] = (200,), api_key: bool = False) -> Any:
+    """POST and check SGLang's answer (HTTP 200 and, where present, ``success: true``). The admin key goes
+    with it, or with ``api_key`` the API key (SGLang takes only that one on its NORMAL endpoints, such
+    as ``/load_lora_adapter_from_tensors``, when both are set)."""
+    headers = bearer(target.api_key) if api_key else target.headers
     try:
-        resp = httpx.post(f"{target.url}{path}", json=body if body is not None else {}, headers=target.headers,
+        resp = httpx.post(f"{target.url}{path}", json=body if body is not None else {}, headers=headers,
                           timeout=timeout)
     except httpx.TimeoutException:
         raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
@@ -85,7 +89,8 @@ def post(target: Target, path: str, body: dict[str, Any] | None, *, timeout: flo
     except ValueError:
         return resp.text
     if isinstance(data, dict) and data.get("success") is False:
-        raise WeightSyncError(f"{target.name}: {step}: {path} failed: {data.get('message')}")
+        raise WeightSyncError(f"{target.name}: {step}: {path} failed: "
+                              f"{data.get('message') or data.get('error_message')}")
     return data
 
 

@@ -1,0 +1,156 @@
+"""LoRA adapters into SGLang servers (SGLang 0.5.17; docs/lora-sglang.md has the endpoints' arguments).
+
+With ``trainer.lora.rank > 0`` and ``rollout.lora_sync: adapter`` (`slime_rl.core.lora.syncs_adapters`)
+the servers start with ``--enable-lora`` and a weight sync moves the adapters only, under PEFT's names;
+each version is loaded as its own adapter, named `slime_rl.core.lora.adapter_name`:
+
+- ``tensor``: ``/load_lora_adapter_from_tensors`` with the tensors as one flattened bucket per TP rank,
+  CUDA tensors as CUDA-IPC handles (no copy), CPU tensors by value (the same payload as
+  ``/update_weights_from_tensor``, `weight_sync.serialize_bucket`);
+- ``nccl``: SGLang has no broadcast path for adapters, so the tensors go by value through the same
+  endpoint (an adapter is megabytes; a host copy is cheap);
+- ``disk``: a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``) loaded with
+  ``/load_lora_adapter``.
+
+Every version is also written as a PEFT folder (`adapter_folder`), which a restarted server loads
+(`load_adapter_from_folder`). Plain blocking functions, like `weight_sync`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slime_rl.core.config import ConfigError
+from slime_rl.core.lora import LoraSpec, adapter_name, hf_name, peft_adapter_config
+from slime_rl.rollout_sglang import weight_sync as ws
+
+logger = logging.getLogger(__name__)
+
+# SGLang 0.5.17's --lora-target-modules choices that slime-rl's trainer.lora.target_modules can name
+# (sglang/srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES holds these and more).
+SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Adapters a batch may mix: the base model (requests before the first sync) and two versions at once
+# (the current one and the one its last requests still decode under).
+LORAS_PER_BATCH = 3
+
+
+def lora_engine_args(spec: LoraSpec) -> dict[str, Any]:
+    """The SGLang flags that let a server load ``spec``'s adapters at run time."""
+    unsupported = [m for m in spec.target_modules if m not in SGLANG_LORA_MODULES]
+    if unsupported:
+        raise ConfigError("trainer.lora.target_modules", f"SGLang 0.5.17 serves no LoRA on {unsupported}; use "
+                          f"{', '.join(SGLANG_LORA_MODULES)} or rollout.lora_sync=merged")
+    # No --max-loaded-loras: SGLang would evict the least recently used adapter itself, and one loaded from
+    # tensors cannot be loaded back; the engine unloads each version once its last request is done.
+    return {"enable_lora": True, "max_lora_rank": spec.rank, "lora_target_modules": list(spec.target_modules),
+            "max_loras_per_batch": LORAS_PER_BATCH}
+
+
+def check_adapter_tensors(named_tensors: ws.NamedTensors, *, version: int) -> None:
+    """An adapter sync carries PEFT LoRA names only (`slime_rl.core.lora.peft_name`); a full weight here
+    means the trainer and the engine disagree about ``rollout.lora_sync``."""
+    for name, _ in named_tensors:
+        try:
+            hf_name(name)
+        except ValueError:
+            raise ws.WeightSyncError(
+                f"weight sync v{version}: {name!r} is not a LoRA adapter tensor, but the engine loads adapters "
+                "(trainer.lora.rank > 0, rollout.lora_sync=adapter): the trainer must yield only "
+                "base_model.model.<module>.lora_A|B.weight tensors (or set rollout.lora_sync=merged)") from None
+
+
+def adapter_folder(work_dir: str | Path, version: int) -> Path:
+    """Where version ``version``'s PEFT folder is written (by the engine or by the trainer's sender)."""
+    return Path(work_dir) / "adapters" / f"v{version}"
+
+
+def save_adapter_folder(named_tensors: ws.NamedTensors, folder: str | Path, spec: LoraSpec,
+                        base_model: str) -> Path:
+    """A PEFT adapter folder, as transformers/PEFT and SGLang's ``/load_lora_adapter`` read it."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    partial = folder.with_name(folder.name + ".partial")  # a reader never sees half a folder
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    save_file({n: t.detach().to("cpu").contiguous() for n, t in named_tensors},
+              str(partial / "adapter_model.safetensors"))
+    (partial / "adapter_config.json").write_text(json.dumps(peft_adapter_config(spec, base_model), indent=1))
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
+
+
+def _check_loaded(answer: Any, target: ws.Target, name: str, step: str) -> None:
+    """SGLang answers ``{"success", "error_message", "loaded_adapters"}`` (HTTP 400 on failure, which
+    `weight_sync.post` already raised on); a 200 without the adapter listed is a failure too."""
+    loaded = answer.get("loaded_adapters") if isinstance(answer, dict) else None
+    if not isinstance(loaded, dict) or name not in loaded:
+        raise ws.WeightSyncError(f"{target.name}: {step}: adapter {name} is not among the loaded adapters "
+                                 f"after the load: {str(answer)[:300]}")
+
+
+def load_adapter_from_tensors(target: ws.Target, name: str, named_tensors: ws.NamedTensors, spec: LoraSpec, *,
+                              base_model: str, timeout: float, step: str) -> None:
+    """Load adapter ``name`` into one server from tensors (CUDA: IPC handles, kept alive by the caller
+    until this returns; CPU: by value). One payload per TP rank; each rank takes its own shard."""
+    payloads = [ws.serialize_bucket(named_tensors) for _ in range(target.tp_size)]
+    body = {"lora_name": name, "config_dict": peft_adapter_config(spec, base_model),
+            "serialized_named_tensors": payloads, "load_format": "flattened_bucket"}
+    answer = ws.post(target, "/load_lora_adapter_from_tensors", body, timeout=timeout,
+                     step=f"{step}: load adapter {name}", api_key=True)
+    _check_loaded(answer, target, name, step)
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # the server copied the adapter: release the shared blocks
+
+
+def load_adapter_from_folder(target: ws.Target, name: str, folder: str | Path, *, timeout: float,
+                             step: str) -> None:
+    """Load adapter ``name`` into one server from a PEFT folder it can read."""
+    answer = ws.post(target, "/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
+                     timeout=timeout, step=f"{step}: load adapter {name} from {folder}")
+    _check_loaded(answer, target, name, step)
+
+
+def unload_adapter(target: ws.Target, name: str, *, timeout: float, step: str) -> None:
+    """Unload adapter ``name`` from one server (SGLang waits for its own requests that use it)."""
+    ws.post(target, "/unload_lora_adapter", {"lora_name": name}, timeout=timeout,
+            step=f"{step}: unload adapter {name}")
+
+
+def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.NamedTensors, spec: LoraSpec, *,
+                 version: int, folder: Path, base_model: str, timeout: float) -> None:
+    """Version ``version``'s whole adapter into every server under `adapter_name` by ``transport`` (see
+    the module docstring), after writing it to ``folder`` (the copy a restarted server is given)."""
+    check_adapter_tensors(named_tensors, version=version)
+    name, step = adapter_name(version), f"weight sync v{version} ({transport}, adapter)"
+    if transport == "nccl":
+        named_tensors = [(n, t.detach().to("cpu")) for n, t in named_tensors]
+    elif transport not in ("tensor", "disk"):
+        raise ValueError(f"rollout.update_weight_transport: unknown transport {transport!r}; "
+                         "use one of auto, tensor, nccl, disk")
+    loaded: list[ws.Target] = []
+    try:
+        save_adapter_folder(named_tensors, folder, spec, base_model)
+        for target in targets:
+            if transport == "disk":
+                load_adapter_from_folder(target, name, folder, timeout=timeout, step=step)
+            else:
+                load_adapter_from_tensors(target, name, named_tensors, spec, base_model=base_model,
+                                          timeout=timeout, step=step)
+            loaded.append(target)
+    except BaseException:
+        # the servers that took it give it back; the current adapter stays on all of them
+        for target in loaded:
+            try:
+                unload_adapter(target, name, timeout=min(timeout, 30.0), step=f"{step}: clean-up")
+            except ws.WeightSyncError as err:
+                logger.warning("%s", err)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
