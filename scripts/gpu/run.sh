@@ -6,7 +6,9 @@
 # 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
 # bench-sync, bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
-# SGLangEngine), bench-sync-lora.
+# SGLangEngine), bench-sync-lora, bench-async (off / one_step / fully on one shared GPU, issue 17),
+# bench-async-x2 (the same, trainer and engine on two GPUs), bench-async-kill (fully, the SGLang server
+# SIGKILLed mid-run).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -43,6 +45,10 @@ for stage in "$@"; do
                      --timeout 400 --json "$logs/bench-step.json") ;;
     bench-step-nographs) cmd=(python3 benchmarks/colocated_step.py --prompts 32 --samples 8 --prompt-len 1024
                               --response-len 512 --cuda-graphs off --timeout 300 --json "$logs/bench-step-nographs.json") ;;
+    bench-async) cmd=(timeout 420 python3 benchmarks/async_speedup.py --json "$logs/bench-async.json") ;;
+    bench-async-x2) cmd=(timeout 420 python3 benchmarks/async_speedup.py --gpus 2 --json "$logs/bench-async-x2.json") ;;
+    bench-async-kill) cmd=(timeout 300 python3 benchmarks/async_speedup.py --modes fully --groups 64 --kill-engine-after 15
+                           --json "$logs/bench-async-kill.json") ;;
     bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py --logs-to "$logs/rollout-logs") ;;
     bench-rollout-one-wave) cmd=(python3 benchmarks/rollout_throughput.py --requests 256 --rounds 3 --logs-to "$logs/rollout-logs") ;;
     *) echo "unknown stage $stage"; exit 2 ;;

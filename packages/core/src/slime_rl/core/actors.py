@@ -258,6 +258,8 @@ class RolloutWorker(KeepsInitMistake):
     def _put_shards(self, samples: list[Sample], out: RolloutStep, current_version: int) -> None:
         r = self.cfg.rollout
         out.metrics.update(self.engine.stats())
+        # Cumulative, so a benchmark can take the engine's busy share of any stretch of steps.
+        out.metrics["rollout/engine_busy_total_s"] = self.runner.engine_busy.seconds()
         out.metrics.update(staleness.metrics(samples, current_version))
         weights = staleness.apply_policy(samples, current_version, r.max_staleness, r.staleness_policy)
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)

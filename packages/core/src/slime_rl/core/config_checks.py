@@ -96,15 +96,19 @@ def check_config(cfg: Config) -> None:
             f"colocated engines share the trainer's {cfg.actor_num_gpus} GPUs; {cfg.rollout_num_gpus} is more."
             " Lower it or set cluster.colocate=false",
         )
-    if c.async_mode == "one_step" and c.colocate:
+    # Colocated with offload, trainer and engines take turns with the GPUs, so nothing can overlap;
+    # with cluster.offload=false both stay resident on the shared GPUs and can run at once.
+    if c.async_mode == "one_step" and c.colocate and c.offload is not False:
         raise ConfigError(
             "cluster.async_mode",
-            "one_step async training needs separate GPUs for rollout; set cluster.colocate=false",
+            "one_step async training needs separate GPUs for rollout; set cluster.colocate=false"
+            " (or cluster.offload=false to share the GPUs with trainer and engines both resident)",
         )
-    if c.async_mode == "fully" and c.colocate and plan_device(cfg) == "cuda":
-        # On the CPU trainer and engine are separate processes anyway; GPUs cannot be shared while both run.
+    if c.async_mode == "fully" and c.colocate and c.offload is not False and plan_device(cfg) == "cuda":
+        # On the CPU trainer and engine are separate processes anyway.
         raise ConfigError("cluster.async_mode", "fully async on GPUs needs separate GPUs for rollout;"
-                                                " set cluster.colocate=false")
+                                                " set cluster.colocate=false (or cluster.offload=false to share"
+                                                " the GPUs with trainer and engines both resident)")
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < d.rollout_batch_size:
         raise ConfigError(
             "rollout.over_sampling_batch_size",
