@@ -77,6 +77,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class HFEngine(RolloutEngine):
     """Batched token-in/token-out generation over ``model`` (a transformers causal LM)."""
 
+    # release_memory on CPU has nothing to free and keeps the engine correct; routed experts need a MoE model
+    capabilities = frozenset({"pause", "release_memory", "routed_experts"})
+
     def __init__(
         self,
         model: PreTrainedModel,
