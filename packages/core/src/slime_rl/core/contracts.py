@@ -68,7 +68,8 @@ class RolloutEngine(ABC):
     #: The optional guarantees this engine claims (`slime_rl.core.testing.conformance.CAPABILITIES`):
     #: ``"pause"`` (`pause_generation` holds requests in place), ``"release_memory"`` (`release_memory` /
     #: `resume_memory` keep the engine correct), ``"routed_experts"`` (MoE models: ``return_routed_experts``).
-    #: The conformance suite checks exactly these; ``slime-cli doctor`` lists them.
+    #: The conformance suite checks exactly these; ``slime-cli doctor`` lists the class's. An engine whose
+    #: capabilities depend on what it serves (routed experts only for a MoE model) sets its own in ``__init__``.
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod

@@ -446,7 +446,7 @@ def _well_formed(out: GenerateOutput, params: SamplingParams) -> None:
 
 
 def _claims(backend: Backend, engine: RolloutEngine) -> frozenset[str]:
-    claimed = frozenset(type(engine).capabilities if backend.capabilities is None else backend.capabilities)
+    claimed = frozenset(engine.capabilities if backend.capabilities is None else backend.capabilities)
     unknown = sorted(claimed - set(CAPABILITIES))
     if unknown:
         raise ValueError(f"capabilities: {unknown[0]!r} is not one the suite knows ({', '.join(CAPABILITIES)})")
