@@ -27,12 +27,18 @@ def test_sglang_engine_passes_the_whole_suite_on_the_gpu(tmp_path):
     other = tiny_model(AutoConfig.from_pretrained(folder), seed=1).to(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    def make_engine() -> SGLangEngine:
+        engine = SGLangEngine.from_config(gpu_config(folder, tmp_path / "run"))
+        # weights released without SGLang's CPU backup come back from a host copy of the last sync
+        engine.keep_weights_for_recovery = True
+        return engine
+
     backend = Backend(
-        make_engine=lambda: SGLangEngine.from_config(gpu_config(folder, tmp_path / "run")),
+        make_engine=make_engine,
         prompts=PROMPTS[:3],
         initial_weights=hf_weights(folder, "cuda"),
         new_weights=[(name, t.cuda()) for name, t in sorted(other.state_dict().items())],
-        decode=tokenizer.decode,
+        decode=lambda ids: tokenizer.decode([i for i in ids if i < len(tokenizer)]),  # the model has 24 ids more
         reference=cf.transformers_reference(reference_model),
         capabilities=SGLangEngine.capabilities - {"routed_experts"},
         logprob_tolerance=0.05,  # bf16 SGLang kernels against bf16 transformers: max 0.0075 measured (issue 7)

@@ -166,11 +166,17 @@ class _Suite:
         """Requests (id -> prompt) that run for a while, started together and given time to make tokens."""
         params = SamplingParams(temperature=0.0, max_new_tokens=self.b.long_new_tokens, ignore_eos=True)
         tasks = [asyncio.ensure_future(self.gen(prompt, params, rid)) for rid, prompt in requests.items()]
-        await asyncio.sleep(max(0.05, 4 * self.seconds_32))  # about 100 tokens at the measured speed
+        await asyncio.sleep(self.making_tokens_s)
         return tasks
 
     async def long_request(self, prompt: list[int], request_id: str) -> asyncio.Task:
         return (await self.long_requests({request_id: prompt}))[0]
+
+    @property
+    def making_tokens_s(self) -> float:
+        """Long enough for a started request to make tokens (about 250 at the speed measured alone), short
+        enough that a long one has not finished."""
+        return max(0.25, 8 * self.seconds_32)
 
     def too_fast(self, out: GenerateOutput) -> str:
         return (f"the request of {self.b.long_new_tokens} tokens ended ({out.finish_reason}) before the suite "
@@ -308,7 +314,7 @@ class _Suite:
         out = await asyncio.wait_for(task, 60)
         _expect(out.finish_reason == "abort", f"an aborted request returned finish_reason {out.finish_reason!r}")
         _expect(len(out.token_ids) > 0, "an aborted request that had been generating for "
-                f"{4 * self.seconds_32:.2f} s returned no tokens: the partial response must come back")
+                f"{self.making_tokens_s:.2f} s returned no tokens: the partial response must come back")
         self.report.figures["tokens_before_abort"] = len(out.token_ids)
         ref = await self.gen(prompt, replace(GREEDY, max_new_tokens=len(out.token_ids)))
         _expect(out.token_ids == ref.token_ids, "the aborted request's tokens are not the start of its "
@@ -374,7 +380,7 @@ class _Suite:
         _expect(not held.done(), "the long request ended before the pause; give Backend.long_new_tokens a larger value")
         _expect(await self.engine.pause_generation() is True, "pause_generation() did not return True")
         queued = asyncio.ensure_future(self.gen(self.b.prompts[1], GREEDY, "conformance-queued"))
-        await asyncio.sleep(max(0.3, 4 * self.seconds_32))
+        await asyncio.sleep(self.making_tokens_s)
         _expect(not held.done() and not queued.done(), "requests finished while generation was paused")
         await self.update(self.new, buckets=1)
         await self.engine.continue_generation()
@@ -437,7 +443,7 @@ def _well_formed(out: GenerateOutput, params: SamplingParams) -> None:
     _expect(isinstance(out, GenerateOutput), f"generate returned {type(out).__name__}, not GenerateOutput")
     _expect(all(isinstance(t, int) and t >= 0 for t in out.token_ids), f"token_ids must be ints: {out.token_ids[:8]}")
     _expect(len(out.log_probs) == len(out.token_ids), f"{len(out.log_probs)} log-probs for {len(out.token_ids)} tokens")
-    _expect(all(isinstance(lp, float) and math.isfinite(lp) and lp <= 1e-6 for lp in out.log_probs),
+    _expect(all(isinstance(lp, float) and math.isfinite(lp) and lp <= 1e-4 for lp in out.log_probs),
             f"log-probs must be finite floats <= 0: {out.log_probs[:8]}")
     _expect(out.finish_reason in ("stop", "length", "abort"), f"finish_reason {out.finish_reason!r}")
     _expect(len(out.token_ids) <= params.max_new_tokens, f"{len(out.token_ids)} tokens > max_new_tokens "
