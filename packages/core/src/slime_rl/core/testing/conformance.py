@@ -131,10 +131,9 @@ class _Suite:
         _well_formed(out, params)
         return out
 
-    def check_log_probs(self, input_ids: list[int], out: GenerateOutput, temperature: float, what: str,
-                        weights: NamedTensors | None = None) -> float:
+    def check_log_probs(self, input_ids: list[int], out: GenerateOutput, temperature: float, what: str) -> float:
         """The worst |engine - reference| over ``out``'s tokens; fails above the tolerance."""
-        ref = list(self.b.reference(weights or self.weights, list(input_ids), list(out.token_ids), temperature))
+        ref = list(self.b.reference(self.weights, list(input_ids), list(out.token_ids), temperature))
         _expect(len(ref) == len(out.token_ids), f"the reference gave {len(ref)} log-probs for "
                 f"{len(out.token_ids)} tokens")
         gaps = [abs(a - b) for a, b in zip(out.log_probs, ref, strict=True)]
@@ -181,6 +180,20 @@ class _Suite:
     def too_fast(self, out: GenerateOutput) -> str:
         return (f"the request of {self.b.long_new_tokens} tokens ended ({out.finish_reason}) before the suite "
                 f"acted on it; give Backend.long_new_tokens a larger value")
+
+    def same_greedy(self, input_ids: list[int], got: list[int], expected: list[int], what: str) -> None:
+        """Greedy tokens computed along another path (a prefill instead of decode steps) must be the same,
+        except at a near-tie: where they first differ, the reference scores both tokens within the tolerance
+        (bf16 kernels may break a tie either way); after it the contexts differ, so nothing more is compared."""
+        if got == expected:
+            return
+        i = next((j for j, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), min(len(got), len(expected)))
+        if self.b.reference is not None and i < min(len(got), len(expected)):
+            context = list(input_ids) + expected[:i]
+            scores = [self.b.reference(self.weights, context, [token], 0.0)[0] for token in (got[i], expected[i])]
+            if abs(scores[0] - scores[1]) <= self.b.logprob_tolerance:
+                return
+        raise _Broken(f"{what}: {got} where the uninterrupted greedy response goes on {expected}")
 
     # ------------------------------------------------------------------ the checks
 
@@ -233,7 +246,7 @@ class _Suite:
             text = self.b.decode(ref.token_ids)
             for k in range(3, len(ref.token_ids)):
                 piece = self.b.decode(ref.token_ids[k:k + 1]).strip()
-                if piece and piece not in self.b.decode(ref.token_ids[:k]) and piece in text:
+                if piece and "\ufffd" not in piece and piece not in self.b.decode(ref.token_ids[:k]) and piece in text:
                     out = await self.gen(prompt, replace(GREEDY, stop=[piece]))
                     got = self.b.decode(out.token_ids)
                     _expect(out.finish_reason == "stop", f"stop=[{piece!r}] gave finish_reason "
@@ -259,9 +272,10 @@ class _Suite:
     async def resume(self) -> None:
         for prompt, ref in zip(self.b.prompts, self.greedy0, strict=True):
             for k in (1, 5, 11):
-                out = await self.gen(prompt + ref.token_ids[:k], replace(GREEDY, max_new_tokens=12 - k))
-                _expect(out.token_ids == ref.token_ids[k:], f"prompt + the first {k} response tokens continued as "
-                        f"{out.token_ids}; the uninterrupted greedy response goes on {ref.token_ids[k:]}")
+                partial = prompt + ref.token_ids[:k]
+                out = await self.gen(partial, replace(GREEDY, max_new_tokens=12 - k))
+                self.same_greedy(partial, out.token_ids, ref.token_ids[k:],
+                                 f"prompt + the first {k} response tokens continued as")
         if self.b.reference is not None:  # a sampled continuation is scored over prompt + partial response
             params = SamplingParams(temperature=0.7, max_new_tokens=8, ignore_eos=True)
             partial = self.b.prompts[0] + self.greedy0[0].token_ids[:4]
