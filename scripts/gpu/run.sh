@@ -5,7 +5,7 @@
 # conformance suite against real SGLang), megatron (issue 5 bf16 TP=2, parity),
 # e2e (issue 7 b,f), e2e-offload (f with offload only), bench-trainer (like for like, with the
 # 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
-# bench-sync, bench-sync-small, bench-step, bench-step-nographs (issue 16).
+# bench-sync, bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -25,6 +25,10 @@ for stage in "$@"; do
     bench-trainer-packed) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b
                                --samples 32 --prompt-len 256 --response-len 512 --jitter 240
                                --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
+    bench-moe) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen3-30b-a3b-reduced --samples 16
+                    --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 8 --peak-tflops 989 --skip-memory) ;;
+    bench-sync-1.5b) cmd=(timeout 200 python3 benchmarks/weight_sync.py --shape qwen2.5-1.5b --bucket-mb 2048
+                          --mem-fraction 0.1 --json "$logs/bench-sync-1.5b.json") ;;
     bench-sync) cmd=(timeout 330 python3 benchmarks/weight_sync.py --shape qwen2.5-7b --bucket-mb 512 2048 4096
                      --json "$logs/bench-sync.json") ;;
     bench-sync-small) cmd=(timeout 250 python3 benchmarks/weight_sync.py --shape qwen2-tiny qwen3-tiny llama-tiny

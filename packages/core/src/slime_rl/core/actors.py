@@ -304,8 +304,8 @@ class RolloutWorker(KeepsInitMistake):
     async def release_memory(self) -> None:
         await self.engine.release_memory()
 
-    async def resume_memory(self) -> None:
-        await self.engine.resume_memory()
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await self.engine.resume_memory(tags)
 
     def weight_version(self) -> int:
         return self.engine.weight_version

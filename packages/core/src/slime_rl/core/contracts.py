@@ -121,8 +121,11 @@ class RolloutEngine(ABC):
     async def release_memory(self) -> None:
         """Free accelerator memory (weights, KV cache) for a colocated trainer. Optional."""
 
-    async def resume_memory(self) -> None:
-        """Take back what ``release_memory`` freed. Optional."""
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take back what ``release_memory`` freed: all of it (``tags`` None), or only the kinds named
+        (``["weights"]``). The colocated loop takes the weights back before a weight sync, while the
+        trainer still holds its own memory, and the rest (KV cache, CUDA graphs) once the trainer
+        has offloaded. Optional."""
 
     async def health(self) -> bool:
         return True

@@ -285,14 +285,18 @@ def _sync_after_train(run: Run, version: int, timings: dict[str, float]) -> str:
     colocated, and back to the engines after). Returns which path the weights took."""
     import ray
 
+    # Only the engines' weights come back before the sync: their KV cache and CUDA graphs (most of
+    # their memory) wait until the trainer has offloaded, so the two never hold the GPU at once.
     if run.offload:
-        with phase(timings, "onload_rollout"):
-            ray.get(run.rollout.resume_memory.remote())
+        with phase(timings, "onload_rollout_weights"):
+            ray.get(run.rollout.resume_memory.remote(["weights"]))
     with phase(timings, "weight_sync"):
         path = run.weight_sync.sync(version=version)
     if run.offload:
         with phase(timings, "offload_train"):
             run.actor.call("offload")
+        with phase(timings, "onload_rollout"):
+            ray.get(run.rollout.resume_memory.remote())
     return path
 
 

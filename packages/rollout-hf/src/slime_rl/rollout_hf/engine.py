@@ -237,8 +237,9 @@ class HFEngine(RolloutEngine):
             await self._in_worker(lambda: (self.model.to("cpu"), torch.cuda.empty_cache()))
             self._released = True
 
-    async def resume_memory(self) -> None:
-        if self._released:
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        """The weights back on the GPU (all this engine releases: ``tags`` other than "weights" are no-ops)."""
+        if self._released and (tags is None or "weights" in tags):
             await self._in_worker(lambda: self.model.to("cuda"))
             self._released = False
 
