@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs recorded in docs/gpu-results.md. On the H200 machine, from the repo root:
 #   bash scripts/gpu/run.sh STAGE...
-# Stages: check, sglang (issue 7 a,c,d,e + disk), sglang-d (d alone), megatron (issue 5 bf16 TP=2, parity),
+# Stages: check, sglang (issue 7 a,c,d,e + disk), sglang-d (d alone), conformance (issue 22: the RolloutEngine
+# conformance suite against real SGLang), megatron (issue 5 bf16 TP=2, parity),
 # e2e (issue 7 b,f), e2e-offload (f with offload only), bench-trainer (like for like, with the
 # 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
 # bench-sync, bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
@@ -23,6 +24,7 @@ for stage in "$@"; do
     lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -p no:cacheprovider) ;;
     megatron) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -p no:cacheprovider) ;;
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
+    conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
     sglang-d) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -k test_d -p no:cacheprovider) ;;
     e2e-offload) cmd=(python3 -m pytest -x -q -s -m gpu "tests/test_gpu_e2e.py::test_f_colocated_grpo_through_slime_cli[offload]" -p no:cacheprovider) ;;
     bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16

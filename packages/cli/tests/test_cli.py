@@ -435,6 +435,13 @@ def test_doctor_reports_what_is_installed():
     assert {"cuda", "devices"} <= set(sections["torch"])
     assert sections["slime-rl"]["slime-rl-core"] == f"{version('slime-rl-core')}, imports"
     assert set(plugins.GROUPS) <= set(sections)
+    # every installed rollout engine with the distribution that registered it and the capabilities it claims
+    engines = sections["slime_rl.rollout_engines"]
+    assert set(plugins.installed("slime_rl.rollout_engines")) == set(engines)
+    assert engines["hf"] == (f"slime_rl.rollout_hf.engine:HFEngine (slime-rl-rollout-hf {version('slime-rl-rollout-hf')}),"
+                             " loads, capabilities: pause, release_memory, routed_experts")
+    assert engines["sglang"].endswith(f"(slime-rl-rollout-sglang {version('slime-rl-rollout-sglang')}), loads, "
+                                      "capabilities: release_memory, routed_experts")
     for dist in ("megatron-core", "sglang", "sglang-router", "ray"):
         try:
             expected = version(dist)

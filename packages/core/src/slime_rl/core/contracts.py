@@ -65,6 +65,13 @@ class RolloutEngine(ABC):
     #: engine's servers (CUDA IPC, NCCL). None: buckets reach `update_weights` through Ray.
     weight_sender: ClassVar[str | None] = None
 
+    #: The optional guarantees this engine claims (`slime_rl.core.testing.conformance.CAPABILITIES`):
+    #: ``"pause"`` (`pause_generation` holds requests in place), ``"release_memory"`` (`release_memory` /
+    #: `resume_memory` keep the engine correct), ``"routed_experts"`` (MoE models: ``return_routed_experts``).
+    #: The conformance suite checks exactly these; ``slime-cli doctor`` lists the class's. An engine whose
+    #: capabilities depend on what it serves (routed experts only for a MoE model) sets its own in ``__init__``.
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
     @classmethod
     def from_config(cls, cfg: Config) -> RolloutEngine:
         """Build (launch or attach) the engine a config describes. Called once, in the rollout process."""

@@ -77,6 +77,10 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class HFEngine(RolloutEngine):
     """Batched token-in/token-out generation over ``model`` (a transformers causal LM)."""
 
+    # release_memory on CPU has nothing to free and keeps the engine correct; an engine over a dense model
+    # drops routed_experts from its own (instance) capabilities
+    capabilities = frozenset({"pause", "release_memory", "routed_experts"})
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -100,6 +104,8 @@ class HFEngine(RolloutEngine):
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"  # renamed in transformers 5.x
         self._has_logits_to_keep = "logits_to_keep" in forward_args
         self.router_recorder = RouterRecorder.for_model(self.model)  # MoE models: routed experts on request
+        if self.router_recorder is None:  # a dense model has no experts to report
+            self.capabilities = type(self).capabilities - {"routed_experts"}
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._version = 0
         self._pending: list[_Request] = []
