@@ -77,6 +77,8 @@ def test_launch_flags_come_from_the_lora_spec(tiny_model, standin_python, tmp_pa
     assert "max_loaded_loras" not in args  # SGLang's own eviction would drop adapters still in use
     merged = make_config(tiny_model, standin_python, tmp_path, trainer=LORA, lora_sync="merged")
     assert not any("lora" in k for k in fleet.engine_args(merged))  # merged: full weights, no LoRA in SGLang
+    stale = make_config(tiny_model, standin_python, tmp_path, trainer=LORA, max_staleness=3)
+    assert fleet.engine_args(stale)["max_loras_per_batch"] == 5  # the base, the current version and 3 older
     user = make_config(tiny_model, standin_python, tmp_path, trainer=LORA, engine_args={"max_loras_per_batch": 6})
     assert fleet.engine_args(user)["max_loras_per_batch"] == 6  # the user's engine_args win
 

@@ -35,13 +35,12 @@ logger = logging.getLogger(__name__)
 # SGLang 0.5.17's --lora-target-modules choices that slime-rl's trainer.lora.target_modules can name
 # (sglang/srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES holds these and more).
 SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Adapters a batch may mix: the base model (requests before the first sync) and two versions at once
-# (the current one and the one its last requests still decode under).
-LORAS_PER_BATCH = 3
 
 
-def lora_engine_args(spec: LoraSpec) -> dict[str, Any]:
-    """The SGLang flags that let a server load ``spec``'s adapters at run time."""
+def lora_engine_args(spec: LoraSpec, versions: int = 2) -> dict[str, Any]:
+    """The SGLang flags that let a server load ``spec``'s adapters at run time. A batch may mix the base
+    model (requests before the first sync) and ``versions`` adapters: the current one and those older
+    requests still decode under (SGLang holds a request back while its adapter finds no slot)."""
     unsupported = [m for m in spec.target_modules if m not in SGLANG_LORA_MODULES]
     if unsupported:
         raise ConfigError("trainer.lora.target_modules", f"SGLang 0.5.17 serves no LoRA on {unsupported}; use "
@@ -49,7 +48,7 @@ def lora_engine_args(spec: LoraSpec) -> dict[str, Any]:
     # No --max-loaded-loras: SGLang would evict the least recently used adapter itself, and one loaded from
     # tensors cannot be loaded back; the engine unloads each version once its last request is done.
     return {"enable_lora": True, "max_lora_rank": spec.rank, "lora_target_modules": list(spec.target_modules),
-            "max_loras_per_batch": LORAS_PER_BATCH}
+            "max_loras_per_batch": 1 + versions}
 
 
 def check_adapter_tensors(named_tensors: ws.NamedTensors, *, version: int) -> None:
