@@ -51,6 +51,34 @@ def lora_engine_args(spec: LoraSpec, versions: int = 2) -> dict[str, Any]:
             "max_loras_per_batch": 1 + versions}
 
 
+# SGLang fuses these projections and may name a target by its fused module (lora/utils.py).
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
+def check_attached_server(name: str, server_info: dict[str, Any], spec: LoraSpec) -> None:
+    """A server someone else started (``rollout.engine_urls``) must serve ``spec``'s adapters: LoRA on, the
+    rank within its ``--max-lora-rank``, the modules within its ``--lora-target-modules`` (its
+    ``/server_info``)."""
+    modules = server_info.get("lora_target_modules") or []
+    modules = {modules} if isinstance(modules, str) else set(modules)
+    served = modules | {_FUSED.get(m, m) for m in modules}
+    missing = [m for m in spec.target_modules if "all" not in served and _FUSED.get(m, m) not in served
+               and m not in served]
+    problems = []
+    if not server_info.get("enable_lora"):
+        problems.append("it runs without --enable-lora")
+    elif (server_info.get("max_lora_rank") or 0) < spec.rank:
+        problems.append(f"its --max-lora-rank {server_info.get('max_lora_rank')} is below trainer.lora.rank {spec.rank}")
+    if server_info.get("enable_lora") and missing:
+        problems.append(f"its --lora-target-modules {sorted(modules)} lack {missing}")
+    if problems:
+        flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                         if v is not True else f"--{k.replace('_', '-')}" for k, v in lora_engine_args(spec).items())
+        raise ConfigError("rollout.engine_urls", f"{name} cannot load this run's LoRA adapters: "
+                          f"{'; '.join(problems)}. Start it with {flags}, or set rollout.lora_sync=merged")
+
+
 def check_adapter_tensors(named_tensors: ws.NamedTensors, *, version: int) -> None:
     """An adapter sync carries PEFT LoRA names only (`slime_rl.core.lora.peft_name`); a full weight here
     means the trainer and the engine disagree about ``rollout.lora_sync``."""
