@@ -36,6 +36,9 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 
+# SGLang's memory pool compares target modules by their fused names (lora/utils.py get_normalized_target_modules)
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
 _PEFT = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 
@@ -112,7 +115,8 @@ class LoraRegistry:
             raise LoraError(f"Failed to load LoRA adapter {name} because it is already loaded")
         rank, modules = int(config["r"]), set(config["target_modules"])
         allowed = set(self.args.lora_target_modules or [])
-        if rank > (self.args.max_lora_rank or 0) or not (modules <= allowed or "all" in allowed):
+        fits = "all" in allowed or {_FUSED.get(m, m) for m in modules} <= {_FUSED.get(m, m) for m in allowed}
+        if rank > (self.args.max_lora_rank or 0) or not fits:
             raise LoraError(f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA memory pool "
                             "configuration. Please ensure that the LoRA adapter's rank is within the configured "
                             "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`.")

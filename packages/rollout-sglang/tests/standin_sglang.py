@@ -282,6 +282,9 @@ class StandinServer:
                 "skip_tokenizer_init": False, "enable_memory_saver": self.args.enable_memory_saver,
                 # SGLang's /server_info returns its whole ServerArgs, both keys included.
                 "api_key": self.args.api_key, "admin_api_key": self.args.admin_api_key,
+                "enable_lora": self.args.enable_lora, "max_lora_rank": self.args.max_lora_rank,
+                "lora_target_modules": self.args.lora_target_modules,
+                "max_loras_per_batch": self.args.max_loras_per_batch,
                 "standin_extra_flags": self.extra_flags}
 
     async def handle_server_info(self, request: web.Request) -> web.Response:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from test_engine import events, make_config, state
 
+from slime_rl.core.config import ConfigError
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.lora import adapter_name, peft_name
 from slime_rl.rollout_sglang import launch as fleet
@@ -77,6 +78,8 @@ def test_launch_flags_come_from_the_lora_spec(tiny_model, standin_python, tmp_pa
     assert "max_loaded_loras" not in args  # SGLang's own eviction would drop adapters still in use
     merged = make_config(tiny_model, standin_python, tmp_path, trainer=LORA, lora_sync="merged")
     assert not any("lora" in k for k in fleet.engine_args(merged))  # merged: full weights, no LoRA in SGLang
+    stale = make_config(tiny_model, standin_python, tmp_path, trainer=LORA, max_staleness=3)
+    assert fleet.engine_args(stale)["max_loras_per_batch"] == 5  # the base, the current version and 3 older
     user = make_config(tiny_model, standin_python, tmp_path, trainer=LORA, engine_args={"max_loras_per_batch": 6})
     assert fleet.engine_args(user)["max_loras_per_batch"] == 6  # the user's engine_args win
 
@@ -225,3 +228,42 @@ def test_a_restarted_engine_gets_the_current_adapter_again(lora_engine, tiny_mod
         served = [e for e in events(url, "generate") if e["rid"].startswith("r")]
         assert served and {e["lora"] for e in served} == {"slime-v2"} and served_adapters(engine, url) == {"slime-v2"}
     assert len({tuple(o.token_ids) for o in outs}) == 1  # the same adapter on both: the same greedy tokens
+
+
+def test_attaching_needs_servers_started_for_lora(lora_engine, tiny_model, standin_python, tmp_path, monkeypatch):
+    """rollout.engine_urls: servers someone else started must have LoRA on with room for this run's adapters;
+    otherwise a config error names the field, the server, what is missing and the flags to start it with."""
+    launched = lora_engine(num_engines=1)
+    monkeypatch.setenv("SLIME_RL_ENGINE_API_KEY", launched.keys.api_key)
+    monkeypatch.setenv("SLIME_RL_ENGINE_ADMIN_API_KEY", launched.keys.admin_key)
+    bigger = make_config(tiny_model, standin_python, tmp_path / "a", trainer={"lora": {"rank": 2 * RANK}},
+                         engine_urls=launched.engine_urls)
+    with pytest.raises(ConfigError, match=r"rollout.engine_urls.*sglang engine 0 .* its --max-lora-rank 4 is below "
+                                          r"trainer.lora.rank 8\. Start it with --enable-lora --max-lora-rank 8 "
+                                          r"--lora-target-modules q_proj k_proj v_proj o_proj gate_proj up_proj "
+                                          r"down_proj --max-loras-per-batch 3"):
+        SGLangEngine.from_config(bigger)
+    attached = SGLangEngine.from_config(make_config(tiny_model, standin_python, tmp_path / "b", trainer=LORA,
+                                                    engine_urls=launched.engine_urls))
+    try:
+        asyncio.run(attached.update_weights(adapter(tiny_model, 1), version=1, last=True))
+        assert asyncio.run(attached.generate([1, 2], GREEDY)).weight_version == 1
+        assert served_adapters(attached, attached.engine_urls[0]) == {"slime-v1"}
+    finally:
+        asyncio.run(attached.shutdown())
+
+
+def test_attached_server_checks_read_sglangs_server_info():
+    from slime_rl.core.lora import LoraSpec
+    from slime_rl.rollout_sglang.adapters import check_attached_server
+
+    spec = LoraSpec(8, 16.0, 0.0, ("q_proj", "v_proj", "down_proj"))
+    check_attached_server("s", {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"]}, spec)
+    # SGLang may list its fused modules: q/k/v are qkv_proj there
+    check_attached_server("s", {"enable_lora": True, "max_lora_rank": 16,
+                                "lora_target_modules": ["qkv_proj", "down_proj"]}, spec)
+    with pytest.raises(ConfigError, match=r"s cannot load this run's LoRA adapters: it runs without --enable-lora"):
+        check_attached_server("s", {"enable_lora": None}, spec)
+    # as SGLang's memory pool: q_proj there means LoRA buffers for the fused qkv_proj, so v_proj fits
+    with pytest.raises(ConfigError, match=r"its --lora-target-modules \['q_proj'\] lack \['down_proj'\]"):
+        check_attached_server("s", {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"]}, spec)

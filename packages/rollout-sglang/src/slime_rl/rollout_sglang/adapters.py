@@ -35,13 +35,12 @@ logger = logging.getLogger(__name__)
 # SGLang 0.5.17's --lora-target-modules choices that slime-rl's trainer.lora.target_modules can name
 # (sglang/srt/utils/common.py SUPPORTED_LORA_TARGET_MODULES holds these and more).
 SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Adapters a batch may mix: the base model (requests before the first sync) and two versions at once
-# (the current one and the one its last requests still decode under).
-LORAS_PER_BATCH = 3
 
 
-def lora_engine_args(spec: LoraSpec) -> dict[str, Any]:
-    """The SGLang flags that let a server load ``spec``'s adapters at run time."""
+def lora_engine_args(spec: LoraSpec, versions: int = 2) -> dict[str, Any]:
+    """The SGLang flags that let a server load ``spec``'s adapters at run time. A batch may mix the base
+    model (requests before the first sync) and ``versions`` adapters: the current one and those older
+    requests still decode under (SGLang holds a request back while its adapter finds no slot)."""
     unsupported = [m for m in spec.target_modules if m not in SGLANG_LORA_MODULES]
     if unsupported:
         raise ConfigError("trainer.lora.target_modules", f"SGLang 0.5.17 serves no LoRA on {unsupported}; use "
@@ -49,7 +48,35 @@ def lora_engine_args(spec: LoraSpec) -> dict[str, Any]:
     # No --max-loaded-loras: SGLang would evict the least recently used adapter itself, and one loaded from
     # tensors cannot be loaded back; the engine unloads each version once its last request is done.
     return {"enable_lora": True, "max_lora_rank": spec.rank, "lora_target_modules": list(spec.target_modules),
-            "max_loras_per_batch": LORAS_PER_BATCH}
+            "max_loras_per_batch": 1 + versions}
+
+
+# SGLang fuses these projections and may name a target by its fused module (lora/utils.py).
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
+def check_attached_server(name: str, server_info: dict[str, Any], spec: LoraSpec) -> None:
+    """A server someone else started (``rollout.engine_urls``) must serve ``spec``'s adapters: LoRA on, the
+    rank within its ``--max-lora-rank``, the modules within its ``--lora-target-modules`` (its
+    ``/server_info``)."""
+    modules = server_info.get("lora_target_modules") or []
+    modules = {modules} if isinstance(modules, str) else set(modules)
+    served = modules | {_FUSED.get(m, m) for m in modules}
+    missing = [m for m in spec.target_modules if "all" not in served and _FUSED.get(m, m) not in served
+               and m not in served]
+    problems = []
+    if not server_info.get("enable_lora"):
+        problems.append("it runs without --enable-lora")
+    elif (server_info.get("max_lora_rank") or 0) < spec.rank:
+        problems.append(f"its --max-lora-rank {server_info.get('max_lora_rank')} is below trainer.lora.rank {spec.rank}")
+    if server_info.get("enable_lora") and missing:
+        problems.append(f"its --lora-target-modules {sorted(modules)} lack {missing}")
+    if problems:
+        flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                         if v is not True else f"--{k.replace('_', '-')}" for k, v in lora_engine_args(spec).items())
+        raise ConfigError("rollout.engine_urls", f"{name} cannot load this run's LoRA adapters: "
+                          f"{'; '.join(problems)}. Start it with {flags}, or set rollout.lora_sync=merged")
 
 
 def check_adapter_tensors(named_tensors: ws.NamedTensors, *, version: int) -> None:

@@ -190,6 +190,13 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
         servers, router, keys, model_path = fleet.attach_servers(
             urls, work_dir=work_dir, policy=policy, request_timeout=kwargs.get("request_timeout", 3600.0))
+        try:
+            for server in servers if kwargs.get("lora") is not None else []:  # started without our LoRA flags?
+                info = httpx.get(f"{server.url}/server_info", headers=server.headers, timeout=30).json()
+                adapters.check_attached_server(server.name, info, kwargs["lora"])
+        except BaseException:
+            router.stop()
+            raise
         return cls(servers, router, model_path=model_path, work_dir=work_dir, keys=keys, **kwargs)
 
     # ------------------------------------------------------------------ plumbing

@@ -73,7 +73,9 @@ def engine_args(cfg: Config) -> dict[str, Any]:
     if cfg.algorithm.routing_replay == "rollout":  # MoE: the experts each token went to, per request
         args.setdefault("enable_return_routed_experts", True)
     if syncs_adapters(cfg):  # weight syncs load LoRA adapters at run time (adapters.py)
-        for key, value in lora_engine_args(lora_spec(cfg)).items():
+        # in flight at once: the current version and, by the staleness bound (fully async), older ones
+        versions = 1 + max(1, r.max_staleness or 1)
+        for key, value in lora_engine_args(lora_spec(cfg), versions).items():
             args.setdefault(key, value)
     return args
 
