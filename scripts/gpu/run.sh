@@ -9,7 +9,8 @@
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
 # SGLangEngine), bench-sync-lora, bench-async (off / one_step / fully on one shared GPU, issue 17),
 # bench-async-x2 (the same, trainer and engine on two GPUs), bench-async-kill (fully, the SGLang server
-# SIGKILLed mid-run).
+# SIGKILLed mid-run), bench-affinity (issue 18: prefix-cache hit rate, affinity vs round robin, two
+# servers on one GPU).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -47,6 +48,7 @@ for stage in "$@"; do
                      --timeout 400 --json "$logs/bench-step.json") ;;
     bench-step-nographs) cmd=(python3 benchmarks/colocated_step.py --prompts 32 --samples 8 --prompt-len 1024
                               --response-len 512 --cuda-graphs off --timeout 300 --json "$logs/bench-step-nographs.json") ;;
+    bench-affinity) cmd=(timeout 420 python3 benchmarks/agent_affinity.py --gpus 0 0) ;;
     bench-async) cmd=(timeout 420 python3 benchmarks/async_speedup.py --json "$logs/bench-async.json") ;;
     bench-async-x2) cmd=(timeout 420 python3 benchmarks/async_speedup.py --gpus 2 --json "$logs/bench-async-x2.json") ;;
     bench-async-kill) cmd=(timeout 300 python3 benchmarks/async_speedup.py --modes fully --groups 64 --kill-engine-after 15
