@@ -199,6 +199,10 @@ class Adapters:
     def __init__(self, model: PolicyGPT, spec: LoraSpec, shape: HFModelShape, seed: int):
         self.model, self.spec, self.shape = model, spec, shape
         self.layers = attach(model, spec, shape, seed)
+        if model.pre_process:
+            # The frozen embedding's output needs no gradient, and a recomputed (checkpointed) block whose
+            # inputs need none is never run backward: its adapters would get no gradient. Ask for one.
+            model.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
