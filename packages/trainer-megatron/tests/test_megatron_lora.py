@@ -30,13 +30,14 @@ def _close(a: dict, b: dict, atol: float = 1e-5) -> None:
         assert torch.allclose(a[name].float(), b[name].float(), atol=atol, rtol=0), name
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
 def test_lora_two_ranks_match_one(layout, tmp_path):
     # q,v,o,up,down: fused layers partly targeted (k and gate rows held at zero)
     targets = ["trainer.lora.target_modules=[q_proj,v_proj,o_proj,up_proj,down_proj]"]
     # tp2 recomputes its layers in backward: the adapters must get their gradients all the same
     family, parallel = {"tp2": ("qwen2", "parallel.tensor_model_parallel_size=2 trainer.recompute=true"),
-                        "pp2": ("llama", "parallel.pipeline_model_parallel_size=2")}[layout]
+                        "pp2": ("llama", "parallel.pipeline_model_parallel_size=2"),
+                        "dp2": ("qwen3", "trainer.max_tokens_per_gpu=48")}[layout]  # DP: adapter grads summed
     model = make_hf_model(tmp_path / "model", family, tie=True, vocab=256)
     spec = {**SPEC, "model": str(model), "scenario": "lora"}
     ensure_single_rank_group()
