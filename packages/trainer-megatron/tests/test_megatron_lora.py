@@ -113,3 +113,14 @@ def test_lora_refuses_what_it_does_not_cover(tmp_path):
         check_config(make_config(model_path, ["trainer.lora.rank=4", "algorithm.advantage_estimator=ppo"]))
     with pytest.raises(ConfigError, match="checkpoint.save_hf_merged"):
         check_config(make_config(model_path, ["checkpoint.save_hf_merged=true"]))
+
+
+def test_lora_dropout_acts_in_training_only(tmp_path):
+    model_path = make_hf_model(tmp_path / "model", "llama", vocab=256)
+    ensure_single_rank_group()
+    spec = {**SPEC, "model": str(model_path), "steps": 1}
+    plain = run_lora({**spec, "overrides": LORA})
+    dropped = run_lora({**spec, "overrides": LORA + ["trainer.lora.dropout=0.5"]})
+    assert dropped["log_probs"] == plain["log_probs"]  # no dropout when scoring
+    b_grads = [name for name in plain["grads"][0] if name.endswith(".B")]
+    assert b_grads and all(not torch.allclose(plain["grads"][0][n], dropped["grads"][0][n]) for n in b_grads)
