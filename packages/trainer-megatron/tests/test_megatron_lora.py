@@ -60,6 +60,15 @@ def test_lora_two_ranks_match_one(layout, tmp_path):
     assert single["base_unchanged"] and multi["base_unchanged"]
     assert multi["resumed_metrics"] == multi["metrics"][1:]
     assert all(torch.equal(t, multi["adapters"][-1][n]) for n, t in multi["resumed_adapters"].items())
+    # the two-rank checkpoint (saved after step 1) loads into one rank: the adapters reshard exactly
+    from megatron_testlib import make_config
+
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    one_rank = MegatronTrainer.from_config(make_config(model, LORA + targets))
+    one_rank.load(str(tmp_path / "ckpt"))
+    resharded = {n: t.cpu() for bucket in one_rank.named_weights(1 << 20) for n, t in bucket}
+    _close(resharded, multi["adapters"][0], atol=0)
 
 
 def test_lora_trains_adapters_only_and_exports_exactly(tmp_path):
