@@ -36,13 +36,13 @@ def run_lora(spec: dict) -> dict:
     trainer = MegatronTrainer.from_config(cfg)
     batch = shard_for(trainer, samples)
 
-    def adapters():
+    def synced():  # what named_weights sends (the adapters, or merged weights per rollout.lora_sync)
         return {n: t.cpu().clone() for b in trainer.named_weights(1 << 16) for n, t in b}
 
     def base(t):
         return {n: w.cpu().clone() for n, w in convert.iter_hf_tensors(t.model, t.shape)}
 
-    result: dict = {"adapters_init": adapters(), "trainable": sorted(
+    result: dict = {"adapters_init": synced(), "trainable": sorted(
         n for n, p in trainer.model.named_parameters() if p.requires_grad)}
     result["optimized_params"] = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
     base_before = base(trainer)
@@ -59,11 +59,13 @@ def run_lora(spec: dict) -> dict:
             trainer.save(spec["ckpt"])
         result["metrics"].append(trainer.train_step(batch))
         result["grads"].append(adapter_grads(trainer))
-        result["adapters"].append(adapters())
+        result["adapters"].append(synced())
     result["base_unchanged"] = all(torch.equal(w, base_before[n]) for n, w in base(trainer).items())
     result["trained_log_probs"], _ = whole_step(batch, trainer.compute_log_probs(batch))
     result["ref_log_probs"], _ = whole_step(batch, trainer.compute_log_probs(batch, model="ref"))
-    result["merged"] = {n: w.cpu().clone() for n, w in trainer.adapters.merged_hf_tensors()}
+    trainer.cfg.rollout.lora_sync = "merged"  # what a merged sync sends
+    result["merged"] = synced()
+    trainer.cfg.rollout.lora_sync = "adapter"
     if spec.get("save_hf"):
         trainer.save_hf(spec["save_hf"])
 
@@ -72,5 +74,5 @@ def run_lora(spec: dict) -> dict:
         trainer = MegatronTrainer.from_config(cfg)
         trainer.load(spec["ckpt"])
         result["resumed_metrics"] = [trainer.train_step(batch) for _ in range(save_after, steps)]
-        result["resumed_adapters"] = adapters()
+        result["resumed_adapters"] = synced()
     return result
