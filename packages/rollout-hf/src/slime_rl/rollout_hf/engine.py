@@ -13,7 +13,9 @@ How generation runs:
   (stop, length or abort) is dropped from the batch and its future resolved at once.
 - The model runs in one worker thread, so the event loop stays free to queue
   requests and take aborts between decode steps; weight updates go through the
-  same thread and so land between decode steps, never inside a forward.
+  same thread and so land between decode steps, never inside a forward. With
+  ``rollout.lora_sync: adapter`` a sync brings LoRA adapters, merged into kept base
+  weights (lora.py).
 
 Sampling follows SGLang: logits / temperature, then top-k, then top-p, then a
 draw from each request's own generator (seeded by ``SamplingParams.seed``, else
