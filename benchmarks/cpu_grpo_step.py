@@ -146,11 +146,12 @@ def main() -> None:
     if args.lora:
         runs.append(("LoRA", measure(args, [*args.overrides, *LORA_OVERRIDES])))
         print("\n## Full fine-tuning and LoRA side by side (medians of the measured steps)")
-        print("| run | step s | train s | weight_sync s | peak RSS GiB, all processes | eval accuracy |")
+        print("| run | step s | train s | weight_sync s | peak RSS GiB, all processes | held-out pass@1 |")
         print("|---|---|---|---|---|---|")
         for label, r in runs:
+            accuracy = [e.get("eval/addition/pass@1", float("nan")) for e in (r["eval_before"], r["eval_after"])]
             print(f"| {label} | {r['step']:.3f} | {r['train']:.3f} | {r['weight_sync']:.3f} | {r['rss_gib']:.2f} |"
-                  f" {r['eval_before']} -> {r['eval_after']} |")
+                  f" {accuracy[0]:.3f} -> {accuracy[1]:.3f} |")
 
 
 def measure(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:

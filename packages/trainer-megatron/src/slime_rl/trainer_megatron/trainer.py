@@ -14,7 +14,8 @@ averaging over DP) and a finalize step that skips the per-token division.
 
 Homes of the parts: batching.py (micro-batches), optimizer.py (Adam and the LR schedule),
 reference.py (the reference weights), nonfinite.py (no nan or inf reaches the weights),
-checkpointing.py (save and load).
+checkpointing.py (save and load), lora.py (``trainer.lora``: adapters, the base frozen; the
+reference is then the base with the adapters off).
 """
 
 from __future__ import annotations
