@@ -14,8 +14,8 @@ How generation runs:
 - The model runs in one worker thread, so the event loop stays free to queue
   requests and take aborts between decode steps; weight updates go through the
   same thread and so land between decode steps, never inside a forward. With
-  ``rollout.lora_sync: adapter`` a sync brings LoRA adapters, merged into kept base
-  weights (lora.py).
+  ``rollout.lora_sync: adapter`` a sync brings LoRA adapters, added to their
+  projections' outputs (lora.py).
 
 Sampling follows SGLang: logits / temperature, then top-k, then top-p, then a
 draw from each request's own generator (seeded by ``SamplingParams.seed``, else
@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from slime_rl.core.contracts import FinishReason, GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 from slime_rl.core.device import resolve_device
 from slime_rl.core.lora import lora_spec, syncs_adapters
-from slime_rl.rollout_hf.lora import AdapterMerger
+from slime_rl.rollout_hf.lora import AdapterSync
 from slime_rl.rollout_hf.moe import RouterRecorder, routed_experts, weight_target
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class HFEngine(RolloutEngine):
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"  # renamed in transformers 5.x
         self._has_logits_to_keep = "logits_to_keep" in forward_args
         self.router_recorder = RouterRecorder.for_model(self.model)  # MoE models: routed experts on request
-        self.adapters = AdapterMerger(lora_scaling)
+        self.adapters = AdapterSync(self.model, lora_scaling)
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._version = 0
         self._pending: list[_Request] = []
@@ -226,7 +226,7 @@ class HFEngine(RolloutEngine):
     async def update_weights(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
         """Copy HF-named tensors into the model in place. Every name must be one of the
         model's (tied aliases such as lm_head.weight included); the bucket is checked whole
-        before anything is copied. LoRA adapters (PEFT names) are merged into their weights (lora.py)."""
+        before anything is copied. LoRA adapters (PEFT names) replace the ones served (lora.py)."""
         self._check_usable()
         await self._in_worker(lambda: self._load_weights(named_tensors), grad_mode=torch.no_grad)
         if last:
@@ -360,8 +360,8 @@ class HFEngine(RolloutEngine):
 
     def _load_weights(self, named_tensors: NamedTensors) -> None:
         params = self.model.state_dict(keep_vars=True)
-        named_tensors, adapters = AdapterMerger.split(named_tensors)
-        self.adapters.check(adapters, params)
+        named_tensors, adapters = AdapterSync.split(named_tensors)
+        self.adapters.check(adapters)
         targets = {name: weight_target(name, params) for name, _ in named_tensors}
         unknown = [name for name, target in targets.items() if target is None]
         if unknown:
@@ -374,8 +374,7 @@ class HFEngine(RolloutEngine):
                                  f"{tuple(targets[name].shape)}")
         for name, tensor in named_tensors:
             targets[name].copy_(tensor)
-        self.adapters.forget(named_tensors)
-        self.adapters.apply(adapters, params)
+        self.adapters.apply(adapters)
 
 
 class _DecodeBatch:
