@@ -474,10 +474,10 @@ class MegatronTrainer(PolicyTrainer):
         hf_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         if isinstance(hf_dtype, str):
             hf_dtype = _DTYPES.get(hf_dtype)
-        if self.adapters is None:
-            convert.save_hf(self.model, self.shape, self.cfg.model.path, folder, dtype=hf_dtype)
-            return
-        with self._onloaded():
+        with self._onloaded():  # the loop saves after the trainer handed its GPU memory over
+            if self.adapters is None:
+                convert.save_hf(self.model, self.shape, self.cfg.model.path, folder, dtype=hf_dtype)
+                return
             self.adapters.save_peft(folder, self.cfg.model.path)
             if self.cfg.checkpoint.save_hf_merged:
                 convert.save_hf(self.model, self.shape, self.cfg.model.path, f"{folder}/merged", dtype=hf_dtype,
