@@ -44,6 +44,18 @@ def whole_step(batch, per_token: torch.Tensor) -> tuple[list[list[float]], bool]
     return step, peers_agree
 
 
+def local_expert_count(model: torch.nn.Module) -> int:
+    """Experts held by this rank, over its layers: SequentialMLP's one module each, or the leading
+    dimension of the grouped experts' stacked weight."""
+    count = 0
+    for name, param in model.named_parameters():
+        if name.endswith("experts.fc2_weight"):
+            count += param.shape[0]
+        elif ".local_experts." in name and name.endswith("linear_fc2.weight"):
+            count += 1
+    return count
+
+
 def run_scenario(spec: dict) -> dict:
     from megatron_testlib import make_config, make_samples
 
@@ -63,8 +75,9 @@ def run_scenario(spec: dict) -> dict:
     reader = SafetensorsFolder(spec["model"])
     exported = {name: t.cpu().clone() for bucket in trainer.named_weights(1 << 16) for name, t in bucket}
     result["exported_names"] = sorted(exported)
-    result["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if n.endswith("linear_fc2.weight")
-                                  and ".local_experts." in n)
+    result["local_experts"] = local_expert_count(trainer.model)
+    result["experts_modules"] = sorted({type(m).__name__ for n, m in trainer.model.named_modules()
+                                        if n.endswith("mlp.experts")})
     exact = sorted(exported) == sorted(reader.weight_map) and all(
         torch.equal(exported[n], reader.get(n)) for n in exported
     )

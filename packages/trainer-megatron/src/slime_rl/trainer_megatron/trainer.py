@@ -153,7 +153,8 @@ class MegatronTrainer(PolicyTrainer):
             self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=t.recompute,
             sequence_parallel=p.sequence_parallel, compiled_fusions=self.device_type == "cuda", moe_fields=moe_fields,
         )
-        self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic")
+        self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic",
+                                 grouped_experts=t.moe_grouped_gemm)
         self.router_stats = moe.RouterStats(self.model) if self.shape.moe is not None else None
         self.routing_replay = None
         if moe_fields is not None and moe_fields["moe_enable_routing_replay"]:
