@@ -139,7 +139,9 @@ class RouterStats:
 
         def count(module, inputs, output):
             routing_map = output[1]
-            load = routing_map.detach().sum(0).float().cpu()  # [experts]
+            # [experts], kept on the router's device: a copy to the host here would stall the GPU
+            # once per layer and micro-batch; ``take`` moves the sums once per step
+            load = routing_map.detach().sum(0).float()
             self.counts[key] = self.counts[key] + load if key in self.counts else load
 
         return count
