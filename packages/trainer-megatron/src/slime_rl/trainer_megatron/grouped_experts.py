@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,8 @@ class GroupedExperts(MegatronModule):
             ends = torch.cumsum(tokens_per_expert, 0).to(device=hidden.device, dtype=torch.int32)
             fc1 = _grouped_linear(hidden.contiguous(), self.fc1_weight, ends)
             return _grouped_linear(self._activation(fc1, probs), self.fc2_weight, ends), None
+        if hidden.device.type == "cuda" and hidden.shape[0]:
+            _warn_per_expert_loop(hidden.dtype, hidden.shape[-1], self.fc2_weight.shape[-1])
         counts = tokens_per_expert.tolist()
         outputs = [F.linear(self._activation(F.linear(tokens, self.fc1_weight[e]), weights), self.fc2_weight[e])
                    for e, (tokens, weights) in enumerate(zip(torch.split(hidden, counts), torch.split(probs, counts),
@@ -191,6 +194,14 @@ def _grouped_mm_works(device: str, dtype: torch.dtype) -> bool:
             return False
     expected = torch.cat([x[:2] @ w[0].T, x[2:] @ w[1].T]).detach()
     return bool(torch.allclose(out.detach().float(), expected.float(), rtol=2e-2, atol=2e-2))
+
+
+@functools.cache
+def _warn_per_expert_loop(dtype: torch.dtype, hidden: int, ffn: int) -> None:
+    """Once per dtype and shape: on CUDA the per-expert loop is the slow path, say why it runs."""
+    warnings.warn(f"MoE experts: torch._grouped_mm cannot take these operands ({dtype}, hidden {hidden}, expert ffn"
+                  f" per rank {ffn}: it needs rows of a multiple of 16 bytes, 16-byte-aligned data and a torch that"
+                  " runs it on this GPU); looping over the experts, one GEMM each", stacklevel=3)
 
 
 def grouped_mm_available() -> bool:
