@@ -457,7 +457,7 @@ def test_doctor_reports_what_is_installed():
         assert sections["libraries"][dist] == expected
     assert sections["sandbox"]["isolation"].startswith("namespaces") == (os.geteuid() == 0)  # root here and in CI
     assert sections["sandbox"]["trial_call"].startswith("works")
-    assert sections["moe"]["experts"].startswith("sequential")  # no grouped GEMM without TE / grouped_gemm
+    assert sections["moe"]["experts"].startswith("grouped: torch._grouped_mm")  # this torch has it
     broken = "problems:" in result.stdout
     assert result.exit_code == (1 if broken else 0)
     assert result.stdout.rstrip().endswith("no problems found") != broken

@@ -1,5 +1,5 @@
 """On the GPU machine (H200): bf16 training under TP=2 on two GPUs, bf16 log-prob parity with
-transformers, and offload/onload for colocation. Every case runs in fresh processes (one per
+transformers, offload/onload for colocation, and the MoE grouped experts on CUTLASS's grouped GEMM. Every case runs in fresh processes (one per
 rank), so it does not matter what else the pytest process ran. The figures printed here go to
 docs/gpu-results.md:
 
@@ -82,3 +82,17 @@ def test_bf16_lora_tp2_matches_tp1_and_keeps_the_base(qwen_05b, tmp_path):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-2 * a["grad_norm"]
     assert one["metrics"][-1]["grad_norm"] > 0 and one["trained_log_probs"] != one["ref_log_probs"]
     assert two["resumed_metrics"] == two["metrics"][1:]
+
+
+def test_grouped_experts_run_cutlass_grouped_gemm_in_bf16(tmp_path):
+    """bf16 on sm90: the MoE layer's experts go through torch._grouped_mm (two calls: fc1, fc2) and
+    agree with their per-expert loop (cuBLAS), empty experts included."""
+    model = make_hf_model(tmp_path / "moe", "qwen3_moe", dtype=torch.bfloat16, hidden=128, vocab=256)
+    counts = [37, 0, 5, 130, 1, 0, 64, 19]
+    out = launch(1, dict(scenario="grouped_experts_kernel", model=str(model), counts=counts, overrides=CUDA), tmp_path)
+    assert out["fits"] and (out["grouped_mm"]["calls"], out["per_expert"]["calls"]) == (2, 0)
+    for name, a, b in zip(["output", "tokens", "probs", "fc1", "fc2"], out["grouped_mm"]["tensors"],
+                          out["per_expert"]["tensors"], strict=True):
+        scale = b.abs().max().item()
+        print(f"{name}: max |grouped - per expert| {(a - b).abs().max().item():.2e} (max |per expert| {scale:.2e})")
+        assert scale > 0 and (a - b).abs().max().item() <= 2e-2 * scale, name

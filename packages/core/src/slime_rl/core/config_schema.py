@@ -220,6 +220,7 @@ class TrainerConfig(_Section):
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0)  # MoE router load-balancing loss
     moe_z_loss_coeff: float | None = Field(None, ge=0.0)  # MoE router z-loss; None: off
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    moe_grouped_gemm: bool = True  # MoE experts as one grouped GEMM per projection; false: one GEMM per expert
     lora: LoraConfig = Field(default_factory=LoraConfig)  # rank > 0: train adapters only, the base frozen
 
     @field_validator("recompute", mode="before")

@@ -11,6 +11,9 @@ Megatron layouts (local spec):
 - ``linear_fc1``: ``[gate; up]`` on dim 0; each TP rank holds ``[gate_r; up_r]``.
 - ``linear_proj`` and ``linear_fc2`` are split on dim 1 (row parallel); embedding and
   output layer on dim 0 (vocab parallel); norms are replicated.
+- MoE experts: each expert's ``linear_fc1``/``linear_fc2`` as above, over expert-TP ranks; the
+  grouped experts stack them (``experts.fc1_weight`` ``[local experts, ...]``) and are read and
+  written one expert view at a time, under SequentialMLP's per-expert names.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ _EXPERT_PARAMS = {
     "mlp.experts.local_experts.{e}.linear_fc2.weight": ("mlp.experts.{e}.down_proj.weight", 1),
 }
 _LOCAL_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
+# GroupedExperts (grouped_experts.py) stacks each local expert's linear_fc1/linear_fc2 weight
+_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)(fc1|fc2)_weight$")
 _GLOBAL_PARAMS = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
     "decoder.final_layernorm.weight": ("model.norm.weight", None),
@@ -202,8 +207,9 @@ def layer_offset(model: PolicyGPT) -> int:
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[ParamRef, torch.nn.Parameter]]:
-    """This rank's parameters keyed by local name, each with its global ParamRef."""
+def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[ParamRef, torch.Tensor]]:
+    """This rank's parameters keyed by local name, each with its global ParamRef; a stacked expert
+    weight gives one view (of its storage) per local expert."""
     refs = {r.megatron_name: r for r in param_refs(shape)}
     offset = layer_offset(model)
     first_expert = 0
@@ -211,7 +217,7 @@ def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[Param
         ep_rank, ep_size, _, _ = _expert_layout()
         first_expert = ep_rank * (shape.moe.num_experts // ep_size)
     out = {}
-    for name, param in model.named_parameters():
+    for name, param in _per_expert_parameters(model):
         if name.startswith("value_head.") or is_adapter_param(name):
             continue
         m = _LAYER.match(name)
@@ -227,6 +233,19 @@ def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[Param
             ref = refs[global_name]
         out[name] = (ref, param)
     return out
+
+
+def _per_expert_parameters(model: PolicyGPT) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()`` with GroupedExperts' stacked weights as one view per local
+    expert, named as SequentialMLP names that expert's weight (``...experts.local_experts.{j}.
+    linear_fc1.weight``): what the HF mapping reads and writes, one expert at a time."""
+    for name, param in model.named_parameters():
+        m = _STACKED_EXPERTS.match(name)
+        if m is None:
+            yield name, param
+            continue
+        for j, expert in enumerate(param.detach().unbind(0)):
+            yield f"{m.group(1)}local_experts.{j}.linear_{m.group(2)}.weight", expert
 
 
 # ---------------------------------------------------------------- HF folder in

@@ -159,7 +159,8 @@ class MegatronTrainer(PolicyTrainer):
             self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=t.recompute,
             sequence_parallel=p.sequence_parallel, compiled_fusions=self.device_type == "cuda", moe_fields=moe_fields,
         )
-        self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic")
+        self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic",
+                                 grouped_experts=t.moe_grouped_gemm)
         self.adapters: lora.Adapters | None = None
         if (spec := lora_spec(self.cfg)) is not None:  # before DDP: it wraps the trainable parameters only
             lora.check_supported(spec, self.shape, self.role)
