@@ -102,9 +102,9 @@ class RecordingEngine(RolloutEngine):
         self._record("release_memory")
         await self.inner.release_memory()
 
-    async def resume_memory(self) -> None:
-        self._record("resume_memory")
-        await self.inner.resume_memory()
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        self._record("resume_memory", tags=tags)
+        await self.inner.resume_memory(tags)
 
     async def health(self) -> bool:
         return await self.inner.health()
