@@ -29,6 +29,7 @@ import torch
 from slime_rl.core.config import ConfigError
 from slime_rl.core.lora import LoraSpec, adapter_name, hf_name, peft_adapter_config
 from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.server import engine_args_to_flags
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,8 @@ def check_attached_server(name: str, server_info: dict[str, Any], spec: LoraSpec
     ``/server_info``)."""
     modules = server_info.get("lora_target_modules") or []
     modules = {modules} if isinstance(modules, str) else set(modules)
-    served = modules | {_FUSED.get(m, m) for m in modules}
-    missing = [m for m in spec.target_modules if "all" not in served and _FUSED.get(m, m) not in served
-               and m not in served]
+    served = {_FUSED.get(m, m) for m in modules}  # what SGLang's memory pool holds buffers for
+    missing = [m for m in spec.target_modules if "all" not in served and _FUSED.get(m, m) not in served]
     problems = []
     if not server_info.get("enable_lora"):
         problems.append("it runs without --enable-lora")
@@ -73,8 +73,7 @@ def check_attached_server(name: str, server_info: dict[str, Any], spec: LoraSpec
     if server_info.get("enable_lora") and missing:
         problems.append(f"its --lora-target-modules {sorted(modules)} lack {missing}")
     if problems:
-        flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                         if v is not True else f"--{k.replace('_', '-')}" for k, v in lora_engine_args(spec).items())
+        flags = " ".join(engine_args_to_flags(lora_engine_args(spec)))
         raise ConfigError("rollout.engine_urls", f"{name} cannot load this run's LoRA adapters: "
                           f"{'; '.join(problems)}. Start it with {flags}, or set rollout.lora_sync=merged")
 
