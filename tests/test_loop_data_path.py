@@ -16,18 +16,24 @@ from slime_rl.core.loop import train
 pytestmark = pytest.mark.slow
 
 
-def test_each_rank_trains_on_its_own_shard(tiny_model_dir, tmp_path, monkeypatch):
+def standin_config(model_dir, tmp_path, monkeypatch, *, prompts: int, overrides: list[str]):
+    """Two steps of stand-in backends on ``prompts`` one-line prompts (toy_rewards scores them)."""
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # Ray workers import toy_rewards
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input": f"q {i}", "label": "1"}) + "\n" for i in range(16)))
-    cfg = load_config(None, [
-        f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=4",
-        "data.n_samples_per_prompt=4", "data.num_rollout=2", "model.dtype=float32",
-        "rollout.engine=slime_rl.core.standins:InstantEngine", "rollout.max_response_len=2048",
-        "rollout.reward=toy_rewards:odd_index", "rollout.reward_workers=0",
-        "trainer.backend=slime_rl.core.standins:NoMathTrainer", "trainer.num_steps_per_rollout=2",
-        "cluster.device=cpu", "cluster.actor_num_gpus_per_node=2", "cluster.num_gpus_per_node=2",
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"input": f"q {i}", "label": "1"}) + "\n" for i in range(prompts)))
+    return load_config(None, [
+        f"model.path={model_dir}", f"data.prompt_data={data}", "data.num_rollout=2", "model.dtype=float32",
+        "rollout.reward=toy_rewards:odd_index", "rollout.reward_workers=0", "cluster.device=cpu",
         f"logging.dir={tmp_path / 'logs'}", f"checkpoint.save_dir={tmp_path / 'ckpt'}", "logging.tensorboard=false",
+        *overrides,
+    ])
+
+
+def test_each_rank_trains_on_its_own_shard(tiny_model_dir, tmp_path, monkeypatch):
+    cfg = standin_config(tiny_model_dir, tmp_path, monkeypatch, prompts=16, overrides=[
+        "data.rollout_batch_size=4", "data.n_samples_per_prompt=4", "rollout.max_response_len=2048",
+        "rollout.engine=slime_rl.core.standins:InstantEngine", "trainer.backend=slime_rl.core.standins:NoMathTrainer",
+        "trainer.num_steps_per_rollout=2", "cluster.actor_num_gpus_per_node=2", "cluster.num_gpus_per_node=2",
     ])
     steps = []
     summary = train(cfg, callback=lambda event, payload: steps.append(payload["metrics"]) if event == "step" else None)
@@ -51,18 +57,11 @@ def test_colocated_memory_never_held_by_both(tiny_model_dir, tmp_path, monkeypat
     log = tmp_path / "order.log"
     # On a CPU nothing is handed over (both live in host memory); the order is the same code on a GPU.
     monkeypatch.setattr(loop, "hands_memory_over", lambda cfg, plan: True)
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     monkeypatch.setenv("SLIME_MEMORY_ORDER_LOG", str(log))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input": f"q {i}", "label": "1"}) + "\n" for i in range(8)))
-    cfg = load_config(None, [
-        f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=2",
-        "data.n_samples_per_prompt=2", "data.num_rollout=2", "model.dtype=float32",
-        "rollout.engine=memory_order:RecordingEngine", "rollout.max_response_len=8",
-        "rollout.reward=toy_rewards:odd_index", "rollout.reward_workers=0",
-        "trainer.backend=memory_order:RecordingTrainer", "cluster.device=cpu", "cluster.colocate=true",
-        "cluster.offload=true", f"logging.dir={tmp_path / 'logs'}", f"checkpoint.save_dir={tmp_path / 'ckpt'}",
-        "logging.tensorboard=false",
+    cfg = standin_config(tiny_model_dir, tmp_path, monkeypatch, prompts=8, overrides=[
+        "data.rollout_batch_size=2", "data.n_samples_per_prompt=2", "rollout.max_response_len=8",
+        "rollout.engine=memory_order:RecordingEngine", "trainer.backend=memory_order:RecordingTrainer",
+        "cluster.colocate=true", "cluster.offload=true",
     ])
     assert train(cfg)["steps"] == 2
     events = log.read_text().splitlines()
