@@ -446,7 +446,7 @@ def test_doctor_reports_what_is_installed():
     engines = sections["slime_rl.rollout_engines"]
     assert set(plugins.installed("slime_rl.rollout_engines")) == set(engines)
     assert engines["hf"] == (f"slime_rl.rollout_hf.engine:HFEngine (slime-rl-rollout-hf {version('slime-rl-rollout-hf')}),"
-                             " loads, capabilities: pause, release_memory, routed_experts")
+                             " loads, capabilities: adapters, pause, release_memory, routed_experts")
     assert engines["sglang"].endswith(f"(slime-rl-rollout-sglang {version('slime-rl-rollout-sglang')}), loads, "
                                       "capabilities: release_memory, routed_experts")
     for dist in ("megatron-core", "sglang", "sglang-router", "ray"):

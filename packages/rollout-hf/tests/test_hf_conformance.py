@@ -8,7 +8,9 @@ import copy
 from dataclasses import replace
 
 import pytest
+import torch
 
+from slime_rl.core.lora import peft_name
 from slime_rl.core.testing import conformance as cf
 from slime_rl.core.testing.conformance import Backend, ConformanceError, check_conformance
 from slime_rl.rollout_hf.engine import HFEngine
@@ -16,15 +18,32 @@ from slime_rl.rollout_hf.engine import HFEngine
 PROMPTS = ["Question: What is 3 + 4?\nAnswer:", "def forward(self, x):", "The sum of 12 and"]
 
 
+SCALING = 2.0  # alpha / rank of the adapters
+
+
+def lora_pairs(model, rank: int = 4, seed: int = 2) -> list:
+    """Random LoRA pairs for every layer's q_proj and v_proj under PEFT names, large enough to change the greedy
+    response (the trainer's B starts at zero; a trained one does not stay there)."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for name, weight in model.state_dict().items():
+        if name.endswith(("q_proj.weight", "v_proj.weight")):
+            out_features, in_features = weight.shape
+            pairs += [(peft_name(name, "A"), torch.randn(rank, in_features, generator=generator) * 0.5),
+                      (peft_name(name, "B"), torch.randn(out_features, rank, generator=generator) * 0.5)]
+    return sorted(pairs)
+
+
 def hf_backend(engine_class, tokenizer, make_model, arch: str = "llama", **fields) -> Backend:
     model = make_model(arch, len(tokenizer), seed=0)
     return Backend(
-        make_engine=lambda: engine_class(copy.deepcopy(model), tokenizer),
+        make_engine=lambda: engine_class(copy.deepcopy(model), tokenizer, lora_scaling=SCALING),
         prompts=[tokenizer(p).input_ids for p in PROMPTS],
         initial_weights=list(model.state_dict().items()),
         new_weights=list(make_model(arch, len(tokenizer), seed=1).state_dict().items()),
         decode=tokenizer.decode,
         reference=cf.transformers_reference(copy.deepcopy(model)),
+        adapters=lora_pairs(model), adapter_scaling=SCALING,
         **fields)
 
 
@@ -74,7 +93,7 @@ class DropsPartialEngine(HFEngine):
 @pytest.mark.parametrize("engine_class,guarantee,says,also", [
     # a resumed response is sampled at 0.7 too: its log-probs are as wrong
     (WrongTemperatureEngine, cf.LOG_PROBS, "the reference forward at temperature 0.7", [cf.RESUME]),
-    (IgnoredWeightsEngine, cf.WEIGHTS, "the new weights were not applied", []),
+    (IgnoredWeightsEngine, cf.WEIGHTS, "the new weights were not applied", [cf.ADAPTERS]),  # adapters neither
     (DropsPartialEngine, cf.ABORT, "the partial response must come back", []),
 ], ids=["logprobs-at-temperature-1", "weights-not-applied", "abort-drops-partial"])
 def test_a_broken_engine_fails_naming_the_guarantee(engine_class, guarantee, says, also, tokenizer, make_model):
@@ -90,5 +109,7 @@ def test_a_broken_engine_fails_naming_the_guarantee(engine_class, guarantee, say
 def test_unknown_capabilities_and_too_few_prompts_are_refused(tokenizer, make_model):
     with pytest.raises(ValueError, match="capabilities: 'telepathy' is not one the suite knows"):
         check_conformance(hf_backend(HFEngine, tokenizer, make_model, capabilities=frozenset({"telepathy"})))
+    with pytest.raises(ValueError, match="'adapters' is claimed; give Backend.adapters"):
+        check_conformance(replace(hf_backend(HFEngine, tokenizer, make_model), adapters=None))
     with pytest.raises(ValueError, match="at least two non-empty prompts"):
         check_conformance(replace(hf_backend(HFEngine, tokenizer, make_model), prompts=[[1, 2]]))

@@ -39,5 +39,6 @@ def test_sglang_engine_passes_the_suite_with_stand_in_servers(tiny_model, standi
     )
     report = check_conformance(backend)
     print("\n" + report.describe(), report.figures)
-    assert set(report.not_checked) == {cf.LOG_PROBS, cf.PAUSE}, report.describe()  # no reference; pause unclaimed
+    # no reference; pause and adapters unclaimed (docs/backends.md says why)
+    assert set(report.not_checked) == {cf.LOG_PROBS, cf.PAUSE, cf.ADAPTERS}, report.describe()
     assert SGLangEngine.capabilities == {"release_memory", "routed_experts"}

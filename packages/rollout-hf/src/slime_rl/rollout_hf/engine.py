@@ -81,9 +81,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class HFEngine(RolloutEngine):
     """Batched token-in/token-out generation over ``model`` (a transformers causal LM)."""
 
-    # release_memory on CPU has nothing to free and keeps the engine correct; an engine over a dense model
-    # drops routed_experts from its own (instance) capabilities
-    capabilities = frozenset({"pause", "release_memory", "routed_experts"})
+    # release_memory on CPU has nothing to free and keeps the engine correct; an instance drops routed_experts
+    # over a dense model and adapters when built without lora_scaling
+    capabilities = frozenset({"pause", "release_memory", "routed_experts", "adapters"})
 
     def __init__(
         self,
@@ -109,9 +109,10 @@ class HFEngine(RolloutEngine):
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"  # renamed in transformers 5.x
         self._has_logits_to_keep = "logits_to_keep" in forward_args
         self.router_recorder = RouterRecorder.for_model(self.model)  # MoE models: routed experts on request
-        if self.router_recorder is None:  # a dense model has no experts to report
-            self.capabilities = type(self).capabilities - {"routed_experts"}
         self.adapters = AdapterSync(self.model, lora_scaling)
+        # what this instance can do: no experts to report for a dense model, no adapters unless built for them
+        self.capabilities = type(self).capabilities - {name for name, lacking in (
+            ("routed_experts", self.router_recorder is None), ("adapters", lora_scaling is None)) if lacking}
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._version = 0
         self._pending: list[_Request] = []

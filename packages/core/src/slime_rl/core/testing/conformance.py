@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 
@@ -55,10 +55,11 @@ MID_REQUEST = "a weight update mid-request loses nothing"
 PAUSE = "pause and continue hold requests in place"
 MEMORY = "release and resume memory keep the engine correct"
 ROUTED = "routed experts of every token fed"
+ADAPTERS = "adapter-only syncs serve base + LoRA, each replacing the last"
 SHUTDOWN = "shutdown is safe twice"
 
 #: Optional capability (`RolloutEngine.capabilities`) -> the guarantee the suite checks for it.
-CAPABILITIES = {"pause": PAUSE, "release_memory": MEMORY, "routed_experts": ROUTED}
+CAPABILITIES = {"pause": PAUSE, "release_memory": MEMORY, "routed_experts": ROUTED, "adapters": ADAPTERS}
 
 
 class ConformanceError(AssertionError):
@@ -77,6 +78,10 @@ class Backend:
     reference: Reference | None = None  # None: log-prob agreement is not checked
     capabilities: frozenset[str] | None = None  # None: what the engine's class claims
     logprob_tolerance: float = 1e-4  # max |engine - reference| per token
+    # with "adapters": LoRA pairs under PEFT names (core/lora.py) that change prompts[0]'s greedy response, and the
+    # engine's scaling (alpha / rank): what an adapter-only sync (rollout.lora_sync: adapter) sends
+    adapters: NamedTensors | None = None
+    adapter_scaling: float | None = None
     long_new_tokens: int = 1000  # a response that takes a while: aborted, paused, updated mid-way
     timeout_s: float = 300.0  # per check
 
@@ -147,8 +152,9 @@ class _Suite:
                           f"{self.b.logprob_tolerance:g})")
         return worst
 
-    async def update(self, weights: NamedTensors, *, buckets: int = 2) -> None:
-        """Send ``weights`` as the next version in ``buckets`` buckets; the reported version moves at the last."""
+    async def update(self, weights: NamedTensors, *, buckets: int = 2, serving: NamedTensors | None = None) -> None:
+        """Send ``weights`` as the next version in ``buckets`` buckets; the reported version moves at the last.
+        ``serving``: the full weights the engine serves after it (adapters: base + LoRA), else ``weights``."""
         version = self.version + 1
         size = max(1, math.ceil(len(weights) / buckets))
         parts = [weights[i:i + size] for i in range(0, len(weights), size)]
@@ -161,7 +167,7 @@ class _Suite:
                         f"version moves to {version} only with the last bucket")
         _expect(self.engine.weight_version == version,
                 f"weight_version is {self.engine.weight_version} after the last bucket of version {version}")
-        self.version, self.weights = version, weights
+        self.version, self.weights = version, serving or weights
 
     async def under_way(self, requests: dict[str, list[int]]) -> list[asyncio.Task]:
         """Start greedy requests (id -> prompt) of ``long_new_tokens`` together and return once they are well
@@ -445,6 +451,39 @@ class _Suite:
         plain = await self.gen(prompt, GREEDY)
         _expect(plain.routed_experts is None, "routed experts came back without return_routed_experts")
 
+    async def adapters(self) -> None:
+        """Adapter sets one, two (B negated), one again, each in three buckets (a pair may straddle two): each
+        changes the greedy response, matches the reference over base + scaling * B A, and one again gives
+        exactly its first response (the adapters replace each other, never add up)."""
+        from slime_rl.core.lora import hf_name, merged
+
+        base, scaling = self.weights, float(self.b.adapter_scaling)
+
+        def served(adapters: NamedTensors) -> NamedTensors:
+            pairs: dict[str, dict[str, Any]] = {}
+            for name, tensor in adapters:
+                weight_name, which = hf_name(name)
+                pairs.setdefault(weight_name, {})[which] = tensor
+            return [(n, merged(w, pairs[n]["A"], pairs[n]["B"], scaling) if n in pairs else w) for n, w in base]
+
+        one = _cloned(self.b.adapters)
+        two = [(n, -t if ".lora_B." in n else t) for n, t in one]
+        responses = []
+        for label, adapters in (("one", one), ("two", two), ("one again", one)):
+            await self.update(adapters, buckets=3, serving=served(adapters))
+            out = await self.gen(self.b.prompts[0], GREEDY)
+            _expect(out.weight_version == self.version, f"after adapter set {label} (version {self.version}) a "
+                    f"response reports version {out.weight_version}")
+            if self.b.reference is not None:
+                self.check_log_probs(self.b.prompts[0], out, 0.0, f"adapter set {label}")
+            responses.append(out.token_ids)
+        _expect(responses[0] != self.greedy0[0].token_ids, "adapter set one left the greedy response unchanged: "
+                "the adapters were not applied (or Backend.adapters are too small to change prompts[0]'s)")
+        _expect(responses[1] != responses[0], "adapter set two (set one with B negated) gave set one's response: "
+                "it did not replace set one")
+        _expect(responses[2] == responses[0], f"adapter set one again gave {responses[2]}, not {responses[0]}: "
+                "adapters must replace the ones served, not add to them")
+
     async def shutdown(self) -> None:
         await self.engine.shutdown()
         await self.engine.shutdown()
@@ -455,7 +494,7 @@ _CHECKS: list[tuple[str, Callable[[_Suite], Awaitable[None]]]] = [
     (STOP_STRINGS, _Suite.stop_strings), (LENGTH, _Suite.length), (RESUME, _Suite.resume),
     (N_SAMPLES, _Suite.n_samples), (CONCURRENCY, _Suite.concurrency), (ABORT, _Suite.abort),
     (WEIGHTS, _Suite.weights), (MID_REQUEST, _Suite.mid_request), (PAUSE, _Suite.pause),
-    (MEMORY, _Suite.memory), (ROUTED, _Suite.routed), (SHUTDOWN, _Suite.shutdown),
+    (MEMORY, _Suite.memory), (ROUTED, _Suite.routed), (ADAPTERS, _Suite.adapters), (SHUTDOWN, _Suite.shutdown),
 ]
 
 
@@ -481,6 +520,9 @@ def _claims(backend: Backend, engine: RolloutEngine) -> frozenset[str]:
     unknown = sorted(claimed - set(CAPABILITIES))
     if unknown:
         raise ValueError(f"capabilities: {unknown[0]!r} is not one the suite knows ({', '.join(CAPABILITIES)})")
+    if "adapters" in claimed and (not backend.adapters or backend.adapter_scaling is None):
+        raise ValueError("capabilities: 'adapters' is claimed; give Backend.adapters (PEFT-named LoRA pairs) and "
+                         "Backend.adapter_scaling, or leave the capability out")
     return claimed
 
 
