@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import shutil
 import tempfile
 import uuid
 import zlib
@@ -36,10 +35,11 @@ from slime_rl.core.placement import plan_placement
 from slime_rl.core.weight_sync import resolve_transport
 from slime_rl.rollout_sglang import launch as fleet
 from slime_rl.rollout_sglang import weight_sync as ws
-from slime_rl.rollout_sglang.client import GenerateClient, served_routing_shape
+from slime_rl.rollout_sglang.client import GenerateClient, GenerateError, served_routing_shape
 from slime_rl.rollout_sglang.keys import EngineKeys
+from slime_rl.rollout_sglang.recovery import EngineRecovery, _target
 from slime_rl.rollout_sglang.router import Router
-from slime_rl.rollout_sglang.server import ServerStartError, SGLangServer, restart_server, wait_healthy
+from slime_rl.rollout_sglang.server import SGLangServer
 from slime_rl.rollout_sglang.transport import BucketPusher
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class _Request:
     done: bool = False
 
 
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(EngineRecovery, RolloutEngine):
     """N SGLang servers behind one sglang-router. Build with `from_config`, `launch` or `attach`.
     Tunables beyond the config are attributes: ``verify_weights``, ``sync_timeout``,
     ``health_interval`` (0: no monitor), ``keep_weights_for_recovery``."""
@@ -89,7 +89,7 @@ class SGLangEngine(RolloutEngine):
         self.weights_cpu_backup = weights_cpu_backup  # the servers keep weights over a memory release
         self.keys = keys or EngineKeys()  # the run's keys (keys.py); the servers and the router refuse others
         self.client = GenerateClient(router.url, max_concurrency=max_concurrency, request_timeout=request_timeout,
-                                     retry_timeout=startup_timeout, api_key=router.key)
+                                     retry_timeout=startup_timeout, api_key=router.key, recovering=self._restarting)
         self._engine_clients: dict[str, GenerateClient] = {}  # url -> a client straight to that engine
         self._version = 0
         self._inflight: dict[str, _Request] = {}
@@ -104,6 +104,7 @@ class SGLangEngine(RolloutEngine):
         self._verify_sample: dict[str, str] = {}  # name -> checksum
         self._disk_folder: Path | None = None  # the HF folder of the current version (disk transport)
         self._restore_folder: tuple[int, Path] | None = None
+        self._pushed_by_trainer = False  # the last sync came from the trainer's sender (begin/end_weight_sync)
         self._released: set[str] = set()
         self._weights_stale = False  # weights were released without a backup; restore before generating
         self._recovering: set[int] = set()
@@ -139,6 +140,7 @@ class SGLangEngine(RolloutEngine):
                                 engine_args=fleet.engine_args(cfg), python=r.engine_python,
                                 gpu_ids=fleet.engine_gpu_ids(plan), host=fleet.server_host(plan), **common)
         engine.max_recovery_attempts = r.max_engine_restarts
+        engine.client.max_retries = r.generate_max_retries
         engine.pause_mode = "in_place" if c.async_mode == "fully" else "abort"
         return engine
 
@@ -196,8 +198,38 @@ class SGLangEngine(RolloutEngine):
         return [s.url for s in self.servers]
 
     def targets(self) -> list[ws.Target]:
-        """The servers that take part in control calls now (not those being restarted)."""
-        return [_target(s) for s in self.servers if s.index not in self._recovering]
+        """The servers that take part in control calls now: not those being restarted, nor a launched
+        one whose process has died (the monitor restarts it and gives it the current weights)."""
+        return [_target(s) for s in self.servers
+                if s.index not in self._recovering and (s.process is None or s.process.alive())]
+
+    async def _control_live(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(targets, *args, **kwargs)`` on the live servers; when one dies during the call (its
+        process gone), again on those left: the dead one's recovery restores it."""
+        while True:
+            targets = self.targets()
+            try:
+                return await self._control(fn, targets, *args, **kwargs)
+            except ws.WeightSyncError as err:
+                if self.targets() == targets:
+                    raise
+                logger.warning("%s: a server died during the call (%s); going on with the others",
+                               kwargs.get("step", getattr(fn, "__name__", fn)), err)
+
+    def _describe_servers(self) -> str:
+        def status(s: SGLangServer) -> str:
+            if s.index in self._recovering:
+                return "restarting"
+            if s.process is not None and not s.process.alive():
+                return "dead"
+            return "given up on" if self._recovery_failures.get(s.index, 0) >= self.max_recovery_attempts else "up"
+
+        return ", ".join(f"{s.name} {status(s)}" for s in self.servers)
+
+    def _restarting(self) -> bool:
+        """An engine is down and coming back (being restarted, or its process gone and not noticed yet):
+        requests wait for it rather than count against rollout.generate_max_retries."""
+        return bool(self._recovering) or any(s.process is not None and not s.process.alive() for s in self.servers)
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -240,6 +272,10 @@ class SGLangEngine(RolloutEngine):
         req = self._inflight[rid] = _Request(rid)
         tokens: list[int] = []
         log_probs: list[float] = []
+        # SGLang answers with one version (the one at the finish); a part that spanned an in-place update
+        # holds tokens of both, and which are which is not reported: its tokens count as the older
+        # version (staleness over-counted, never under-counted).
+        versions: list[int] = []
         # "<session>/<turn>": every turn of one episode to the same server, whose prefix cache holds it
         routing_key = rid.split("/", 1)[0] if "/" in rid else None
         cached: int | None = None  # the first part's: its input is the caller's
@@ -248,27 +284,31 @@ class SGLangEngine(RolloutEngine):
                 await self._gate(req)
                 epoch = self._pause_epoch
                 if req.aborted:
-                    return GenerateOutput(tokens, log_probs, "abort", self._version)
+                    return GenerateOutput(tokens, log_probs, "abort", self._version, token_versions=versions)
                 part_params = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
                 req.wire_prefix = f"{rid}#{uuid.uuid4().hex[:12]}"  # unique: SGLang aborts by rid prefix
-                client, routed_shape = self.client, None
+                client, routed_shape, part_version = self.client, None, self._version
                 if params.return_routed_experts:
                     client, routed_shape = self._engine_client(rid), served_routing_shape(self.model_path)
-                out = await client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
-                                            default_version=self._version, should_stop=lambda: req.aborted,
-                                            routed_shape=routed_shape, routing_key=routing_key)
+                try:
+                    out = await client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
+                                                default_version=self._version, should_stop=lambda: req.aborted,
+                                                routed_shape=routed_shape, routing_key=routing_key)
+                except GenerateError as err:
+                    raise GenerateError(f"{err}; the engines: {self._describe_servers()}") from None
                 req.wire_prefix = None  # back from the server: nothing there to abort
                 cached = out.cached_tokens if not tokens and cached is None else cached
                 tokens += out.token_ids
                 log_probs += out.log_probs
+                versions += [min(part_version, out.weight_version)] * len(out.token_ids)
                 paused_meanwhile = epoch != self._pause_epoch or bool(self._closed_by)
                 if out.finish_reason == "abort" and not req.aborted and paused_meanwhile:
                     if len(tokens) < params.max_new_tokens:
                         continue  # cut short by a sync or a memory release: go on where it stopped
-                    return GenerateOutput(tokens, log_probs, "length", out.weight_version,
+                    return GenerateOutput(tokens, log_probs, "length", out.weight_version, token_versions=versions,
                                           routed_experts=out.routed_experts, cached_tokens=cached)
                 # the last part's routed experts cover the whole sequence (its input held the earlier parts)
-                return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version,
+                return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version, token_versions=versions,
                                       routed_experts=out.routed_experts, cached_tokens=cached)
         finally:
             req.done = True
@@ -283,7 +323,9 @@ class SGLangEngine(RolloutEngine):
         if server.url not in clients:
             clients[server.url] = GenerateClient(server.url, max_concurrency=self.client._max_concurrency,
                                                  request_timeout=self.client.request_timeout,
-                                                 retry_timeout=self.client.retry_timeout, api_key=self.keys.api_key)
+                                                 retry_timeout=self.client.retry_timeout,
+                                                 max_retries=self.client.max_retries, api_key=self.keys.api_key,
+                                                 recovering=self._restarting)
         return clients[server.url]
 
     async def abort(self, request_id: str | None = None) -> None:
@@ -378,8 +420,8 @@ class SGLangEngine(RolloutEngine):
         self._closed_by.add("sync")
         self._pause_epoch += 1
         try:
-            await self._control(ws.pause_generation, self.targets(), timeout=self.sync_timeout,
-                                    step=f"weight sync v{version}: pause generation", mode=self.pause_mode)
+            await self._control_live(ws.pause_generation, timeout=self.sync_timeout,
+                                     step=f"weight sync v{version}: pause generation", mode=self.pause_mode)
         except BaseException:
             self._end_sync()  # nothing changed yet: let the engines that did pause go on
             await self._control(_try, ws.continue_generation, self.targets(), timeout=30.0, step="undo pause")
@@ -393,17 +435,16 @@ class SGLangEngine(RolloutEngine):
         if self._syncing != version:
             raise ws.WeightSyncError(f"end of weight sync v{version}, but the sync in progress is {self._syncing}")
         step = f"weight sync v{version}"
-        targets = self.targets()
         try:
             if self._verify_sample:
-                for target in targets:
+                for target in self.targets():
                     await self._control(ws.check_weights, target, self._verify_sample,
-                                            timeout=self.sync_timeout, step=step)
+                                        timeout=self.sync_timeout, step=step)
             if self.pause_mode != "in_place":  # SGLang refuses a flush while requests are held in place
-                await self._control(ws.flush_cache, targets, timeout=self.sync_timeout, step=f"{step}: flush cache")
+                await self._control_live(ws.flush_cache, timeout=self.sync_timeout, step=f"{step}: flush cache")
             if "memory" not in self._closed_by:
-                await self._control(ws.continue_generation, targets, timeout=self.sync_timeout,
-                                        step=f"{step}: continue generation")
+                await self._control_live(ws.continue_generation, timeout=self.sync_timeout,
+                                         step=f"{step}: continue generation")
         except BaseException:
             self._end_sync(reopen=False)
             raise
@@ -413,6 +454,7 @@ class SGLangEngine(RolloutEngine):
             self._disk_folder = self._pusher.folder(version)  # the trainer's sender wrote it (same folder rule)
         self._version = version
         self._weights_stale = False
+        self._pushed_by_trainer = self._bucket_index == 0  # no bucket came through update_weights
         self._end_sync()
 
     async def _send_bucket(self, named_tensors: NamedTensors, *, version: int, last: bool, step: str) -> None:
@@ -458,114 +500,6 @@ class SGLangEngine(RolloutEngine):
                                         step="resume: continue generation")
             self._closed_by.discard("memory")
 
-    # ------------------------------------------------------------------ faults
-
-    def _restore_source(self) -> Path:
-        """An HF folder holding the current version: the model itself, the last disk sync, or the
-        CPU copy of the last tensor/NCCL sync written out once."""
-        if self._version == 0:
-            return Path(self.model_path)
-        if self._disk_folder is not None and self._sync_transport in (None, "disk"):
-            return self._disk_folder
-        if self._restore_folder is not None and self._restore_folder[0] == self._version:
-            return self._restore_folder[1]
-        if not self._weights_cpu:
-            raise ws.WeightSyncError(f"cannot restore weight version {self._version}: no copy was kept "
-                                     "(SGLangEngine.keep_weights_for_recovery: set it to True to keep one)")
-        folder = self.work_dir / "weights" / f"restore-v{self._version}"
-        shutil.rmtree(folder, ignore_errors=True)
-        ws.save_hf_folder(list(self._weights_cpu.items()), folder, self.model_path)
-        if self._restore_folder is not None:
-            shutil.rmtree(self._restore_folder[1], ignore_errors=True)
-        self._restore_folder = (self._version, folder)
-        return folder
-
-    def _restore_weights(self, targets: list[ws.Target]) -> None:
-        folder = self._restore_source()
-        for target in targets:
-            ws.update_from_disk(target, folder, version=self._version, timeout=self.sync_timeout,
-                                step=f"restore weight version {self._version}")
-        ws.flush_cache(targets, timeout=self.sync_timeout, step="restore: flush cache")
-
-    async def _restore_stale_weights(self) -> None:
-        async with self._lock():
-            if self._weights_stale:
-                await self._control(self._restore_weights, self.targets())
-                self._weights_stale = False
-
-    async def _monitor(self) -> None:
-        while not self._shut:
-            await asyncio.sleep(self.health_interval)
-            for server in list(self.servers):
-                given_up = self._recovery_failures.get(server.index, 0) >= self.max_recovery_attempts
-                if server.index in self._recovering or given_up or self._shut:
-                    continue
-                if await self._is_dead(server):
-                    self._recovering.add(server.index)
-                    asyncio.get_running_loop().create_task(self._recover(server))
-
-    async def _is_dead(self, server: SGLangServer, failures_allowed: int = 3) -> bool:
-        if server.process is not None and not server.process.alive():
-            return True
-        try:
-            async with httpx.AsyncClient(timeout=5.0) as http:
-                ok = (await http.get(f"{server.url}/health")).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        self._failures[server.index] = 0 if ok else self._failures.get(server.index, 0) + 1
-        return self._failures[server.index] >= failures_allowed
-
-    async def _recover(self, server: SGLangServer) -> None:
-        """Out of the router, restarted (or waited for), current weights in, back in the router."""
-        idx = server.index
-        if self._recovery_failures.get(idx, 0) >= self.max_recovery_attempts:
-            self._recovering.discard(idx)
-            return  # given up on (logged below); health() reports False
-        fresh = server
-        try:
-            logger.warning("%s failed; taking it out of the router and restarting it", server.name)
-            await self._control(self.router.remove_worker, server.url)
-            await self._control(self._pusher.drop_group, self.targets())  # members changed: made anew at the next sync
-            if server.process is not None:
-                fresh = await self._control(restart_server, server)
-            await self._control(wait_healthy, fresh, self.startup_timeout)
-            if self._shut:
-                raise RuntimeError("the engine shut down during recovery")
-            async with self._lock():  # a sync in progress ends first; then this engine gets its version
-                target = _target(fresh)
-                if self._version > 0 or self._weights_stale:
-                    await self._control(self._restore_weights, [target])
-                if self._released:  # a colocated trainer holds the GPU now: give the memory back again
-                    await self._control(ws.release_memory, [target], sorted(self._released),
-                                            timeout=self.sync_timeout)
-                if self._closed_by:
-                    await self._control(ws.pause_generation, [target], timeout=self.sync_timeout,
-                                            step="recovery: hold generation")
-                self.servers[self.servers.index(server)] = fresh
-                self._failures[idx] = 0
-                await self._control(self.router.add_worker, fresh.url, api_key=fresh.keys.api_key)
-            self.restarts += 1
-            self._recovery_failures[idx] = 0
-            logger.warning("%s is back with weight version %d", fresh.name, self._version)
-        except (ServerStartError, ws.WeightSyncError, OSError, RuntimeError) as err:
-            self._recovery_failures[idx] = self._recovery_failures.get(idx, 0) + 1
-            if fresh is not server and fresh.process is not None:
-                fresh.process.stop()  # never left running outside the engine's list
-            left = self.max_recovery_attempts - self._recovery_failures[idx]
-            logger.error("recovery of %s failed (%s); %s", server.name, err,
-                         f"{left} more attempts" if left > 0 else "giving up on this engine")
-        finally:
-            self._recovering.discard(idx)
-
-    async def health(self) -> bool:
-        """True when every server answers ``/health`` and none is being restarted."""
-        if self._recovering or any(n >= self.max_recovery_attempts for n in self._recovery_failures.values()):
-            return False
-        async with httpx.AsyncClient(timeout=5.0) as http:
-            results = await asyncio.gather(*(http.get(f"{s.url}/health") for s in self.servers),
-                                           return_exceptions=True)
-        return all(not isinstance(r, BaseException) and r.status_code == 200 for r in results)
-
     async def shutdown(self) -> None:
         if self._shut:
             return
@@ -580,11 +514,6 @@ class SGLangEngine(RolloutEngine):
             if server.process is not None:
                 server.process.stop()
         self._control_threads.shutdown(wait=False, cancel_futures=True)
-
-
-def _target(server: SGLangServer) -> ws.Target:
-    """A server as control calls see it; they carry its admin key (the trainer's sender gets these too)."""
-    return ws.Target(server.name, server.url, server.tp_size, admin_key=server.keys.admin_key)
 
 
 def _try(fn, *args, **kwargs) -> None:
