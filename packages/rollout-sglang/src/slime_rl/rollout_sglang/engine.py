@@ -18,6 +18,7 @@ import asyncio
 import functools
 import logging
 import tempfile
+import time
 import uuid
 import zlib
 from collections.abc import Callable
@@ -211,10 +212,22 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
             try:
                 return await self._control(fn, targets, *args, **kwargs)
             except ws.WeightSyncError as err:
-                if self.targets() == targets:
+                if not await self._control(self._died, targets):
                     raise
                 logger.warning("%s: a server died during the call (%s); going on with the others",
                                kwargs.get("step", getattr(fn, "__name__", fn)), err)
+
+    def _died(self, targets: list[ws.Target], wait_s: float = 2.0) -> bool:
+        """Whether a launched server among ``targets`` has died, waiting ``wait_s`` for it to show: a
+        killed server resets its connections before its process is gone."""
+        urls = {t.url for t in targets}
+        launched = [s for s in self.servers if s.url in urls and s.process is not None]
+        deadline = time.monotonic() + wait_s
+        while not any(not s.process.alive() for s in launched):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _describe_servers(self) -> str:
         def status(s: SGLangServer) -> str:

@@ -9,6 +9,7 @@ returns the servers as targets), every trainer rank runs `SGLangWeightSender.sen
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 from slime_rl.core.config import Config
@@ -76,8 +77,15 @@ class SGLangWeightSender(WeightSender):
                 self.pusher.push(transport, targets, bucket, version=version, index=index, last=last, step=step)
                 return targets
             except ws.WeightSyncError as err:
+                if transport == "nccl":
+                    raise
                 alive = [t for t in targets if ws.reachable(t)]
-                if transport == "nccl" or len(alive) == len(targets):
+                for _ in range(20):  # a killed server resets its connections a moment before it stops listening
+                    if len(alive) < len(targets):
+                        break
+                    time.sleep(0.1)
+                    alive = [t for t in targets if ws.reachable(t)]
+                else:
                     raise
                 logger.warning("%s: %s no longer take connections (%s); going on without them", step,
                                ", ".join(t.name for t in targets if t not in alive), err)
