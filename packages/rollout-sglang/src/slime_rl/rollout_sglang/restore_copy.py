@@ -12,6 +12,7 @@ needs (`wait_for_version`). Trainer and engines must share the folder (one node,
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 import time
@@ -21,6 +22,8 @@ import torch
 
 from slime_rl.core.contracts import NamedTensors
 from slime_rl.rollout_sglang import weight_sync as ws
+
+logger = logging.getLogger(__name__)
 
 
 def restore_dir(weights_dir: str | Path) -> Path:
@@ -39,15 +42,17 @@ class RestoreCopy:
         self._held: dict[str, torch.Tensor] = {}
         self._names: list[str] = []  # this version's, in push order
         self._writer: threading.Thread | None = None
-        self.error: BaseException | None = None  # the last write's failure (reported by the next `add`)
+        self.error: BaseException | None = None  # the last write's failure (logged by the next `add`)
 
     def add(self, bucket: NamedTensors, *, first: bool) -> None:
         """Queue this bucket's copy to host memory (``first``: the first bucket of a version)."""
         if first:
             self.wait()  # the writer still reads the buffers of the version before
-            if self.error is not None:
-                error, self.error = self.error, None
-                raise RuntimeError(f"writing the restore copy of the weights failed: {error}") from error
+            if self.error is not None:  # only a restart needs the copy: the run goes on, and says so
+                logger.warning("writing the restore copy of the weights under %s failed (%s): a server that dies"
+                               " now cannot be restored until the next copy is written", restore_dir(self.weights_dir),
+                               self.error)
+                self.error = None
             self._names = []
         for name, tensor in bucket:
             held = self._held.get(name)
