@@ -263,7 +263,9 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
     if args.kill_engine_after is not None:
         failed = [r.mode for r in results if not r.killed or r.restarts < 1]
         print(f"engine kill: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}: "
-              + "; ".join(f"{r.mode}: killed {r.killed}, engine/restarts {r.restarts:.0f}" for r in results), flush=True)
+              + "; ".join(f"{r.mode}: killed {r.killed}, engine/restarts {r.restarts:.0f}" for r in results)
+              + ("; no server found to kill, or the run ended before a step's metrics showed the restart: kill"
+                 " earlier or give more --groups" if failed else ""), flush=True)
         if failed:
             sys.exit(1)
     return results

@@ -103,3 +103,19 @@ def test_async_speedup_benchmark_runs_the_same_work_in_every_mode(tmp_path, caps
     out = capsys.readouterr().out
     assert "| mode | steps | wall s | trained tok/s | engine busy | trainer busy |" in out
     assert "speedup fully/off:" in out and "speedup fully/one_step:" in out
+
+
+@pytest.mark.slow
+def test_async_speedup_kill_option_on_the_stand_in_server(tmp_path, capsys):
+    """--kill-engine-after through the real loop with the SGLang engine (stand-in servers behind the real
+    sglang-router, the Megatron trainer): the server is SIGKILLed 3 s in, restarted with the current weights,
+    the run completes and its metrics count the restart; ~40 s."""
+    pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
+    async_speedup = bench("async_speedup")
+    (result,) = async_speedup.main([
+        "--device", "cpu", "--engine", "sglang", "--engine-python", fake_sglang_python(tmp_path), "--shape", "tiny",
+        "--modes", "fully", "--groups", "80", "--batch", "2", "--samples", "2", "--prompt-len", "8",
+        "--median-len", "4", "--sigma", "1.5", "--max-len", "64", "--kill-engine-after", "3",
+        "--work-dir", str(tmp_path / "work")])
+    assert len(result.killed) == 1 and result.restarts >= 1 and len(result.rows) >= 1
+    assert "engine kill: PASS" in capsys.readouterr().out

@@ -74,6 +74,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--standin-never-healthy", action="store_true")  # /health always 503
     p.add_argument("--standin-crash-on-start", action="store_true")  # exit 1 after logging an error
     p.add_argument("--standin-token-delay", type=float, default=0.0)  # seconds per generated token
+    p.add_argument("--standin-update-delay", type=float, default=0.0)  # seconds a weight update takes (inf: forever)
     p.add_argument("--enable-return-routed-experts", action="store_true")  # SGLang's flag (MoE models)
     add_flags(p)  # --enable-lora and the other LoRA flags (standin_lora.py)
     return p.parse_known_args(argv)
@@ -363,6 +364,9 @@ class StandinServer:
 
     # ------------------------------------------------------------------ weights
 
+    async def _update_takes_its_time(self) -> None:  # --standin-update-delay (inf: it never answers)
+        await asyncio.sleep(min(self.args.standin_update_delay, 1e9))
+
     def _apply(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         for name, tensor in named:
             if name not in self.weights:
@@ -378,6 +382,7 @@ class StandinServer:
         payloads = body["serialized_named_tensors"]
         self.record("update_weights_from_tensor", load_format=body.get("load_format"), num_payloads=len(payloads),
                     weight_version=body.get("weight_version"), flush_cache=body.get("flush_cache", True))
+        await self._update_takes_its_time()
         try:
             if len(payloads) != self.args.tp_size:
                 raise ValueError(f"{len(payloads)} payloads for tp_size {self.args.tp_size}")
@@ -389,6 +394,7 @@ class StandinServer:
     async def handle_update_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.record("update_weights_from_disk", model_path=body["model_path"], weight_version=body.get("weight_version"))
+        await self._update_takes_its_time()
         try:
             loaded = self._load_folder(Path(body["model_path"]))
             if not loaded:
@@ -424,6 +430,7 @@ class StandinServer:
         body = await request.json()
         self.record("update_weights_from_distributed", names=body["names"], load_format=body.get("load_format"),
                     weight_version=body.get("weight_version"))
+        await self._update_takes_its_time()
         group = self.groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
             return web.json_response({"success": False, "message": "Please call `init_weights_update_group` first."},

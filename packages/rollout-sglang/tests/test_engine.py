@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -269,6 +270,28 @@ def test_a_request_in_flight_during_a_sync_continues_on_the_new_weights(make_eng
     assert len(segments) == 2
     made_before = segments[1]["input_len"] - 2  # the second segment's prompt carries the first one's tokens
     assert 0 < made_before < 800 and segments[1]["sampling_params"]["max_new_tokens"] == 800 - made_before
+    # each token's version: the first segment's on version 0, the continuation's on version 1
+    assert out.token_versions == [0] * made_before + [1] * (800 - made_before)
+
+
+def test_a_request_held_in_place_through_a_sync_counts_its_tokens_as_the_older_version(make_engine, tiny_model):
+    """cluster.async_mode=fully pauses in place: the request is not cut, and SGLang's answer carries only the
+    version at its finish, so every token counts as the version the request started on (staleness
+    over-counted rather than under-counted)."""
+    engine = make_engine(num_engines=1)
+    engine.pause_mode = "in_place"
+    params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)
+
+    async def run():
+        task = asyncio.create_task(engine.generate([2, 3], params, request_id="held"))
+        await asyncio.sleep(0.4)
+        await engine.update_weights(new_weights(tiny_model, 3.0), version=1, last=True)
+        return await asyncio.wait_for(task, 20)
+
+    out = asyncio.run(run())
+    assert out.finish_reason == "length" and out.weight_version == 1 and out.token_versions == [0] * 800
+    assert [e["mode"] for e in events(engine.engine_urls[0], "pause_generation")] == ["in_place"]
+    assert len([e for e in events(engine.engine_urls[0], "generate") if e["rid"].startswith("held#")]) == 1
 
 
 def test_trainer_side_sync_with_the_weight_sync_functions(make_engine, tiny_model):
@@ -472,4 +495,51 @@ def test_routed_experts_go_straight_to_an_engine(tiny_model, standin_python, tmp
         asked = [url for url, seen in bodies.items() if any(b.get("return_routed_experts") for b in seen)]
         assert len(asked) == 1  # straight to one engine: through the router the field would be gone
     finally:
+        asyncio.run(engine.shutdown())
+
+
+@pytest.mark.slow
+def test_a_server_killed_during_a_trainer_side_sync_is_left_out_and_restored_after(tiny_model, standin_python, tmp_path):
+    """The trainer's sender pushes version 2; the server dies while loading it. The sender leaves it out, the
+    engine ends the sync on the servers left, and the monitor restarts it with version 2 from the copy the
+    sender wrote (restore_copy.py): a server that died after a trainer-side sync used to have no copy to
+    come back with."""
+    cfg = make_config(tiny_model, standin_python, tmp_path, num_engines=1,
+                      engine_args={"standin_update_delay": 0.5})
+    engine = SGLangEngine.from_config(cfg)
+    engine.health_interval = 0.3
+    sender = SGLangWeightSender(cfg, rank=0)
+    victim = engine.servers[0]
+
+    def kill_once_loading(version: str) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(e["weight_version"] == version for e in events(victim.url, "update_weights_from_tensor")):
+                os.killpg(victim.process.pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    async def run():
+        for version, scale in ((1, 2.0), (2, 0.5)):
+            targets = await engine.begin_weight_sync(version, transport="tensor")
+            killer = threading.Thread(target=kill_once_loading, args=("2",)) if version == 2 else None
+            if killer is not None:
+                killer.start()
+            await asyncio.to_thread(sender.send, iter([new_weights(tiny_model, scale)]), targets, version=version,
+                                    transport="tensor")
+            await asyncio.wait_for(engine.end_weight_sync(version), 30)
+        deadline = time.monotonic() + 60
+        while engine.restarts < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        return await asyncio.wait_for(engine.generate([5, 6, 7], GREEDY), 60)
+
+    try:
+        out = asyncio.run(run())
+        assert engine.restarts == 1 and engine.weight_version == 2 and out.weight_version == 2
+        fresh = engine.servers[0]
+        assert fresh.url != victim.url and state(fresh.url)["weight_version"] == "2"
+        restored = events(fresh.url, "update_weights_from_disk")
+        assert [Path(e["model_path"]).name for e in restored] == ["v2"]  # weights/restore/v2
+    finally:
+        sender.restore.wait()
         asyncio.run(engine.shutdown())

@@ -4,6 +4,7 @@ helpers and generate client."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -128,8 +129,27 @@ def test_client_retries_until_a_worker_joins(router, workers):
 
 def test_client_gives_up_after_its_retry_window(router):
     client = GenerateClient(router.url, retry_timeout=1.0)
-    with pytest.raises(GenerateError, match=r"request lonely: gave up after \d+ attempts over 1 s; last: HTTP 503"):
+    with pytest.raises(GenerateError, match=r"request lonely: gave up after \d+ attempts over 1 s through the router at "
+                                            r"http://127.0.0.1:\d+; last: HTTP 503"):
         asyncio.run(client.generate([1], SamplingParams(max_new_tokens=2), "lonely"))
+
+
+def test_transient_failures_have_a_bound_of_their_own_unless_an_engine_is_restarting(router):
+    """The router answers 503 every time: with no engine restarting, the request gives up after
+    max_retries + 1 attempts, long before the (engine-restart sized) retry_timeout; while the engine says
+    one is restarting, the attempts do not count and the request waits, up to retry_timeout."""
+    client = GenerateClient(router.url, retry_timeout=600, max_retries=3)
+    started = time.monotonic()
+    with pytest.raises(GenerateError, match=r"request flaky: gave up after 4 attempts through the router at "
+                                            r"http://127.0.0.1:\d+ \(4 failed while no engine was restarting; "
+                                            r"rollout.generate_max_retries=3\); last: HTTP 503"):
+        asyncio.run(client.generate([1], SamplingParams(max_new_tokens=2), "flaky"))
+    assert time.monotonic() - started < 10 and client.retries == 3
+
+    waiting = GenerateClient(router.url, retry_timeout=3.0, max_retries=1, recovering=lambda: True)
+    with pytest.raises(GenerateError, match=r"over 3 s through the router"):
+        asyncio.run(waiting.generate([1], SamplingParams(max_new_tokens=2), "patient"))
+    assert waiting.retries >= 4  # backoff 0.05, 0.1, 0.2, 0.4, 0.8 s: five tries fit in 3 s
 
 
 def test_per_request_timeout(router, workers):

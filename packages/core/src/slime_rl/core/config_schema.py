@@ -129,6 +129,7 @@ class RolloutConfig(_Section):
     engine_startup_timeout: float = Field(900.0, gt=0)  # seconds for a launched server to answer /health
     weight_sync_timeout: float = Field(600.0, gt=0)  # seconds per weight-sync step (a bucket, a pause, a flush)
     max_engine_restarts: int = Field(3, ge=0)  # restarts of a failed engine in a row before the run gives up on it
+    generate_max_retries: int = Field(20, ge=0)  # failed attempts of one request retried while no engine restarts
     update_weight_transport: Literal["auto", "tensor", "nccl", "disk"] = "auto"
     update_weight_buffer_mb: int = Field(2048, ge=1)  # bucket size; 512 MiB buckets made a 7B sync 3.4x slower
     check_weight_update: bool = False  # after each sync, compare engine weights with the trainer's (slow)

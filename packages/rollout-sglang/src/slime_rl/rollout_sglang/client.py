@@ -136,11 +136,17 @@ class GenerateClient:
     """One connection pool to the router, at most ``max_concurrency`` requests in flight."""
 
     def __init__(self, router_url: str, *, max_concurrency: int = 512, request_timeout: float = 3600.0,
-                 retry_timeout: float = 900.0, api_key: str | None = None):
+                 retry_timeout: float = 900.0, max_retries: int = 20, api_key: str | None = None,
+                 recovering: Callable[[], bool] | None = None):
         self.router_url = router_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # the router's --api-key
         self.request_timeout = request_timeout  # one generation, start to end
         self.retry_timeout = retry_timeout  # how long to keep retrying a request no worker can take
+        # Failed attempts of one request retried while no engine is being restarted (rollout.generate_max_retries):
+        # a transient router error gives up after these; while ``recovering()`` says an engine is coming back,
+        # attempts wait for it instead, up to retry_timeout.
+        self.max_retries = max_retries
+        self.recovering = recovering
         self._max_concurrency = max_concurrency
         self._session: aiohttp.ClientSession | None = None
         self._semaphore: asyncio.Semaphore | None = None
@@ -165,14 +171,15 @@ class GenerateClient:
                        routed_shape: tuple[int, int] | None = None, routing_key: str | None = None,
                        lora_path: str | None = None) -> GenerateOutput:
         """POST one request; on a dropped connection or a 5xx from the router, retry with a
-        fresh rid (``{rid_prefix}.{attempt}``) until ``retry_timeout``. An abort of
+        fresh rid (``{rid_prefix}.{attempt}``), at most ``max_retries`` failures while no engine is
+        restarting and never past ``retry_timeout``. An abort of
         ``rid_prefix`` reaches every attempt (SGLang matches aborts by rid prefix).
         ``should_stop()`` true when a slot frees up or before a retry: an empty abort result.
         ``routing_key``: requests with the same key go to the same worker (router policy ``manual``).
         ``lora_path``: the LoRA adapter to generate with (`build_payload`)."""
         session, semaphore = self._bind()
         deadline = time.monotonic() + self.retry_timeout
-        attempt, backoff = 0, 0.05
+        attempt, backoff, counted = 0, 0.05, 0  # counted: failures while no engine was being restarted
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
         async with semaphore:
             while True:
@@ -195,9 +202,16 @@ class GenerateClient:
                         raise GenerateError(f"request {rid_prefix}: the router answered HTTP {resp.status}: "
                                             f"{text[:500]}")
                     problem = f"HTTP {resp.status}: {text[:200]}"
+                if self.recovering is None or not self.recovering():
+                    counted += 1
+                if counted > self.max_retries:
+                    raise GenerateError(f"request {rid_prefix}: gave up after {attempt + 1} attempts through the "
+                                        f"router at {self.router_url} ({counted} failed while no engine was "
+                                        f"restarting; rollout.generate_max_retries={self.max_retries}); last: {problem}")
                 if time.monotonic() + backoff > deadline:
                     raise GenerateError(f"request {rid_prefix}: gave up after {attempt + 1} attempts over "
-                                        f"{self.retry_timeout:g} s; last: {problem}")
+                                        f"{self.retry_timeout:g} s through the router at {self.router_url}; "
+                                        f"last: {problem}")
                 logger.info("request %s attempt %d failed (%s); retrying", rid_prefix, attempt, problem)
                 await asyncio.sleep(backoff * (1 + random.random() * 0.2))
                 backoff = min(backoff * 2, 2.0)

@@ -42,9 +42,9 @@ from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import launch as fleet
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.adapter_roster import AdapterRoster
-from slime_rl.rollout_sglang.client import GenerateClient, served_routing_shape
-from slime_rl.rollout_sglang.engine_recovery import EngineRecovery, server_target
+from slime_rl.rollout_sglang.client import GenerateClient, GenerateError, served_routing_shape
 from slime_rl.rollout_sglang.keys import EngineKeys
+from slime_rl.rollout_sglang.recovery import EngineRecovery, server_target
 from slime_rl.rollout_sglang.router import Router
 from slime_rl.rollout_sglang.server import SGLangServer
 from slime_rl.rollout_sglang.transport import BucketPusher
@@ -104,7 +104,7 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         self.weights_cpu_backup = weights_cpu_backup  # the servers keep weights over a memory release
         self.keys = keys or EngineKeys()  # the run's keys (keys.py); the servers and the router refuse others
         self.client = GenerateClient(router.url, max_concurrency=max_concurrency, request_timeout=request_timeout,
-                                     retry_timeout=startup_timeout, api_key=router.key)
+                                     retry_timeout=startup_timeout, api_key=router.key, recovering=self._restarting)
         self._engine_clients: dict[str, GenerateClient] = {}  # url -> a client straight to that engine
         self._version = 0
         self._inflight: dict[str, _Request] = {}
@@ -119,6 +119,7 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         self._verify_sample: dict[str, str] = {}  # name -> checksum
         self._disk_folder: Path | None = None  # the HF folder of the current version (disk transport)
         self._restore_folder: tuple[int, Path] | None = None
+        self._pushed_by_trainer = False  # the last sync came from the trainer's sender (begin/end_weight_sync)
         self._released: set[str] = set()
         self._weights_stale = False  # weights were released without a backup; restore before generating
         self._recovering: set[int] = set()
@@ -155,6 +156,7 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
                                 engine_args=fleet.engine_args(cfg), python=r.engine_python,
                                 gpu_ids=fleet.engine_gpu_ids(plan), host=fleet.server_host(plan), **common)
         engine.max_recovery_attempts = r.max_engine_restarts
+        engine.client.max_retries = r.generate_max_retries
         engine.pause_mode = "in_place" if c.async_mode == "fully" else "abort"
         return engine
 
@@ -219,8 +221,23 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         return [s.url for s in self.servers]
 
     def targets(self) -> list[ws.Target]:
-        """The servers that take part in control calls now (not those being restarted)."""
-        return [server_target(s) for s in self.servers if s.index not in self._recovering]
+        """The servers that take part in control calls now: not those being restarted, nor a launched
+        one whose process has died (the monitor restarts it and gives it the current weights)."""
+        return [server_target(s) for s in self.servers
+                if s.index not in self._recovering and (s.process is None or s.process.alive())]
+
+    async def _control_live(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(targets, *args, **kwargs)`` on the live servers; when one dies during the call (its
+        process gone), again on those left: the dead one's recovery restores it."""
+        while True:
+            targets = self.targets()
+            try:
+                return await self._control(fn, targets, *args, **kwargs)
+            except ws.WeightSyncError as err:
+                if not await self._control(self._died, targets):
+                    raise
+                logger.warning("%s: a server died during the call (%s); going on with the others",
+                               kwargs.get("step", getattr(fn, "__name__", fn)), err)
 
     def _lock(self) -> asyncio.Lock:
         loop = asyncio.get_running_loop()
@@ -263,6 +280,10 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         req = self._inflight[rid] = _Request(rid)
         tokens: list[int] = []
         log_probs: list[float] = []
+        # SGLang answers with one version (the one at the finish); a part that spanned an in-place update
+        # holds tokens of both, and which are which is not reported: its tokens count as the older
+        # version (staleness over-counted, never under-counted).
+        versions: list[int] = []
         # "<session>/<turn>": every turn of one episode to the same server, whose prefix cache holds it
         routing_key = rid.split("/", 1)[0] if "/" in rid else None
         cached: int | None = None  # the first part's: its input is the caller's
@@ -271,10 +292,10 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
                 await self._gate(req)
                 epoch = self._pause_epoch
                 if req.aborted:
-                    return GenerateOutput(tokens, log_probs, "abort", self._version)
+                    return GenerateOutput(tokens, log_probs, "abort", self._version, token_versions=versions)
                 part_params = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
                 req.wire_prefix = f"{rid}#{uuid.uuid4().hex[:12]}"  # unique: SGLang aborts by rid prefix
-                client, routed_shape = self.client, None
+                client, routed_shape, part_version = self.client, None, self._version
                 if params.return_routed_experts:
                     client, routed_shape = self._engine_client(rid), served_routing_shape(self.model_path)
                 lora, version = self.roster.acquire() if self.roster else (None, self._version)
@@ -282,6 +303,8 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
                     out = await client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
                                                 default_version=version, should_stop=lambda: req.aborted,
                                                 routed_shape=routed_shape, routing_key=routing_key, lora_path=lora)
+                except GenerateError as err:
+                    raise GenerateError(f"{err}; the engines: {self._describe_servers()}") from None
                 finally:
                     self._release_adapter(lora)
                 if lora is not None:  # the server's own version is the base's; the adapter is the policy
@@ -290,14 +313,15 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
                 cached = out.cached_tokens if not tokens and cached is None else cached
                 tokens += out.token_ids
                 log_probs += out.log_probs
+                versions += [min(part_version, out.weight_version)] * len(out.token_ids)
                 paused_meanwhile = epoch != self._pause_epoch or bool(self._closed_by)
                 if out.finish_reason == "abort" and not req.aborted and paused_meanwhile:
                     if len(tokens) < params.max_new_tokens:
                         continue  # cut short by a sync or a memory release: go on where it stopped
-                    return GenerateOutput(tokens, log_probs, "length", out.weight_version,
+                    return GenerateOutput(tokens, log_probs, "length", out.weight_version, token_versions=versions,
                                           routed_experts=out.routed_experts, cached_tokens=cached)
                 # the last part's routed experts cover the whole sequence (its input held the earlier parts)
-                return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version,
+                return GenerateOutput(tokens, log_probs, out.finish_reason, out.weight_version, token_versions=versions,
                                       routed_experts=out.routed_experts, cached_tokens=cached)
         finally:
             req.done = True
@@ -312,7 +336,9 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         if server.url not in clients:
             clients[server.url] = GenerateClient(server.url, max_concurrency=self.client._max_concurrency,
                                                  request_timeout=self.client.request_timeout,
-                                                 retry_timeout=self.client.retry_timeout, api_key=self.keys.api_key)
+                                                 retry_timeout=self.client.retry_timeout,
+                                                 max_retries=self.client.max_retries, api_key=self.keys.api_key,
+                                                 recovering=self._restarting)
         return clients[server.url]
 
     async def abort(self, request_id: str | None = None) -> None:
@@ -411,8 +437,8 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         self._closed_by.add("sync")
         self._pause_epoch += 1
         try:
-            await self._control(ws.pause_generation, self.targets(), timeout=self.sync_timeout,
-                                    step=f"weight sync v{version}: pause generation", mode=self.pause_mode)
+            await self._control_live(ws.pause_generation, timeout=self.sync_timeout,
+                                     step=f"weight sync v{version}: pause generation", mode=self.pause_mode)
         except BaseException:
             self._end_sync()  # nothing changed yet: let the engines that did pause go on
             await self._control(_try, ws.continue_generation, self.targets(), timeout=30.0, step="undo pause")
@@ -429,17 +455,16 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
             await self._switch_adapter(version)
             return
         step = f"weight sync v{version}"
-        targets = self.targets()
         try:
             if self._verify_sample:
-                for target in targets:
+                for target in self.targets():
                     await self._control(ws.check_weights, target, self._verify_sample,
-                                            timeout=self.sync_timeout, step=step)
+                                        timeout=self.sync_timeout, step=step)
             if self.pause_mode != "in_place":  # SGLang refuses a flush while requests are held in place
-                await self._control(ws.flush_cache, targets, timeout=self.sync_timeout, step=f"{step}: flush cache")
+                await self._control_live(ws.flush_cache, timeout=self.sync_timeout, step=f"{step}: flush cache")
             if "memory" not in self._closed_by:
-                await self._control(ws.continue_generation, targets, timeout=self.sync_timeout,
-                                        step=f"{step}: continue generation")
+                await self._control_live(ws.continue_generation, timeout=self.sync_timeout,
+                                         step=f"{step}: continue generation")
         except BaseException:
             self._end_sync(reopen=False)
             raise
@@ -449,6 +474,7 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
             self._disk_folder = self._pusher.folder(version)  # the trainer's sender wrote it (same folder rule)
         self._version = version
         self._weights_stale = False
+        self._pushed_by_trainer = self._bucket_index == 0  # no bucket came through update_weights
         self._end_sync()
 
     async def _send_bucket(self, named_tensors: NamedTensors, *, version: int, last: bool, step: str) -> None:
@@ -540,15 +566,6 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
                 await self._control(ws.continue_generation, self.targets(), timeout=self.sync_timeout,
                                         step="resume: continue generation")
             self._closed_by.discard("memory")
-
-    async def health(self) -> bool:
-        """True when every server answers ``/health`` and none is being restarted."""
-        if self._recovering or any(n >= self.max_recovery_attempts for n in self._recovery_failures.values()):
-            return False
-        async with httpx.AsyncClient(timeout=5.0) as http:
-            results = await asyncio.gather(*(http.get(f"{s.url}/health") for s in self.servers),
-                                           return_exceptions=True)
-        return all(not isinstance(r, BaseException) and r.status_code == 200 for r in results)
 
     async def shutdown(self) -> None:
         if self._shut:

@@ -8,6 +8,8 @@ returns the servers as targets), every trainer rank runs `SGLangWeightSender.sen
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 
 from slime_rl.core.config import Config
@@ -16,7 +18,10 @@ from slime_rl.core.lora import lora_spec, syncs_adapters
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.launch import work_dir
+from slime_rl.rollout_sglang.restore_copy import RestoreCopy
 from slime_rl.rollout_sglang.transport import BucketPusher
+
+logger = logging.getLogger(__name__)
 
 
 def _with_last(buckets: Iterator[NamedTensors]) -> Iterator[tuple[int, NamedTensors, bool]]:
@@ -42,6 +47,9 @@ class SGLangWeightSender(WeightSender):
         super().__init__(cfg, rank=rank)
         self.pusher = BucketPusher(weights_dir=work_dir(cfg) / "weights", model_path=cfg.model.path,
                                    timeout=cfg.rollout.weight_sync_timeout)
+        # What a restarted server is restored from (restore_copy.py); a disk sync leaves its own folder.
+        self.restore = (RestoreCopy(self.pusher.weights_dir, cfg.model.path)
+                        if rank == 0 and cfg.rollout.max_engine_restarts > 0 else None)
 
     def send(self, buckets: Iterator[NamedTensors], handle: list[ws.Target], *, version: int,
              transport: str) -> None:
@@ -61,8 +69,36 @@ class SGLangWeightSender(WeightSender):
         for index, bucket, last in _with_last(buckets):
             if self.cfg.rollout.check_weight_update:
                 expected.update(ws.check_sample(bucket, tp_size=ws.widest_tp(targets)))
-            self.pusher.push(transport, targets, bucket, version=version, index=index, last=last,
-                             step=f"weight sync v{version} bucket {index} ({transport})")
+            targets = self._push(transport, targets, bucket, version=version, index=index, last=last)
+            if self.restore is not None and transport != "disk":
+                self.restore.add(bucket, first=index == 0)
+                if last:
+                    self.restore.finish(version)
         for target in targets if expected else []:
             ws.check_weights(target, expected, timeout=self.pusher.timeout,
                              step=f"weight sync v{version} ({transport})")
+
+    def _push(self, transport: str, targets: list[ws.Target], bucket: NamedTensors, *, version: int, index: int,
+              last: bool) -> list[ws.Target]:
+        """The bucket into every target. A server that died meanwhile (it takes no connections) is left out
+        and the others get the bucket again: the engine's recovery restarts it and restores this version
+        (restore_copy.py). An NCCL group with a dead member cannot go on: that error is raised."""
+        step = f"weight sync v{version} bucket {index} ({transport})"
+        while True:
+            try:
+                self.pusher.push(transport, targets, bucket, version=version, index=index, last=last, step=step)
+                return targets
+            except ws.WeightSyncError as err:
+                if transport == "nccl":
+                    raise
+                alive = [t for t in targets if ws.reachable(t)]
+                for _ in range(20):  # a killed server resets its connections a moment before it stops listening
+                    if len(alive) < len(targets):
+                        break
+                    time.sleep(0.1)
+                    alive = [t for t in targets if ws.reachable(t)]
+                else:
+                    raise
+                logger.warning("%s: %s no longer take connections (%s); going on without them", step,
+                               ", ".join(t.name for t in targets if t not in alive), err)
+                targets = alive

@@ -94,6 +94,15 @@ def post(target: Target, path: str, body: dict[str, Any] | None, *, timeout: flo
     return data
 
 
+def reachable(target: Target, timeout: float = 5.0) -> bool:
+    """Whether the server accepts connections at all (any answer to ``/health``, even 503, counts)."""
+    try:
+        httpx.get(f"{target.url}/health", timeout=timeout)
+    except httpx.TransportError:
+        return False
+    return True
+
+
 def post_all(targets: list[Target], path: str, body: Callable[[int, Target], dict] | dict | None, *,
              timeout: float, step: str) -> list[Any]:
     """The same call on every engine at once; the first failure is raised after all returned."""
@@ -118,7 +127,8 @@ def continue_generation(targets: list[Target], *, timeout: float, step: str) -> 
 
 def flush_cache(targets: list[Target], *, timeout: float, step: str) -> None:
     """Drop the prefix cache (its KV came from the old weights). SGLang refuses (HTTP 400)
-    while requests are pending, so poll until it succeeds."""
+    while requests are pending, so poll until it succeeds. A server that refuses the connection is
+    gone (no retry brings it back; its restart flushes anyway): that fails at once."""
     for target in targets:
         deadline = time.monotonic() + timeout
         while True:
@@ -127,6 +137,8 @@ def flush_cache(targets: list[Target], *, timeout: float, step: str) -> None:
                 if resp.status_code == 200:
                     break
                 problem = f"HTTP {resp.status_code}: {resp.text.strip()[:200]}"
+            except httpx.ConnectError as err:
+                raise WeightSyncError(f"{target.name}: {step}: /flush_cache failed: {type(err).__name__}: {err}") from None
             except httpx.HTTPError as err:
                 problem = f"{type(err).__name__}: {err}"
             if time.monotonic() >= deadline:

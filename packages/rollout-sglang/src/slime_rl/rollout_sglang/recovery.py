@@ -1,25 +1,60 @@
-"""How an `SGLangEngine` survives a server that dies: a monitor finds it, takes it out of the router,
-restarts it (or waits for an attached one), gives it the current weights (and LoRA adapters) and
-registers it again. Also the restore of weights a memory release left stale. A mixin of
-`SGLangEngine`, whose state it reads (servers, versions, locks, control threads)."""
+"""A dying SGLang server does not end the run: the monitor health-checks the servers; a dead one is
+taken out of the router, restarted (or, when attached, waited for), given the current weights and
+registered again (`rollout.max_engine_restarts` times in a row at most), with its LoRA adapters when the run
+syncs adapters. Also the restore of weights a memory release left stale. `SGLangEngine` mixes this in."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import httpx
 
 from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.restore_copy import wait_for_version
 from slime_rl.rollout_sglang.server import ServerStartError, SGLangServer, restart_server, wait_healthy
 
-logger = logging.getLogger("slime_rl.rollout_sglang.engine")
+logger = logging.getLogger("slime_rl.rollout_sglang.engine")  # the engine's log, as before the split
+
+
+def server_target(server: SGLangServer) -> ws.Target:
+    """A server as control calls see it; they carry its admin key (the trainer's sender gets these too)."""
+    return ws.Target(server.name, server.url, server.tp_size, admin_key=server.keys.admin_key,
+                     api_key=server.keys.api_key)
 
 
 class EngineRecovery:
-    """Restart and restore (`SGLangEngine` supplies the attributes these use)."""
+    """The monitor and the recovery of `SGLangEngine` (its attributes are the engine's)."""
+
+    def _died(self, targets: list[ws.Target], wait_s: float = 2.0) -> bool:
+        """Whether a launched server among ``targets`` has died, waiting ``wait_s`` for it to show: a
+        killed server resets its connections before its process is gone."""
+        urls = {t.url for t in targets}
+        launched = [s for s in self.servers if s.url in urls and s.process is not None]
+        deadline = time.monotonic() + wait_s
+        while not any(not s.process.alive() for s in launched):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _describe_servers(self) -> str:
+        def status(s: SGLangServer) -> str:
+            if s.index in self._recovering:
+                return "restarting"
+            if s.process is not None and not s.process.alive():
+                return "dead"
+            return "given up on" if self._recovery_failures.get(s.index, 0) >= self.max_recovery_attempts else "up"
+
+        return ", ".join(f"{s.name} {status(s)}" for s in self.servers)
+
+    def _restarting(self) -> bool:
+        """An engine is down and coming back (being restarted, or its process gone and not noticed yet):
+        requests wait for it rather than count against rollout.generate_max_retries."""
+        return bool(self._recovering) or any(s.process is not None and not s.process.alive() for s in self.servers)
 
     def _restore_source(self) -> Path:
         """An HF folder holding the current version: the model itself, the last disk sync, or the
@@ -30,9 +65,15 @@ class EngineRecovery:
             return self._disk_folder
         if self._restore_folder is not None and self._restore_folder[0] == self._version:
             return self._restore_folder[1]
-        if not self._weights_cpu:
-            raise ws.WeightSyncError(f"cannot restore weight version {self._version}: no copy was kept "
-                                     "(SGLangEngine.keep_weights_for_recovery: set it to True to keep one)")
+        if self._pushed_by_trainer:  # the trainer's sender writes the copy (restore_copy.py), maybe still
+            folder = wait_for_version(self._pusher.weights_dir, self._version, self.sync_timeout)
+            if folder is not None:
+                return folder
+        if self._pushed_by_trainer or not self._weights_cpu:
+            raise ws.WeightSyncError(
+                f"cannot restore weight version {self._version}: no copy was kept (the trainer's sender writes one"
+                f" under {self._pusher.weights_dir}/restore unless rollout.max_engine_restarts=0; an engine-side sync"
+                " keeps one with SGLangEngine.keep_weights_for_recovery)")
         folder = self.work_dir / "weights" / f"restore-v{self._version}"
         shutil.rmtree(folder, ignore_errors=True)
         ws.save_hf_folder(list(self._weights_cpu.items()), folder, self.model_path)
@@ -120,8 +161,11 @@ class EngineRecovery:
         finally:
             self._recovering.discard(idx)
 
-
-def server_target(server: SGLangServer) -> ws.Target:
-    """A server as control calls see it; they carry its admin key (the trainer's sender gets these too)."""
-    return ws.Target(server.name, server.url, server.tp_size, admin_key=server.keys.admin_key,
-                     api_key=server.keys.api_key)
+    async def health(self) -> bool:
+        """True when every server answers ``/health`` and none is being restarted."""
+        if self._recovering or any(n >= self.max_recovery_attempts for n in self._recovery_failures.values()):
+            return False
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            results = await asyncio.gather(*(http.get(f"{s.url}/health") for s in self.servers),
+                                           return_exceptions=True)
+        return all(not isinstance(r, BaseException) and r.status_code == 200 for r in results)

@@ -1,0 +1,40 @@
+"""The trainer-side copy a restarted SGLang server is restored from (restore_copy.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from safetensors.torch import load_file
+
+from slime_rl.rollout_sglang.restore_copy import RestoreCopy, version_folder, wait_for_version
+
+
+def test_each_version_is_written_whole_and_replaces_the_one_before(tiny_model, tmp_path):
+    copy = RestoreCopy(tmp_path / "weights", tiny_model)
+    for version in (1, 2):
+        bucket = [("a", torch.full((2, 3), float(version))), ("b", torch.arange(4.0) * version)]
+        copy.add(bucket[:1], first=True)
+        copy.add(bucket[1:], first=False)
+        copy.finish(version)
+        bucket[0][1].zero_()  # the trainer reuses its buffers: the copy was taken when pushed
+    copy.wait()
+    folder = wait_for_version(tmp_path / "weights", 2, timeout=5)
+    assert folder == version_folder(tmp_path / "weights", 2) and (folder / "config.json").is_file()
+    tensors = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert torch.equal(tensors["a"], torch.full((2, 3), 2.0)) and torch.equal(tensors["b"], torch.arange(4.0) * 2)
+    assert not version_folder(tmp_path / "weights", 1).exists()  # one copy on disk
+    assert wait_for_version(tmp_path / "weights", 3, timeout=0.2) is None
+
+
+def test_a_failed_write_is_logged_and_the_sync_goes_on(tiny_model, tmp_path, caplog):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")  # restore/ cannot be made under a file
+    copy = RestoreCopy(blocked, tiny_model)
+    copy.add([("a", torch.ones(2))], first=True)
+    copy.finish(1)
+    copy.wait()
+    assert copy.error is not None
+    with caplog.at_level(logging.WARNING):
+        copy.add([("a", torch.ones(2))], first=True)  # the next sync: no exception
+    assert "writing the restore copy of the weights" in caplog.text and copy.error is None
