@@ -47,7 +47,7 @@ RSS_TARGET_GIB = 5.0
 PHASES = ("rollout", "prepare", "train", "wait_rollout", "weight_sync")  # one after the other: they add up
 PREPARE_PARTS = ("log_probs", "ref_log_probs", "advantages")  # rank 0's parts of prepare
 GIB = 1024**3
-LORA_OVERRIDES = ("trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=3e-4")  # examples/grpo_math_lora.yaml
+LORA_OVERRIDES = ("trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=1e-4")  # examples/grpo_math_lora.yaml
 
 
 @dataclass

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(sys.executable).parent / "slime-cli"
-LORA = ["trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=3e-4"]  # examples/grpo_math_lora.yaml's note
+LORA = ["trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=1e-4"]  # examples/grpo_math_lora.yaml's note
 
 
 @pytest.mark.slow
@@ -26,8 +26,10 @@ def test_the_cpu_default_with_lora_learns_addition(tmp_path):
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     evals = {r["step"]: r["eval/addition/pass@1"] for r in records if "eval/addition/pass@1" in r}
     assert evals[0] < 0.1 and evals[30] >= 0.45, evals
+    # the engine served the trainer's adapters: its bf16 log-probs stayed as close to the trainer's as at
+    # step 1 (0.03-0.07 measured; merging the adapters into bf16 weights, as a first version did, hit 0.26)
     gaps = [r["train/train_rollout_logprob_abs_diff"] for r in records if "train/train_rollout_logprob_abs_diff" in r]
-    print("trainer - engine log-prob gap per step:", [round(g, 3) for g in gaps])
+    assert len(gaps) == 30 and max(gaps) < 0.1, [round(g, 3) for g in gaps]
     hf = workdir / "checkpoints" / "step_000030" / "hf"
     config = json.loads((hf / "adapter_config.json").read_text())
     assert config["r"] == 16 and config["lora_alpha"] == 32 and (hf / "adapter_model.safetensors").is_file()
