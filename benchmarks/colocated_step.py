@@ -149,15 +149,20 @@ def run_config(args, folder: Path, prompts: Path, run_dir: Path) -> dict:
     }
 
 
+def print_log_tails(run_dir: Path, lines: int = 40) -> None:
+    """The last ``lines`` of every log under the run (the engines' servers and router among them)."""
+    for log in sorted(run_dir.glob("**/*.log")):
+        print(f"--- tail of {log}", flush=True)
+        print("\n".join(log.read_text(errors="replace").splitlines()[-lines:]), flush=True)
+
+
 def watchdog(seconds: float, run_dir: Path) -> threading.Timer:
     """After ``seconds``: the driver's stacks and the tails of the engine logs, then exit 3."""
 
     def fire() -> None:
         print(f"\n[colocated_step] TIMEOUT after {seconds:.0f} s; driver stacks:", flush=True)
         faulthandler.dump_traceback(all_threads=True)
-        for log in sorted(run_dir.glob("**/*.log")):
-            print(f"--- tail of {log}", flush=True)
-            print("\n".join(log.read_text(errors="replace").splitlines()[-40:]), flush=True)
+        print_log_tails(run_dir)
         os._exit(3)
 
     timer = threading.Timer(seconds, fire)
@@ -227,7 +232,11 @@ def main(argv: list[str] | None = None) -> dict:
     timer = watchdog(args.timeout, run_dir) if args.timeout else None
     windows: list[tuple[str, float, float]] = []
     with Sampler(args.device == "cuda") as sampler, recorded_phases(windows):
-        summary = train(Config.model_validate(run_config(args, folder, prompts, run_dir)))
+        try:
+            summary = train(Config.model_validate(run_config(args, folder, prompts, run_dir)))
+        except Exception:
+            print_log_tails(run_dir, lines=80)  # a failed engine's own account of why
+            raise
     if timer is not None:
         timer.cancel()
     rows = [json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()]
@@ -235,8 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         tokens = row["perf/tokens_per_s"] * row["time/step"]  # the batch's prompt + response tokens
         mfu = 6 * params * tokens / (row["time/train"] * args.peak_tflops * 1e12)
-        moves = sum(row.get(f"time/{p}", 0.0) for p in ("offload_rollout", "onload_train", "onload_rollout",
-                                                         "offload_train"))
+        moves = sum(row.get(f"time/{p}", 0.0) for p in ("offload_rollout", "onload_train", "onload_rollout_weights",
+                                                         "onload_rollout", "offload_train"))
         lines.append(f"step {row['step']}: {tokens:.0f} tokens trained in {row['time/train']:.2f} s: MFU "
                      f"{100 * mfu:.1f}%; offload + onload {moves:.2f} s = {100 * moves / row['time/step']:.1f}% "
                      f"of the step")

@@ -31,6 +31,7 @@ CPU: peak RSS of a fresh process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -219,6 +220,7 @@ def step_table(args, model_dir: Path) -> list[dict]:
     rows = []
     holder: dict = {}  # the timed lambdas leave the log-probs here; each iteration overwrites them
     trainer = megatron_trainer(model_dir, args)
+    grouped_mm_calls = {"calls": 0}
     baseline = TransformersBaseline(model_dir, args.device, autocast=args.dtype == "bfloat16",
                                     micro_batch_size=args.baseline_micro_batch_size or args.micro_batch_size)
     for threads in args.threads if args.device == "cpu" else [None]:
@@ -228,9 +230,10 @@ def step_table(args, model_dir: Path) -> list[dict]:
             lp_times, train_times = [], []
             for it in range(args.warmup + args.steps):
                 if name == "megatron":
-                    lp = timed(lambda: holder.update(lp=trainer.compute_log_probs(batch)), args.device)
-                    batch.old_log_probs = holder["lp"]
-                    tr = timed(lambda: trainer.train_step(batch), args.device)
+                    with counting_grouped_mm(grouped_mm_calls):
+                        lp = timed(lambda: holder.update(lp=trainer.compute_log_probs(batch)), args.device)
+                        batch.old_log_probs = holder["lp"]
+                        tr = timed(lambda: trainer.train_step(batch), args.device)
                 else:
                     lp = timed(lambda: holder.update(lp=baseline.log_probs(samples)), args.device)
                     tr = timed(lambda: baseline.train_step(samples, holder["lp"]), args.device)
@@ -245,9 +248,33 @@ def step_table(args, model_dir: Path) -> list[dict]:
                              total_s=lp_s + tr_s, train_tok_s=tokens / tr_s,
                              mfu=flops / tr_s / (args.peak_tflops * 1e12) if args.peak_tflops else None,
                              wall_train_s=statistics.median(t[0] for t in train_times)))
+    if args.shape in MOE:  # which experts the trainer ran, and whether the grouped GEMM served them
+        experts = sorted({type(m).__name__ for n, m in trainer.model.named_modules() if n.endswith("mlp.experts")})
+        updates = (args.warmup + args.steps) * len(args.threads if args.device == "cpu" else [None])
+        print(f"MoE experts: {', '.join(experts)}; torch._grouped_mm calls per Megatron update:"
+              f" {grouped_mm_calls['calls'] / updates:.0f}")
     if args.profile:
         profile_updates(args, samples, batch, trainer, baseline)
     return rows
+
+
+@contextlib.contextmanager
+def counting_grouped_mm(counter: dict):
+    """Count the calls to torch._grouped_mm inside the block (the trainer's grouped experts)."""
+    real = getattr(torch, "_grouped_mm", None)
+    if real is None:
+        yield
+        return
+
+    def counted(*args, **kwargs):
+        counter["calls"] += 1
+        return real(*args, **kwargs)
+
+    torch._grouped_mm = counted
+    try:
+        yield
+    finally:
+        torch._grouped_mm = real
 
 
 def profile_updates(args, samples, batch, trainer, baseline) -> None:

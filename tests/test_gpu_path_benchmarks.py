@@ -71,3 +71,35 @@ def test_colocated_step_benchmark_tables_every_phase_of_a_step(tmp_path, capsys)
     out = capsys.readouterr().out
     assert f"| train | {row['time/train']:.2f} |" in out
     assert "MFU" in out and "of the step" in out
+
+
+def test_async_speedup_lengths_have_the_long_tail_asked_for():
+    async_speedup = bench("async_speedup")
+    lengths = async_speedup.long_tail_lengths(48, 48, 1.0, 1024)
+    assert lengths == async_speedup.long_tail_lengths(48, 48, 1.0, 1024)  # every mode, every run: the same work
+    p50, p99 = async_speedup.percentile(lengths, 0.5), async_speedup.percentile(lengths, 0.99)
+    assert p99 / p50 >= async_speedup.MIN_TAIL_RATIO and max(lengths) <= 1024
+    with pytest.raises(SystemExit):  # a distribution without the tail is refused
+        async_speedup.main(["--groups", "48", "--sigma", "0.5", "--device", "cpu", "--engine", "hf"])
+
+
+@pytest.mark.slow
+def test_async_speedup_benchmark_runs_the_same_work_in_every_mode(tmp_path, capsys):
+    """Through the real loop (Megatron trainer, HF engine on the CPU) in off, one_step and fully: each mode
+    trains every group once with its own response length (ignore_eos), and the table has every figure; ~40 s."""
+    async_speedup = bench("async_speedup")
+    args = ["--device", "cpu", "--engine", "hf", "--shape", "tiny", "--groups", "8", "--batch", "2", "--samples", "2",
+            "--prompt-len", "8", "--median-len", "4", "--sigma", "1.5", "--max-len", "64", "--work-dir", str(tmp_path)]
+    results = async_speedup.main(args)
+    assert [r.mode for r in results] == list(async_speedup.MODES)
+    lengths = async_speedup.long_tail_lengths(8, 4, 1.5, 64)
+    for r in results:
+        dropped = r.rows[-1].get("fully_async/dropped_stale_total", 0.0)
+        if dropped == 0:  # each group trained once, each response exactly its prompt's length
+            assert r.trained_tokens == 2 * sum(lengths) and len(r.rows) == 4
+        assert 0 < r.engine_busy_s <= r.wall_s * 1.01 and 0 < r.trainer_busy_s <= r.wall_s * 1.01
+    fully = results[-1]
+    assert max(row["staleness/max"] for row in fully.rows) <= 2  # --max-staleness
+    out = capsys.readouterr().out
+    assert "| mode | steps | wall s | trained tok/s | engine busy | trainer busy |" in out
+    assert "speedup fully/off:" in out and "speedup fully/one_step:" in out

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from slime_rl.core import loop
 from slime_rl.core.config import load_config
 from slime_rl.core.loop import train
 
@@ -41,3 +42,30 @@ def test_each_rank_trains_on_its_own_shard(tiny_model_dir, tmp_path, monkeypatch
             1.2 * metrics["perf/batch_tensor_bytes"])
         assert metrics["train/optimizer_steps"] == 2.0  # each shard carries both optimizer steps' halves
         assert metrics["rollout/weight_version_lag"] == 0.0
+
+
+def test_colocated_memory_never_held_by_both(tiny_model_dir, tmp_path, monkeypatch):
+    """Colocated with offload: the engines get only their weights back before a sync (the trainer still
+    holds its memory then) and the rest (KV cache, CUDA graphs) after the trainer offloads. Asking for
+    all of it before the offload killed a 3B SGLang server on the H200 (docs/gpu-results.md, session 8)."""
+    log = tmp_path / "order.log"
+    # On a CPU nothing is handed over (both live in host memory); the order is the same code on a GPU.
+    monkeypatch.setattr(loop, "hands_memory_over", lambda cfg, plan: True)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    monkeypatch.setenv("SLIME_MEMORY_ORDER_LOG", str(log))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": f"q {i}", "label": "1"}) + "\n" for i in range(8)))
+    cfg = load_config(None, [
+        f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=2",
+        "data.n_samples_per_prompt=2", "data.num_rollout=2", "model.dtype=float32",
+        "rollout.engine=memory_order:RecordingEngine", "rollout.max_response_len=8",
+        "rollout.reward=toy_rewards:odd_index", "rollout.reward_workers=0",
+        "trainer.backend=memory_order:RecordingTrainer", "cluster.device=cpu", "cluster.colocate=true",
+        "cluster.offload=true", f"logging.dir={tmp_path / 'logs'}", f"checkpoint.save_dir={tmp_path / 'ckpt'}",
+        "logging.tensorboard=false",
+    ])
+    assert train(cfg)["steps"] == 2
+    events = log.read_text().splitlines()
+    one_step = ["engine release", "trainer onload", "trainer train", "engine resume weights", "engine weights",
+                "trainer offload", "engine resume all"]
+    assert events == ["trainer offload", *one_step, *one_step], events

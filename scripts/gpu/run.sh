@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # The GPU runs recorded in docs/gpu-results.md. On the H200 machine, from the repo root:
 #   bash scripts/gpu/run.sh STAGE...
-# Stages: check, sglang (issue 7 a,c,d,e + disk), sglang-d (d alone), megatron (issue 5 bf16 TP=2, parity),
+# Stages: check, sglang (issue 7 a,c,d,e + disk), sglang-d (d alone), conformance (issue 22: the RolloutEngine
+# conformance suite against real SGLang), megatron (issue 5 bf16 TP=2, parity),
+# megatron-lora (issue 20: bf16 LoRA TP=2 vs TP=1, base frozen, resume; 2 GPUs),
 # e2e (issue 7 b,f), e2e-offload (f with offload only), bench-trainer (like for like, with the
 # 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
-# bench-sync, bench-sync-small, bench-step, bench-step-nographs (issue 16), lora-smoke (issue 20: SGLang's LoRA
-# kernels load and run), lora (issue 20: adapter syncs through SGLangEngine), bench-sync-lora.
+# bench-sync, bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
+# lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
+# SGLangEngine), bench-sync-lora, bench-async (off / one_step / fully on one shared GPU, issue 17),
+# bench-async-x2 (the same, trainer and engine on two GPUs), bench-async-kill (fully, the SGLang server
+# SIGKILLed mid-run), bench-affinity (issue 18: prefix-cache hit rate, affinity vs round robin, two
+# servers on one GPU).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -19,7 +25,9 @@ for stage in "$@"; do
                      -p no:cacheprovider) ;;
     lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -p no:cacheprovider) ;;
     megatron) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -p no:cacheprovider) ;;
+    megatron-lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -k lora -p no:cacheprovider) ;;
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
+    conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
     sglang-d) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -k test_d -p no:cacheprovider) ;;
     e2e-offload) cmd=(python3 -m pytest -x -q -s -m gpu "tests/test_gpu_e2e.py::test_f_colocated_grpo_through_slime_cli[offload]" -p no:cacheprovider) ;;
     bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16
@@ -27,6 +35,10 @@ for stage in "$@"; do
     bench-trainer-packed) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b
                                --samples 32 --prompt-len 256 --response-len 512 --jitter 240
                                --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
+    bench-moe) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen3-30b-a3b-reduced --samples 16
+                    --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 8 --peak-tflops 989 --skip-memory) ;;
+    bench-sync-1.5b) cmd=(timeout 200 python3 benchmarks/weight_sync.py --shape qwen2.5-1.5b --bucket-mb 2048
+                          --mem-fraction 0.1 --json "$logs/bench-sync-1.5b.json") ;;
     bench-sync) cmd=(timeout 330 python3 benchmarks/weight_sync.py --shape qwen2.5-7b --bucket-mb 512 2048 4096
                      --json "$logs/bench-sync.json") ;;
     bench-sync-small) cmd=(timeout 250 python3 benchmarks/weight_sync.py --shape qwen2-tiny qwen3-tiny llama-tiny
@@ -38,6 +50,11 @@ for stage in "$@"; do
                      --timeout 400 --json "$logs/bench-step.json") ;;
     bench-step-nographs) cmd=(python3 benchmarks/colocated_step.py --prompts 32 --samples 8 --prompt-len 1024
                               --response-len 512 --cuda-graphs off --timeout 300 --json "$logs/bench-step-nographs.json") ;;
+    bench-affinity) cmd=(timeout 420 python3 benchmarks/agent_affinity.py --gpus 0 0) ;;
+    bench-async) cmd=(timeout 420 python3 benchmarks/async_speedup.py --json "$logs/bench-async.json") ;;
+    bench-async-x2) cmd=(timeout 420 python3 benchmarks/async_speedup.py --gpus 2 --json "$logs/bench-async-x2.json") ;;
+    bench-async-kill) cmd=(timeout 300 python3 benchmarks/async_speedup.py --modes fully --groups 64 --kill-engine-after 15
+                           --json "$logs/bench-async-kill.json") ;;
     bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py --logs-to "$logs/rollout-logs") ;;
     bench-rollout-one-wave) cmd=(python3 benchmarks/rollout_throughput.py --requests 256 --rounds 3 --logs-to "$logs/rollout-logs") ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -82,6 +82,13 @@ def test_plan_applies_overrides():
     assert "6 GPUs" in placement and "disaggregated: engines start at bundle 4" in placement
 
 
+def test_plan_lora_example():
+    result = run("plan", REPO / "examples" / "grpo_math_lora.yaml")
+    assert result.exit_code == 0, result.output
+    resolved, _, _ = split_plan(result.stdout)
+    assert resolved["trainer"]["lora"]["rank"] == 16 and resolved["rollout"]["lora_sync"] == "adapter"
+
+
 def test_plan_async_example():
     result = run("plan", REPO / "examples" / "grpo_math_async.yaml")
     assert result.exit_code == 0, result.output
@@ -435,6 +442,13 @@ def test_doctor_reports_what_is_installed():
     assert {"cuda", "devices"} <= set(sections["torch"])
     assert sections["slime-rl"]["slime-rl-core"] == f"{version('slime-rl-core')}, imports"
     assert set(plugins.GROUPS) <= set(sections)
+    # every installed rollout engine with the distribution that registered it and the capabilities it claims
+    engines = sections["slime_rl.rollout_engines"]
+    assert set(plugins.installed("slime_rl.rollout_engines")) == set(engines)
+    assert engines["hf"] == (f"slime_rl.rollout_hf.engine:HFEngine (slime-rl-rollout-hf {version('slime-rl-rollout-hf')}),"
+                             " loads, capabilities: pause, release_memory, routed_experts")
+    assert engines["sglang"].endswith(f"(slime-rl-rollout-sglang {version('slime-rl-rollout-sglang')}), loads, "
+                                      "capabilities: release_memory, routed_experts")
     for dist in ("megatron-core", "sglang", "sglang-router", "ray"):
         try:
             expected = version(dist)
@@ -443,7 +457,7 @@ def test_doctor_reports_what_is_installed():
         assert sections["libraries"][dist] == expected
     assert sections["sandbox"]["isolation"].startswith("namespaces") == (os.geteuid() == 0)  # root here and in CI
     assert sections["sandbox"]["trial_call"].startswith("works")
-    assert sections["moe"]["experts"].startswith("sequential")  # no grouped GEMM without TE / grouped_gemm
+    assert sections["moe"]["experts"].startswith("grouped: torch._grouped_mm")  # this torch has it
     broken = "problems:" in result.stdout
     assert result.exit_code == (1 if broken else 0)
     assert result.stdout.rstrip().endswith("no problems found") != broken

@@ -156,6 +156,13 @@ def test_async_needs_disaggregation(prompts):
     err = refused(None, [f"data.prompt_data={prompts}", "cluster.async_mode=one_step"])
     assert err.field == "cluster.async_mode" and "colocate=false" in str(err)
     assert load_config(None, [f"data.prompt_data={prompts}", "cluster.async_mode=one_step", "cluster.colocate=false"])
+    # colocated without offload: both stay resident on the shared GPUs, so the steps can overlap
+    for mode in ("one_step", "fully"):
+        cfg = load_config(None, [f"data.prompt_data={prompts}", f"cluster.async_mode={mode}", "cluster.offload=false",
+                                 "cluster.device=cuda"])
+        assert cfg.cluster.colocate and not cfg.offload
+    err = refused(None, [f"data.prompt_data={prompts}", "cluster.async_mode=fully", "cluster.device=cuda"])
+    assert err.field == "cluster.async_mode" and "offload=false" in str(err)
 
 
 def test_over_sampling_batch_at_least_the_rollout_batch(prompts):

@@ -346,3 +346,22 @@ def test_the_watchdog_names_the_function_that_blocks_the_event_loop(caplog):
     assert report.startswith("the rollout's event loop has been blocked for ")
     assert f"in async function {__name__}.blocking_generate, at {__file__}:" in report
     assert any("blocking_generate" in r.getMessage() for r in caplog.records)
+
+
+def test_engine_busy_clock_counts_overlapping_generation_once():
+    """Two slow prompts generate at once for ~0.2 s, then the engine idles 0.2 s: busy ~0.2 s, not 0.4."""
+    engine = ScriptedEngine(lambda pid, n: [1], slow={1, 2})
+    runner = RolloutRunner(make_cfg(rollout__max_response_len=20), engine, decode)
+
+    async def scenario() -> tuple[float, float]:
+        result = await runner.rollout(ListSource([1, 2], 1), ListBuffer())
+        assert len(result.groups) == 2 and runner.engine_busy.running == 0
+        busy_after_rollout = runner.engine_busy.seconds()
+        await asyncio.sleep(0.2)
+        return busy_after_rollout, runner.engine_busy.seconds()
+
+    started = time.perf_counter()
+    busy, busy_later = run(scenario())
+    elapsed = time.perf_counter() - started
+    assert busy == busy_later  # idle time does not count
+    assert 0.15 < busy <= elapsed - 0.2  # ~20 tokens x 10 ms, the two prompts at once counted once

@@ -172,7 +172,9 @@ class StandinServer:
             max_new = sp.get("max_new_tokens", 128)
             max_new = 128 if max_new is None else int(max_new)
             temperature = float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0)
-            salt = 0 if temperature == 0 else int(sp.get("sampling_seed") or 0) + 1
+            # like SGLang: a seed makes a sampled response reproducible; without one each request draws its own
+            seed = sp.get("sampling_seed")
+            salt = 0 if temperature == 0 else int(seed) + 1 if seed is not None else secrets.randbits(62) + 2**62
             stop_ids = set(sp.get("stop_token_ids") or [])
             if not sp.get("ignore_eos"):
                 stop_ids.add(self.eos_token_id)

@@ -44,6 +44,18 @@ def whole_step(batch, per_token: torch.Tensor) -> tuple[list[list[float]], bool]
     return step, peers_agree
 
 
+def local_expert_count(model: torch.nn.Module) -> int:
+    """Experts held by this rank, over its layers: SequentialMLP's one module each, or the leading
+    dimension of the grouped experts' stacked weight."""
+    count = 0
+    for name, param in model.named_parameters():
+        if name.endswith("experts.fc2_weight"):
+            count += param.shape[0]
+        elif ".local_experts." in name and name.endswith("linear_fc2.weight"):
+            count += 1
+    return count
+
+
 def run_scenario(spec: dict) -> dict:
     from megatron_testlib import make_config, make_samples
 
@@ -63,8 +75,9 @@ def run_scenario(spec: dict) -> dict:
     reader = SafetensorsFolder(spec["model"])
     exported = {name: t.cpu().clone() for bucket in trainer.named_weights(1 << 16) for name, t in bucket}
     result["exported_names"] = sorted(exported)
-    result["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if n.endswith("linear_fc2.weight")
-                                  and ".local_experts." in n)
+    result["local_experts"] = local_expert_count(trainer.model)
+    result["experts_modules"] = sorted({type(m).__name__ for n, m in trainer.model.named_modules()
+                                        if n.endswith("mlp.experts")})
     exact = sorted(exported) == sorted(reader.weight_map) and all(
         torch.equal(exported[n], reader.get(n)) for n in exported
     )
@@ -183,14 +196,53 @@ def run_nonfinite_on_one_rank(spec: dict) -> dict:
     return result
 
 
+def run_grouped_experts_kernel(spec: dict) -> dict:
+    """The first MoE layer's GroupedExperts on the trainer's device and dtype, through
+    torch._grouped_mm and through its per-expert loop, on the same tokens (``spec["counts"]`` per
+    expert): outputs and gradients of each, and the grouped GEMM calls each made."""
+    from megatron_testlib import make_config
+
+    from slime_rl.trainer_megatron import grouped_experts
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer.from_config(make_config(Path(spec["model"]), spec.get("overrides", [])))
+    experts = next(m for m in trainer.model.modules() if isinstance(m, grouped_experts.GroupedExperts))
+    counts = torch.tensor(spec["counts"])
+    g = torch.Generator().manual_seed(0)
+    hidden = experts.fc1_weight.shape[-1]
+    tokens = torch.randn(int(counts.sum()), hidden, generator=g).to(trainer.device, trainer.dtype)
+    probs = torch.rand(tokens.shape[0], generator=g).to(trainer.device)
+    grad_out = torch.randn(tokens.shape[0], hidden, generator=g).to(trainer.device, trainer.dtype)
+    real_grouped_mm, real_fits = torch._grouped_mm, grouped_experts._grouped_mm_fits
+    # (also runs the one-time probe of the kernel, so that only the layer's own calls are counted)
+    result: dict = {"fits": grouped_experts._grouped_mm_fits(tokens, experts.fc1_weight, experts.fc2_weight)}
+    for path in ("grouped_mm", "per_expert"):
+        calls = []
+        torch._grouped_mm = lambda *a, calls=calls, **k: calls.append(1) or real_grouped_mm(*a, **k)
+        if path == "per_expert":
+            grouped_experts._grouped_mm_fits = lambda *tensors: False
+        trainer.ddp.zero_grad_buffer()  # weight gradients land in Megatron's main_grad buffers
+        x, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+        try:
+            out, _ = experts(x, counts, p)
+            out.backward(grad_out)
+        finally:
+            torch._grouped_mm, grouped_experts._grouped_mm_fits = real_grouped_mm, real_fits
+        result[path] = {"calls": len(calls), "tensors": [t.detach().float().cpu() for t in (
+            out, x.grad, p.grad, experts.fc1_weight.main_grad, experts.fc2_weight.main_grad)]}
+    return result
+
+
 SCENARIOS = {"train": run_scenario, "hf_parity": run_hf_parity, "offload": run_offload,
-             "nonfinite_on_one_rank": run_nonfinite_on_one_rank}
+             "nonfinite_on_one_rank": run_nonfinite_on_one_rank, "grouped_experts_kernel": run_grouped_experts_kernel}
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     sys.path.insert(0, str(Path(__file__).parent))
-    result = SCENARIOS[spec.get("scenario", "train")](spec)
+    from lora_scenario import run_lora
+
+    result = {**SCENARIOS, "lora": run_lora}[spec.get("scenario", "train")](spec)
     if torch.distributed.get_rank() == 0:
         torch.save(result, spec["out"])
     torch.distributed.barrier()

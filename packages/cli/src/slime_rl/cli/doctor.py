@@ -6,7 +6,7 @@ import importlib
 import platform
 import sys
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, entry_points, version
 
 from slime_rl.core.cpu import choose_cpu_dtype, cpu_info
 from slime_rl.core.plugins import GROUPS, PluginError, installed, load_plugin
@@ -20,6 +20,7 @@ SLIME_PACKAGES = {
     "slime-rl-rollout-hf": "slime_rl.rollout_hf",
     "slime-rl-cli": "slime_rl.cli",
 }
+ENGINES = "slime_rl.rollout_engines"
 LIBRARIES = ("megatron-core", "sglang", "sglang-router", "ray", "transformers", "pydantic")
 
 
@@ -49,6 +50,18 @@ def _cause(err: Exception) -> str:
     # PluginError already says which entry point; keep only why it failed.
     text = " ".join(str(err).split())
     return text.split(" does not load: ", 1)[-1] if isinstance(err, PluginError) else _one_line(err)
+
+
+def _provider(group: str, name: str) -> str:
+    """The distribution and version that registered an entry point: a backend's pip name."""
+    dist = next((ep.dist for ep in entry_points(group=group) if ep.name == name), None)
+    return f"{dist.name} {dist.version}" if dist is not None else "no distribution"
+
+
+def _claims(engine_class: object) -> str:
+    """A rollout engine's claimed optional capabilities (RolloutEngine.capabilities; the conformance suite's)."""
+    claimed = sorted(getattr(engine_class, "capabilities", ()) or ())
+    return f"capabilities: {', '.join(claimed)}" if claimed else "capabilities: none beyond the core contract"
 
 
 def collect() -> Report:
@@ -91,7 +104,10 @@ def collect() -> Report:
             report.add(group, "(none)", "no backend installed")
         for name, target in sorted(names.items()):
             try:
-                load_plugin(group, name)
+                loaded = load_plugin(group, name)
+                if group == ENGINES:
+                    report.add(group, name, f"{target} ({_provider(group, name)}), loads, {_claims(loaded)}")
+                    continue
                 report.add(group, name, f"{target}, loads")
             except Exception as err:  # PluginError, or an error raised while importing the backend module
                 report.add(group, name, f"{target}, does not load: {_cause(err)}", ok=False, what=f"{group}:{name}")

@@ -161,6 +161,9 @@ class TrainerWorker(KeepsInitMistake):
     def save(self, path: str) -> None:
         self.trainer.save(path)
 
+    def save_hf(self, path: str) -> None:
+        self.trainer.save_hf(path)
+
     def load(self, path: str) -> None:
         self.trainer.load(path)
 
@@ -258,6 +261,8 @@ class RolloutWorker(KeepsInitMistake):
     def _put_shards(self, samples: list[Sample], out: RolloutStep, current_version: int) -> None:
         r = self.cfg.rollout
         out.metrics.update(self.engine.stats())
+        # Cumulative, so a benchmark can take the engine's busy share of any stretch of steps.
+        out.metrics["rollout/engine_busy_total_s"] = self.runner.engine_busy.seconds()
         out.metrics.update(staleness.metrics(samples, current_version))
         weights = staleness.apply_policy(samples, current_version, r.max_staleness, r.staleness_policy)
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)
@@ -304,8 +309,8 @@ class RolloutWorker(KeepsInitMistake):
     async def release_memory(self) -> None:
         await self.engine.release_memory()
 
-    async def resume_memory(self) -> None:
-        await self.engine.resume_memory()
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        await self.engine.resume_memory(tags)
 
     def weight_version(self) -> int:
         return self.engine.weight_version

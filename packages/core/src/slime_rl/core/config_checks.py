@@ -96,15 +96,19 @@ def check_config(cfg: Config) -> None:
             f"colocated engines share the trainer's {cfg.actor_num_gpus} GPUs; {cfg.rollout_num_gpus} is more."
             " Lower it or set cluster.colocate=false",
         )
-    if c.async_mode == "one_step" and c.colocate:
+    # Colocated with offload, trainer and engines take turns with the GPUs, so nothing can overlap;
+    # with cluster.offload=false both stay resident on the shared GPUs and can run at once.
+    if c.async_mode == "one_step" and c.colocate and c.offload is not False:
         raise ConfigError(
             "cluster.async_mode",
-            "one_step async training needs separate GPUs for rollout; set cluster.colocate=false",
+            "one_step async training needs separate GPUs for rollout; set cluster.colocate=false"
+            " (or cluster.offload=false to share the GPUs with trainer and engines both resident)",
         )
-    if c.async_mode == "fully" and c.colocate and plan_device(cfg) == "cuda":
-        # On the CPU trainer and engine are separate processes anyway; GPUs cannot be shared while both run.
+    if c.async_mode == "fully" and c.colocate and c.offload is not False and plan_device(cfg) == "cuda":
+        # On the CPU trainer and engine are separate processes anyway.
         raise ConfigError("cluster.async_mode", "fully async on GPUs needs separate GPUs for rollout;"
-                                                " set cluster.colocate=false")
+                                                " set cluster.colocate=false (or cluster.offload=false to share"
+                                                " the GPUs with trainer and engines both resident)")
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < d.rollout_batch_size:
         raise ConfigError(
             "rollout.over_sampling_batch_size",
@@ -112,6 +116,7 @@ def check_config(cfg: Config) -> None:
         )
     if t.min_lr > t.lr:
         raise ConfigError("trainer.min_lr", f"{t.min_lr:g} is above trainer.lr = {t.lr:g}; the decay floor is at most lr")
+    _check_lora(cfg)
     a = cfg.algorithm
     if a.eps_clip_c is not None and a.eps_clip_c <= 1:
         raise ConfigError("algorithm.eps_clip_c", f"dual-clip needs a value > 1, got {a.eps_clip_c}")
@@ -144,6 +149,21 @@ def check_config(cfg: Config) -> None:
                                            "multi_turn, or drop rollout.tools")
     check_model(cfg)
     plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)
+
+
+def _check_lora(cfg: Config) -> None:
+    """trainer.lora's reference is the base model with the adapters off; a critic trains in full."""
+    if cfg.trainer.lora.rank == 0:
+        if cfg.checkpoint.save_hf_merged:
+            raise ConfigError("checkpoint.save_hf_merged", "merges LoRA adapters; set trainer.lora.rank or drop it")
+        return
+    ref = cfg.model.ref_path
+    if ref is not None and ref != cfg.model.path:
+        raise ConfigError("model.ref_path", f"{ref}: with trainer.lora the reference is model.path with the adapters"
+                          " off (no second model); drop model.ref_path or set trainer.lora.rank=0")
+    if cfg.algorithm.advantage_estimator == "ppo":
+        raise ConfigError("trainer.lora", "the PPO critic has no adapters; use a critic-free estimator (grpo, rloo, ...)"
+                          " or trainer.lora.rank=0")
 
 
 def plan_device(cfg: Config) -> str:

@@ -220,6 +220,7 @@ class TrainerConfig(_Section):
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0)  # MoE router load-balancing loss
     moe_z_loss_coeff: float | None = Field(None, ge=0.0)  # MoE router z-loss; None: off
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    moe_grouped_gemm: bool = True  # MoE experts as one grouped GEMM per projection; false: one GEMM per expert
     lora: LoraConfig = Field(default_factory=LoraConfig)  # rank > 0: train adapters only, the base frozen
 
     @field_validator("recompute", mode="before")
@@ -284,7 +285,8 @@ class CheckpointConfig(_Section):
     save_dir: str | None = None  # default: <logging.dir>/checkpoints
     save_interval: int | None = Field(None, ge=1)
     resume: bool = False  # continue from the newest checkpoint in save_dir
-    save_hf: bool = False  # also write an HF folder with every checkpoint
+    save_hf: bool = False  # also write an HF folder with every checkpoint (with trainer.lora: a PEFT adapter folder)
+    save_hf_merged: bool = False  # with trainer.lora and save_hf: also the merged model, in <hf folder>/merged
     keep_last: int | None = Field(None, ge=1)
 
 

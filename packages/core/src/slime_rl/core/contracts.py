@@ -65,6 +65,13 @@ class RolloutEngine(ABC):
     #: engine's servers (CUDA IPC, NCCL). None: buckets reach `update_weights` through Ray.
     weight_sender: ClassVar[str | None] = None
 
+    #: The optional guarantees this engine claims (`slime_rl.core.testing.conformance.CAPABILITIES`):
+    #: ``"pause"`` (`pause_generation` holds requests in place), ``"release_memory"`` (`release_memory` /
+    #: `resume_memory` keep the engine correct), ``"routed_experts"`` (MoE models: ``return_routed_experts``).
+    #: The conformance suite checks exactly these; ``slime-cli doctor`` lists the class's. An engine whose
+    #: capabilities depend on what it serves (routed experts only for a MoE model) sets its own in ``__init__``.
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
     @classmethod
     def from_config(cls, cfg: Config) -> RolloutEngine:
         """Build (launch or attach) the engine a config describes. Called once, in the rollout process."""
@@ -114,8 +121,11 @@ class RolloutEngine(ABC):
     async def release_memory(self) -> None:
         """Free accelerator memory (weights, KV cache) for a colocated trainer. Optional."""
 
-    async def resume_memory(self) -> None:
-        """Take back what ``release_memory`` freed. Optional."""
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take back what ``release_memory`` freed: all of it (``tags`` None), or only the kinds named
+        (``["weights"]``). The colocated loop takes the weights back before a weight sync, while the
+        trainer still holds its own memory, and the rest (KV cache, CUDA graphs) once the trainer
+        has offloaded. Optional."""
 
     async def health(self) -> bool:
         return True
@@ -179,11 +189,22 @@ class PolicyTrainer(ABC):
 
     @abstractmethod
     def named_weights(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        """The policy's full weights under HF names, in buckets of about
-        ``bucket_bytes``. Collective: every rank must iterate it to the end."""
+        """The policy's weights for a sync, in buckets of about ``bucket_bytes`` (a tensor never
+        splits). Collective: every rank must iterate it to the end.
+
+        Without LoRA, or with ``rollout.lora_sync: merged``: the full weights under HF names, the
+        adapters merged in (`slime_rl.core.lora.merged`). When `syncs_adapters(cfg)`: ONLY the
+        adapters, each ``peft_name(hf_name, "A"|"B")``, whole (gathered over TP), in the trainer's
+        dtype; a fused trainer layer (Megatron's q/k/v or gate/up) exports exact per-HF-module
+        adapters (one shared A, B split by rows), and A and B of one module may fall in two buckets."""
 
     @abstractmethod
     def save(self, path: str) -> None: ...
+
+    def save_hf(self, folder: str) -> None:
+        """Write the policy as a Hugging Face folder (``checkpoint.save_hf``; with LoRA a PEFT adapter
+        folder). Collective. Optional."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write HF folders; set checkpoint.save_hf=false")
 
     @abstractmethod
     def load(self, path: str) -> None: ...

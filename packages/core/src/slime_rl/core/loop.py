@@ -233,8 +233,14 @@ def _start(cfg: Config, run_id: str, summary: dict[str, Any]) -> Run:
         critic.call("ready")
     summary["nodes"] = {"trainer": sorted(set(ray.get([w.node_id.remote() for w in actor.workers]))),
                         "rollout": ray.get(rollout.node_id.remote())}
-    offload = cfg.offload and plan.device == "cuda"
-    return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout), run_id, offload)
+    return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout), run_id,
+               hands_memory_over(cfg, plan))
+
+
+def hands_memory_over(cfg: Config, plan: Placement) -> bool:
+    """Whether trainer and engines take turns with the device memory: colocated with offload, on GPUs
+    (on a CPU both live in host memory, so there is nothing to hand over)."""
+    return cfg.offload and plan.device == "cuda"
 
 
 def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
@@ -285,14 +291,18 @@ def _sync_after_train(run: Run, version: int, timings: dict[str, float]) -> str:
     colocated, and back to the engines after). Returns which path the weights took."""
     import ray
 
+    # Only the engines' weights come back before the sync: their KV cache and CUDA graphs (most of
+    # their memory) wait until the trainer has offloaded, so the two never hold the GPU at once.
     if run.offload:
-        with phase(timings, "onload_rollout"):
-            ray.get(run.rollout.resume_memory.remote())
+        with phase(timings, "onload_rollout_weights"):
+            ray.get(run.rollout.resume_memory.remote(["weights"]))
     with phase(timings, "weight_sync"):
         path = run.weight_sync.sync(version=version)
     if run.offload:
         with phase(timings, "offload_train"):
             run.actor.call("offload")
+        with phase(timings, "onload_rollout"):
+            ray.get(run.rollout.resume_memory.remote())
     return path
 
 
@@ -346,6 +356,8 @@ def _save(run: Run, step: int) -> None:
 
     folder = checkpoint.prepare(run.cfg.checkpoint_dir, step)
     run.actor.call("save", str(folder / "actor"))
+    if run.cfg.checkpoint.save_hf:  # an HF folder beside it (with trainer.lora: a PEFT adapter folder)
+        run.actor.call("save_hf", str(folder / "hf"))
     if run.critic is not None:
         run.critic.call("save", str(folder / "critic"))
     state = ray.get(run.rollout.state_dict.remote())

@@ -24,6 +24,32 @@ def phase(timings: dict[str, float], name: str) -> Iterator[None]:
     timings[f"time/{name}"] = time.perf_counter() - start
 
 
+class BusyClock:
+    """Seconds during which at least one piece of work ran: overlapping work counts once. The
+    rollout runner holds one around every sample's generation (``rollout/engine_busy_total_s``)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self._total_s = 0.0
+        self._since = 0.0
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        if self.running == 0:
+            self._since = time.perf_counter()
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            if self.running == 0:
+                self._total_s += time.perf_counter() - self._since
+
+    def seconds(self) -> float:
+        """Busy seconds so far, the current stretch included."""
+        return self._total_s + (time.perf_counter() - self._since if self.running else 0.0)
+
+
 class MetricsLogger:
     def __init__(self, log_dir: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
                  config: dict[str, Any] | None = None, resume_step: int | None = None):

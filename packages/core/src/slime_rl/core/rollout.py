@@ -28,6 +28,7 @@ from typing import Any
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import Buffer, DataSource, GenerateFn, RolloutEngine, SamplingParams
 from slime_rl.core.filters import DYNAMIC_SAMPLING_FILTERS
+from slime_rl.core.metrics import BusyClock
 from slime_rl.core.plugins import PluginError, load_function
 from slime_rl.core.rewards import reward_workers, score_samples
 from slime_rl.core.sample import Sample, SampleStatus
@@ -123,6 +124,7 @@ class RolloutRunner:
         self.watchdog: LoopWatchdog | None = None
         self.semaphore = asyncio.Semaphore(cfg.rollout.max_concurrency)
         self.enough = False  # set once a rollout has its groups: queued requests then never start
+        self.engine_busy = BusyClock()  # while any sample generates: the engine's busy time
 
     async def _generate_group(self, group: Group, params: SamplingParams) -> Group:
         async def one(sample: Sample) -> list[Sample]:
@@ -133,7 +135,8 @@ class RolloutRunner:
                     sample.status = SampleStatus.ABORTED
                     return [sample]
                 try:
-                    out = await self.generate_fn(sample, params, self.engine)
+                    with self.engine_busy.busy():
+                        out = await self.generate_fn(sample, params, self.engine)
                 except asyncio.CancelledError:
                     raise
                 except Exception as err:  # a user's generate function failing loses only its sample

@@ -74,6 +74,10 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
 
     # The training loop has trainer rank 0 push weights straight to the servers (CUDA IPC, NCCL).
     weight_sender = "slime_rl.rollout_sglang.trainer_sync:SGLangWeightSender"
+    # No "pause": a weight sync holds requests itself (SGLang's pause_generation, then they continue), but
+    # pause_generation/continue_generation are not offered to the loop. routed_experts needs a MoE model and
+    # the server flag --enable-return-routed-experts (rollout.engine_args.enable_return_routed_experts).
+    capabilities = frozenset({"release_memory", "routed_experts"})
 
     def __init__(self, servers: list[SGLangServer], router: Router, *, model_path: str, work_dir: str | Path,
                  max_concurrency: int = 512, transport: Transport = "auto", colocated: bool = True,

@@ -11,6 +11,9 @@ Megatron layouts (local spec):
 - ``linear_fc1``: ``[gate; up]`` on dim 0; each TP rank holds ``[gate_r; up_r]``.
 - ``linear_proj`` and ``linear_fc2`` are split on dim 1 (row parallel); embedding and
   output layer on dim 0 (vocab parallel); norms are replicated.
+- MoE experts: each expert's ``linear_fc1``/``linear_fc2`` as above, over expert-TP ranks; the
+  grouped experts stack them (``experts.fc1_weight`` ``[local experts, ...]``) and are read and
+  written one expert view at a time, under SequentialMLP's per-expert names.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from slime_rl.trainer_megatron.model import HFModelShape, PolicyGPT
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
+ADAPTER_SUFFIX = "_lora"  # a LoRA adapter beside linear X is the module X_lora (lora.py)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 # Megatron suffix inside a layer -> (HF suffix inside model.layers.{i}, TP split)
@@ -58,6 +62,8 @@ _EXPERT_PARAMS = {
     "mlp.experts.local_experts.{e}.linear_fc2.weight": ("mlp.experts.{e}.down_proj.weight", 1),
 }
 _LOCAL_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
+# GroupedExperts (grouped_experts.py) stacks each local expert's linear_fc1/linear_fc2 weight
+_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)(fc1|fc2)_weight$")
 _GLOBAL_PARAMS = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
     "decoder.final_layernorm.weight": ("model.norm.weight", None),
@@ -190,14 +196,20 @@ def unshard(ref: ParamRef, shards: list[torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------- local names
 
 
+def is_adapter_param(name: str) -> bool:
+    """Whether model parameter ``name`` belongs to a LoRA adapter (not an HF weight)."""
+    return f"{ADAPTER_SUFFIX}." in name
+
+
 def layer_offset(model: PolicyGPT) -> int:
     """Global index of this stage's first layer."""
     layers = model.decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[ParamRef, torch.nn.Parameter]]:
-    """This rank's parameters keyed by local name, each with its global ParamRef."""
+def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[ParamRef, torch.Tensor]]:
+    """This rank's parameters keyed by local name, each with its global ParamRef; a stacked expert
+    weight gives one view (of its storage) per local expert."""
     refs = {r.megatron_name: r for r in param_refs(shape)}
     offset = layer_offset(model)
     first_expert = 0
@@ -205,8 +217,8 @@ def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[Param
         ep_rank, ep_size, _, _ = _expert_layout()
         first_expert = ep_rank * (shape.moe.num_experts // ep_size)
     out = {}
-    for name, param in model.named_parameters():
-        if name.startswith("value_head."):
+    for name, param in _per_expert_parameters(model):
+        if name.startswith("value_head.") or is_adapter_param(name):
             continue
         m = _LAYER.match(name)
         global_name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
@@ -221,6 +233,19 @@ def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[Param
             ref = refs[global_name]
         out[name] = (ref, param)
     return out
+
+
+def _per_expert_parameters(model: PolicyGPT) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()`` with GroupedExperts' stacked weights as one view per local
+    expert, named as SequentialMLP names that expert's weight (``...experts.local_experts.{j}.
+    linear_fc1.weight``): what the HF mapping reads and writes, one expert at a time."""
+    for name, param in model.named_parameters():
+        m = _STACKED_EXPERTS.match(name)
+        if m is None:
+            yield name, param
+            continue
+        for j, expert in enumerate(param.detach().unbind(0)):
+            yield f"{m.group(1)}local_experts.{j}.linear_{m.group(2)}.weight", expert
 
 
 # ---------------------------------------------------------------- HF folder in
@@ -395,8 +420,10 @@ def bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
 def save_hf(
     model: PolicyGPT, shape: HFModelShape, source_folder: str | Path, out_folder: str | Path,
     *, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30,
+    tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
 ) -> None:
-    """Write an HF folder (config, tokenizer files copied from ``source_folder``, safetensors shards).
+    """Write an HF folder (config, tokenizer files copied from ``source_folder``, safetensors shards)
+    of ``tensors`` (default: the model's, `iter_hf_tensors`).
 
     Collective: every rank must call it; rank 0 writes.
     """
@@ -408,7 +435,7 @@ def save_hf(
         out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, t in iter_hf_tensors(model, shape):
+    for name, t in tensors if tensors is not None else iter_hf_tensors(model, shape):
         if not writer:
             continue
         t = t.to("cpu", dtype or t.dtype).contiguous()

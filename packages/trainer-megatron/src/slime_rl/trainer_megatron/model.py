@@ -11,6 +11,7 @@ kernel on the CPU) instead of the local spec's unfused baddbmm + softmax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from slime_rl.trainer_megatron import fused_rope
+from slime_rl.trainer_megatron.grouped_experts import GroupedExperts
 from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -329,20 +331,34 @@ class PolicyGPT(GPTModel):
         return self.output_layer.weight
 
 
-def layer_spec(shape: HFModelShape):
+def layer_spec(shape: HFModelShape, *, grouped_experts: bool = True):
+    """The local spec with SDPA attention; an MoE model's experts are ``GroupedExperts`` (one grouped
+    GEMM per projection) unless ``grouped_experts`` is false (Megatron's SequentialMLP)."""
     num_experts = shape.moe.num_experts if shape.moe else None
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
                                     normalization="RMSNorm")
     attention = spec.submodules.self_attention.submodules
     spec.submodules.self_attention.submodules = dataclasses.replace(attention, core_attention=SDPAttention)
+    if shape.moe is not None and grouped_experts:
+        spec.submodules.mlp = _with_experts(spec.submodules.mlp, GroupedExperts)
     return spec
 
 
-def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, value_head: bool = False) -> PolicyGPT:
+def _with_experts(moe_spec, experts: type):
+    """The MoE layer's spec with ``experts`` as its experts module: a ModuleSpec in megatron-core
+    0.16, a functools.partial of MoELayer in 0.19 (both hold a MoESubmodules dataclass)."""
+    if isinstance(moe_spec, functools.partial):
+        submodules = dataclasses.replace(moe_spec.keywords["submodules"], experts=experts)
+        return functools.partial(moe_spec.func, *moe_spec.args, **{**moe_spec.keywords, "submodules": submodules})
+    return dataclasses.replace(moe_spec, submodules=dataclasses.replace(moe_spec.submodules, experts=experts))
+
+
+def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, value_head: bool = False,
+                grouped_experts: bool = True) -> PolicyGPT:
     """This rank's pipeline stage of the model (weights uninitialised until convert.load_hf)."""
     model = PolicyGPT(
         config=config,
-        transformer_layer_spec=layer_spec(shape),
+        transformer_layer_spec=layer_spec(shape, grouped_experts=grouped_experts),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

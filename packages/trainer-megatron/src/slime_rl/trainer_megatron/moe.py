@@ -1,16 +1,16 @@
 """Mixture-of-experts pieces of the Megatron trainer: Qwen3-MoE and Qwen2-MoE on megatron-core's
 MoE layer (local spec, no TransformerEngine).
 
-Experts run as megatron's SequentialMLP (one MLP per local expert): its grouped-GEMM experts need
-TransformerEngine (TEGroupedMLP) or the ``grouped_gemm`` package (legacy GroupedMLP), and neither
-is installed here. Tokens reach the experts through the alltoall dispatcher, which runs over gloo
-on the CPU and NCCL on CUDA. Routing replay uses megatron's own ``RouterReplay`` hook on the
+Experts run as ``GroupedExperts`` (grouped_experts.py: all local experts in one ``torch._grouped_mm``
+per projection), or with ``trainer.moe_grouped_gemm: false`` as megatron's SequentialMLP (one MLP
+per local expert): megatron's own grouped-GEMM experts need TransformerEngine (TEGroupedMLP) or the
+``grouped_gemm`` package (legacy GroupedMLP), neither of which is installed. Tokens reach the
+experts through the alltoall dispatcher, which runs over gloo on the CPU and NCCL on CUDA. Routing replay uses megatron's own ``RouterReplay`` hook on the
 router's top-k (``moe_enable_routing_replay``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +49,14 @@ def moe_shape(hf_config, family: str) -> MoEShape:
 
 
 def expert_backend() -> str:
-    """Which expert MLP the local spec builds here, for ``slime-cli doctor``."""
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return "sequential (TransformerEngine present, but the trainer uses the local spec)"
-    if importlib.util.find_spec("grouped_gemm") is not None:
-        return "sequential (grouped_gemm present; the local spec's grouped path is not used)"
-    return "sequential: grouped GEMM needs TransformerEngine or the grouped_gemm package, neither installed"
+    """Which expert MLP the trainer's MoE layers run here, for ``slime-cli doctor``."""
+    from slime_rl.trainer_megatron.grouped_experts import grouped_mm_available
+
+    if grouped_mm_available():
+        return ("grouped: torch._grouped_mm, one GEMM per projection for all local experts (CUTLASS on sm90+"
+                " in bf16); trainer.moe_grouped_gemm=false for megatron's SequentialMLP")
+    return ("sequential: this torch has no torch._grouped_mm, so the grouped experts loop over the experts"
+            " (megatron's grouped GEMM needs TransformerEngine or grouped_gemm)")
 
 
 def transformer_config_fields(moe: MoEShape, *, ep: int, etp: int, aux_loss_coeff: float,
@@ -137,7 +139,9 @@ class RouterStats:
 
         def count(module, inputs, output):
             routing_map = output[1]
-            load = routing_map.detach().sum(0).float().cpu()  # [experts]
+            # [experts], kept on the router's device: a copy to the host here would stall the GPU
+            # once per layer and micro-batch; ``take`` moves the sums once per step
+            load = routing_map.detach().sum(0).float()
             self.counts[key] = self.counts[key] + load if key in self.counts else load
 
         return count
