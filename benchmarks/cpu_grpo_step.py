@@ -47,6 +47,7 @@ RSS_TARGET_GIB = 5.0
 PHASES = ("rollout", "prepare", "train", "wait_rollout", "weight_sync")  # one after the other: they add up
 PREPARE_PARTS = ("log_probs", "ref_log_probs", "advantages")  # rank 0's parts of prepare
 GIB = 1024**3
+LORA_OVERRIDES = ("trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=3e-4")  # examples/grpo_math_lora.yaml
 
 
 @dataclass
@@ -135,14 +136,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="training steps to run (data.num_rollout)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder, removed after")
+    parser.add_argument("--lora", action="store_true",
+                        help=f"run it twice, full fine-tuning then LoRA ({' '.join(LORA_OVERRIDES)}), and compare")
     parser.add_argument("overrides", nargs="*", help="key=value changes to the demo configuration, as slime-cli takes")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    runs = [("full fine-tuning", measure(args, args.overrides))]
+    if args.lora:
+        runs.append(("LoRA", measure(args, [*args.overrides, *LORA_OVERRIDES])))
+        print("\n## Full fine-tuning and LoRA side by side (medians of the measured steps)")
+        print("| run | step s | train s | weight_sync s | peak RSS GiB, all processes | held-out pass@1 |")
+        print("|---|---|---|---|---|---|")
+        for label, r in runs:
+            accuracy = [e.get("eval/addition/pass@1", float("nan")) for e in (r["eval_before"], r["eval_after"])]
+            print(f"| {label} | {r['step']:.3f} | {r['train']:.3f} | {r['weight_sync']:.3f} | {r['rss_gib']:.2f} |"
+                  f" {accuracy[0]:.3f} -> {accuracy[1]:.3f} |")
+
+
+def measure(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """One run of the demo configuration with ``overrides``: prints its report, returns its medians."""
 
     with tempfile.TemporaryDirectory(prefix="cpu_grpo_step-") as tmp:
         workdir = args.workdir or Path(tmp)
-        cfg = load_config(prepare_default(workdir), [*args.overrides, f"data.num_rollout={args.steps}"])
+        cfg = load_config(prepare_default(workdir), [*overrides, f"data.num_rollout={args.steps}"])
         wire(cfg)  # converts the built-in model's GGUF once; a no-op after that
         dtype_asked = cfg.model.dtype  # the loop resolves auto
 
@@ -224,6 +241,13 @@ def main() -> None:
           f" {load_after[0]:.1f} after; other processes used {others_cores:.2f} cores on average during the run;"
           f" this process (driver and sampler) {(own[1] - own[0]) / wall:.2f} cores")
 
+    def median(name: str) -> float:
+        values = [m[f"time/{name}"] for m in measured if f"time/{name}" in m]
+        return statistics.median(values) if values else float("nan")
+
+    return {"step": median("step"), "train": median("train"), "weight_sync": median("weight_sync"),
+            "rss_gib": run.rss / GIB, "eval_before": summary.get("eval_before", {}),
+            "eval_after": summary.get("eval_after", {})}
 
 if __name__ == "__main__":
     main()

@@ -82,6 +82,13 @@ def test_plan_applies_overrides():
     assert "6 GPUs" in placement and "disaggregated: engines start at bundle 4" in placement
 
 
+def test_plan_lora_example():
+    result = run("plan", REPO / "examples" / "grpo_math_lora.yaml")
+    assert result.exit_code == 0, result.output
+    resolved, _, _ = split_plan(result.stdout)
+    assert resolved["trainer"]["lora"]["rank"] == 16 and resolved["rollout"]["lora_sync"] == "adapter"
+
+
 def test_plan_async_example():
     result = run("plan", REPO / "examples" / "grpo_math_async.yaml")
     assert result.exit_code == 0, result.output

@@ -190,7 +190,9 @@ SCENARIOS = {"train": run_scenario, "hf_parity": run_hf_parity, "offload": run_o
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     sys.path.insert(0, str(Path(__file__).parent))
-    result = SCENARIOS[spec.get("scenario", "train")](spec)
+    from lora_scenario import run_lora
+
+    result = {**SCENARIOS, "lora": run_lora}[spec.get("scenario", "train")](spec)
     if torch.distributed.get_rank() == 0:
         torch.save(result, spec["out"])
     torch.distributed.barrier()

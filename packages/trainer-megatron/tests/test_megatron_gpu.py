@@ -63,3 +63,22 @@ def test_offload_frees_the_gpu_and_onload_resumes_training(qwen_05b, tmp_path):
     assert out["grad_norm_after_onload"] > 0 and out["step_changed_log_probs"]
     # a save while offloaded writes the real weights and hands the memory back after
     assert out["saved_log_probs_match"] and out["offloaded_after_save"] < 0.1 * out["held"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_bf16_lora_tp2_matches_tp1_and_keeps_the_base(qwen_05b, tmp_path):
+    spec = dict(scenario="lora", model=str(qwen_05b), num_samples=16, vocab=QWEN25_05B["vocab"], steps=3)
+    common = CUDA + ["trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=1e-4", "algorithm.use_kl_loss=true",
+                     "algorithm.kl_loss_coef=0.01", "trainer.recompute=true"]
+    one = launch(1, {**spec, "overrides": common}, tmp_path)
+    two = launch(2, {**spec, "overrides": common + ["parallel.tensor_model_parallel_size=2",
+                                                      "cluster.actor_num_gpus_per_node=2"],
+                     "save_after": 1, "ckpt": str(tmp_path / "ckpt")}, tmp_path)
+    print("\nLoRA TP=1 bf16 (loss, grad_norm):", [(round(m["loss"], 5), round(m["grad_norm"], 4)) for m in one["metrics"]])
+    print("LoRA TP=2 bf16 (loss, grad_norm):", [(round(m["loss"], 5), round(m["grad_norm"], 4)) for m in two["metrics"]])
+    assert one["base_unchanged"] and two["base_unchanged"]
+    for a, b in zip(one["metrics"], two["metrics"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 2e-2 * max(1.0, abs(a["loss"]))
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-2 * a["grad_norm"]
+    assert one["metrics"][-1]["grad_norm"] > 0 and one["trained_log_probs"] != one["ref_log_probs"]
+    assert two["resumed_metrics"] == two["metrics"][1:]

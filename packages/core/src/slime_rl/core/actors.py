@@ -161,6 +161,9 @@ class TrainerWorker(KeepsInitMistake):
     def save(self, path: str) -> None:
         self.trainer.save(path)
 
+    def save_hf(self, path: str) -> None:
+        self.trainer.save_hf(path)
+
     def load(self, path: str) -> None:
         self.trainer.load(path)
 

@@ -112,6 +112,7 @@ def check_config(cfg: Config) -> None:
         )
     if t.min_lr > t.lr:
         raise ConfigError("trainer.min_lr", f"{t.min_lr:g} is above trainer.lr = {t.lr:g}; the decay floor is at most lr")
+    _check_lora(cfg)
     a = cfg.algorithm
     if a.eps_clip_c is not None and a.eps_clip_c <= 1:
         raise ConfigError("algorithm.eps_clip_c", f"dual-clip needs a value > 1, got {a.eps_clip_c}")
@@ -144,6 +145,21 @@ def check_config(cfg: Config) -> None:
                                            "multi_turn, or drop rollout.tools")
     check_model(cfg)
     plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)
+
+
+def _check_lora(cfg: Config) -> None:
+    """trainer.lora's reference is the base model with the adapters off; a critic trains in full."""
+    if cfg.trainer.lora.rank == 0:
+        if cfg.checkpoint.save_hf_merged:
+            raise ConfigError("checkpoint.save_hf_merged", "merges LoRA adapters; set trainer.lora.rank or drop it")
+        return
+    ref = cfg.model.ref_path
+    if ref is not None and ref != cfg.model.path:
+        raise ConfigError("model.ref_path", f"{ref}: with trainer.lora the reference is model.path with the adapters"
+                          " off (no second model); drop model.ref_path or set trainer.lora.rank=0")
+    if cfg.algorithm.advantage_estimator == "ppo":
+        raise ConfigError("trainer.lora", "the PPO critic has no adapters; use a critic-free estimator (grpo, rloo, ...)"
+                          " or trainer.lora.rank=0")
 
 
 def plan_device(cfg: Config) -> str:

@@ -284,7 +284,8 @@ class CheckpointConfig(_Section):
     save_dir: str | None = None  # default: <logging.dir>/checkpoints
     save_interval: int | None = Field(None, ge=1)
     resume: bool = False  # continue from the newest checkpoint in save_dir
-    save_hf: bool = False  # also write an HF folder with every checkpoint
+    save_hf: bool = False  # also write an HF folder with every checkpoint (with trainer.lora: a PEFT adapter folder)
+    save_hf_merged: bool = False  # with trainer.lora and save_hf: also the merged model, in <hf folder>/merged
     keep_last: int | None = Field(None, ge=1)
 
 

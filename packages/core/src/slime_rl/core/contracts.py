@@ -179,11 +179,22 @@ class PolicyTrainer(ABC):
 
     @abstractmethod
     def named_weights(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        """The policy's full weights under HF names, in buckets of about
-        ``bucket_bytes``. Collective: every rank must iterate it to the end."""
+        """The policy's weights for a sync, in buckets of about ``bucket_bytes`` (a tensor never
+        splits). Collective: every rank must iterate it to the end.
+
+        Without LoRA, or with ``rollout.lora_sync: merged``: the full weights under HF names, the
+        adapters merged in (`slime_rl.core.lora.merged`). When `syncs_adapters(cfg)`: ONLY the
+        adapters, each ``peft_name(hf_name, "A"|"B")``, whole (gathered over TP), in the trainer's
+        dtype; a fused trainer layer (Megatron's q/k/v or gate/up) exports exact per-HF-module
+        adapters (one shared A, B split by rows), and A and B of one module may fall in two buckets."""
 
     @abstractmethod
     def save(self, path: str) -> None: ...
+
+    def save_hf(self, folder: str) -> None:
+        """Write the policy as a Hugging Face folder (``checkpoint.save_hf``; with LoRA a PEFT adapter
+        folder). Collective. Optional."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write HF folders; set checkpoint.save_hf=false")
 
     @abstractmethod
     def load(self, path: str) -> None: ...

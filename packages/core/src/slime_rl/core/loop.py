@@ -346,6 +346,8 @@ def _save(run: Run, step: int) -> None:
 
     folder = checkpoint.prepare(run.cfg.checkpoint_dir, step)
     run.actor.call("save", str(folder / "actor"))
+    if run.cfg.checkpoint.save_hf:  # an HF folder beside it (with trainer.lora: a PEFT adapter folder)
+        run.actor.call("save_hf", str(folder / "hf"))
     if run.critic is not None:
         run.critic.call("save", str(folder / "critic"))
     state = ray.get(run.rollout.state_dict.remote())

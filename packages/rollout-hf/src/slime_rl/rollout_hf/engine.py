@@ -13,7 +13,9 @@ How generation runs:
   (stop, length or abort) is dropped from the batch and its future resolved at once.
 - The model runs in one worker thread, so the event loop stays free to queue
   requests and take aborts between decode steps; weight updates go through the
-  same thread and so land between decode steps, never inside a forward.
+  same thread and so land between decode steps, never inside a forward. With
+  ``rollout.lora_sync: adapter`` a sync brings LoRA adapters, added to their
+  projections' outputs (lora.py).
 
 Sampling follows SGLang: logits / temperature, then top-k, then top-p, then a
 draw from each request's own generator (seeded by ``SamplingParams.seed``, else
@@ -45,6 +47,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from slime_rl.core.contracts import FinishReason, GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 from slime_rl.core.device import resolve_device
+from slime_rl.core.lora import lora_spec, syncs_adapters
+from slime_rl.rollout_hf.lora import AdapterSync
 from slime_rl.rollout_hf.moe import RouterRecorder, routed_experts, weight_target
 
 if TYPE_CHECKING:
@@ -87,6 +91,7 @@ class HFEngine(RolloutEngine):
         gather_window_s: float = 0.002,  # after the first request, wait this long for the rest of a wave
         eos_token_ids: list[int] | None = None,  # default: the model's and the tokenizer's eos
         num_threads: int | None = None,  # torch threads for generation; None: the calling thread's setting
+        lora_scaling: float | None = None,  # adapter-only weight syncs (lora.py): alpha / rank; None: full weights
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -100,6 +105,7 @@ class HFEngine(RolloutEngine):
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"  # renamed in transformers 5.x
         self._has_logits_to_keep = "logits_to_keep" in forward_args
         self.router_recorder = RouterRecorder.for_model(self.model)  # MoE models: routed experts on request
+        self.adapters = AdapterSync(self.model, lora_scaling)
         self._seeds = random.Random(seed)  # seeds for requests that bring none
         self._version = 0
         self._pending: list[_Request] = []
@@ -147,6 +153,8 @@ class HFEngine(RolloutEngine):
                              f"(it takes {', '.join(sorted(ENGINE_ARGS))})")
         args.setdefault("max_batch_size", cfg.rollout.max_concurrency)
         args.setdefault("seed", cfg.trainer.seed)
+        if syncs_adapters(cfg):
+            args["lora_scaling"] = lora_spec(cfg).scaling
         return cls.from_pretrained(
             cfg.model.path, tokenizer_path=cfg.model.tokenizer_path, dtype=cfg.model.dtype,
             device=cfg.cluster.device, **args,
@@ -218,10 +226,11 @@ class HFEngine(RolloutEngine):
     async def update_weights(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
         """Copy HF-named tensors into the model in place. Every name must be one of the
         model's (tied aliases such as lm_head.weight included); the bucket is checked whole
-        before anything is copied."""
+        before anything is copied. LoRA adapters (PEFT names) replace the ones served (lora.py)."""
         self._check_usable()
         await self._in_worker(lambda: self._load_weights(named_tensors), grad_mode=torch.no_grad)
         if last:
+            self.adapters.finish()
             self._version = version
 
     async def release_memory(self) -> None:
@@ -351,6 +360,8 @@ class HFEngine(RolloutEngine):
 
     def _load_weights(self, named_tensors: NamedTensors) -> None:
         params = self.model.state_dict(keep_vars=True)
+        named_tensors, adapters = AdapterSync.split(named_tensors)
+        self.adapters.check(adapters)
         targets = {name: weight_target(name, params) for name, _ in named_tensors}
         unknown = [name for name, target in targets.items() if target is None]
         if unknown:
@@ -363,6 +374,7 @@ class HFEngine(RolloutEngine):
                                  f"{tuple(targets[name].shape)}")
         for name, tensor in named_tensors:
             targets[name].copy_(tensor)
+        self.adapters.apply(adapters)
 
 
 class _DecodeBatch:

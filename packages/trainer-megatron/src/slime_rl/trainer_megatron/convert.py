@@ -30,6 +30,7 @@ from slime_rl.trainer_megatron.model import HFModelShape, PolicyGPT
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
+ADAPTER_SUFFIX = "_lora"  # a LoRA adapter beside linear X is the module X_lora (lora.py)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 # Megatron suffix inside a layer -> (HF suffix inside model.layers.{i}, TP split)
@@ -190,6 +191,11 @@ def unshard(ref: ParamRef, shards: list[torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------- local names
 
 
+def is_adapter_param(name: str) -> bool:
+    """Whether model parameter ``name`` belongs to a LoRA adapter (not an HF weight)."""
+    return f"{ADAPTER_SUFFIX}." in name
+
+
 def layer_offset(model: PolicyGPT) -> int:
     """Global index of this stage's first layer."""
     layers = model.decoder.layers
@@ -206,7 +212,7 @@ def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[Param
         first_expert = ep_rank * (shape.moe.num_experts // ep_size)
     out = {}
     for name, param in model.named_parameters():
-        if name.startswith("value_head."):
+        if name.startswith("value_head.") or is_adapter_param(name):
             continue
         m = _LAYER.match(name)
         global_name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name
@@ -395,8 +401,10 @@ def bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
 def save_hf(
     model: PolicyGPT, shape: HFModelShape, source_folder: str | Path, out_folder: str | Path,
     *, dtype: torch.dtype | None = None, max_shard_bytes: int = 4 << 30,
+    tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
 ) -> None:
-    """Write an HF folder (config, tokenizer files copied from ``source_folder``, safetensors shards).
+    """Write an HF folder (config, tokenizer files copied from ``source_folder``, safetensors shards)
+    of ``tensors`` (default: the model's, `iter_hf_tensors`).
 
     Collective: every rank must call it; rank 0 writes.
     """
@@ -408,7 +416,7 @@ def save_hf(
         out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, t in iter_hf_tensors(model, shape):
+    for name, t in tensors if tensors is not None else iter_hf_tensors(model, shape):
         if not writer:
             continue
         t = t.to("cpu", dtype or t.dtype).contiguous()

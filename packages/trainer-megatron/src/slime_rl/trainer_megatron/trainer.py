@@ -14,7 +14,8 @@ averaging over DP) and a finalize step that skips the per-token division.
 
 Homes of the parts: batching.py (micro-batches), optimizer.py (Adam and the LR schedule),
 reference.py (the reference weights), nonfinite.py (no nan or inf reaches the weights),
-checkpointing.py (save and load).
+checkpointing.py (save and load), lora.py (``trainer.lora``: adapters, the base frozen; the
+reference is then the base with the adapters off).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from slime_rl.core import losses
 from slime_rl.core.batch import ROLLOUT_OPTIONAL_COLUMNS, TRAINER_COLUMNS, RolloutBatch
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
-from slime_rl.trainer_megatron import batching, checkpointing, convert, moe
+from slime_rl.core.lora import lora_spec, syncs_adapters
+from slime_rl.trainer_megatron import batching, checkpointing, convert, lora, moe
 from slime_rl.trainer_megatron import device as dev
 from slime_rl.trainer_megatron.logprobs import token_log_probs
 from slime_rl.trainer_megatron.model import (
@@ -81,8 +83,12 @@ class MegatronTrainer(PolicyTrainer):
         self.hf_config = read_hf_config(cfg.model.path)
         self.shape = hf_model_shape(self.hf_config)
         module = self._build_model()
-        # a host copy of the reference, when a KL term or an explicit reference needs one
-        self.reference: ReferenceWeights | None = load_policy_and_reference(self.model, cfg, self.shape, role=role)
+        self.reference: ReferenceWeights | lora.Adapters | None
+        if self.adapters is not None:  # the reference is the base: the adapters switched off, no copy
+            convert.load_hf(self.model, cfg.model.path, self.shape)
+            self.reference = self.adapters
+        else:  # a host copy of the reference, when a KL term or an explicit reference needs one
+            self.reference = load_policy_and_reference(self.model, cfg, self.shape, role=role)
         self.ddp = DistributedDataParallel(
             config=self.tconfig,
             ddp_config=DistributedDataParallelConfig(
@@ -154,6 +160,10 @@ class MegatronTrainer(PolicyTrainer):
             sequence_parallel=p.sequence_parallel, compiled_fusions=self.device_type == "cuda", moe_fields=moe_fields,
         )
         self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic")
+        self.adapters: lora.Adapters | None = None
+        if (spec := lora_spec(self.cfg)) is not None:  # before DDP: it wraps the trainable parameters only
+            lora.check_supported(spec, self.shape, self.role)
+            self.adapters = lora.Adapters(self.model, spec, self.shape, t.seed)
         self.router_stats = moe.RouterStats(self.model) if self.shape.moe is not None else None
         self.routing_replay = None
         if moe_fields is not None and moe_fields["moe_enable_routing_replay"]:
@@ -450,14 +460,28 @@ class MegatronTrainer(PolicyTrainer):
     # ---------------------------------------------------------------- weights out
 
     def named_weights(self, bucket_bytes: int) -> Iterator[NamedTensors]:
-        return convert.bucketed(convert.iter_hf_tensors(self.model, self.shape), bucket_bytes)
+        if self.adapters is None:
+            tensors = convert.iter_hf_tensors(self.model, self.shape)
+        elif syncs_adapters(self.cfg):
+            tensors = self.adapters.peft_tensors()
+        else:
+            tensors = self.adapters.merged_hf_tensors()
+        return convert.bucketed(tensors, bucket_bytes)
 
     def save_hf(self, folder: str) -> None:
-        """Write the current weights as an HF folder (collective; rank 0 writes)."""
+        """Write the current weights as an HF folder (collective; rank 0 writes). With LoRA: a PEFT
+        adapter folder, and with ``checkpoint.save_hf_merged`` the merged model in ``<folder>/merged``."""
         hf_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         if isinstance(hf_dtype, str):
             hf_dtype = _DTYPES.get(hf_dtype)
-        convert.save_hf(self.model, self.shape, self.cfg.model.path, folder, dtype=hf_dtype)
+        with self._onloaded():  # the loop saves after the trainer handed its GPU memory over
+            if self.adapters is None:
+                convert.save_hf(self.model, self.shape, self.cfg.model.path, folder, dtype=hf_dtype)
+                return
+            self.adapters.save_peft(folder, self.cfg.model.path)
+            if self.cfg.checkpoint.save_hf_merged:
+                convert.save_hf(self.model, self.shape, self.cfg.model.path, f"{folder}/merged", dtype=hf_dtype,
+                                tensors=self.adapters.merged_hf_tensors())
 
     # ---------------------------------------------------------------- reference weights
 
