@@ -115,13 +115,14 @@ def test_g_lora_grpo_through_sglang_adapters(shape, gpu_model, tmp_path):
     """Issue 20: a colocated GRPO run with trainer.lora whose weight syncs load adapters into SGLang
     (rollout.lora_sync=adapter): the toy reward rises, and SGLang's log-probs with the adapter match the
     trainer's (``train/train_rollout_logprob_abs_diff``, mean abs gap <= 0.02 in bf16) at every step.
-    ``qwen2.5-1.5b``: random weights of that shape (benchmarks/weight_sync.py makes the folder)."""
+    ``qwen2.5-1.5b``: a random Qwen2 of that shape but the tiny model's 1,024-id vocabulary (the toy reward
+    reads tokens through it)."""
     model = gpu_model
     if shape != "tiny":
-        sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-        from weight_sync import make_model_folder
+        from slime_rl.core.testing import tiny_model_folder
 
-        model = make_model_folder(shape, tmp_path / shape, weights=True)
+        model = tiny_model_folder(tmp_path / shape, "qwen2", hidden_size=1536, intermediate_size=8960, num_layers=28,
+                                  num_heads=12, num_kv_heads=2, tie_word_embeddings=True, dtype=torch.bfloat16)
     prompts = tmp_path / "prompts.jsonl"
     lines = ["def main(", "import os\n", "class Foo:", "for i in range(", "return self.", "x = [", "print("]
     prompts.write_text("".join(json.dumps({"input": p, "label": ""}) + "\n" for p in lines * 40))
