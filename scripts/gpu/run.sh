@@ -8,7 +8,8 @@
 # 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
 # bench-sync, bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
-# SGLangEngine), bench-sync-lora, bench-async (off / one_step / fully on one shared GPU, issue 17),
+# SGLangEngine), bench-sync-lora, e2e-lora (issue 20: GRPO with LoRA through SGLang's adapters, tiny and
+# 1.5B shapes), bench-async (off / one_step / fully on one shared GPU, issue 17),
 # bench-async-x2 (the same, trainer and engine on two GPUs), bench-async-kill (fully, the SGLang server
 # SIGKILLed mid-run), bench-affinity (issue 18: prefix-cache hit rate, affinity vs round robin, two
 # servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place).
@@ -30,6 +31,7 @@ for stage in "$@"; do
     conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
     sglang-pause) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_pause.py -p no:cacheprovider) ;;
     sglang-d) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -k test_d -p no:cacheprovider) ;;
+    e2e-lora) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -k test_g_lora -p no:cacheprovider) ;;
     e2e-offload) cmd=(python3 -m pytest -x -q -s -m gpu "tests/test_gpu_e2e.py::test_f_colocated_grpo_through_slime_cli[offload]" -p no:cacheprovider) ;;
     bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16
                         --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384 --profile 25) ;;

@@ -80,6 +80,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
+# Events also written to the log (one JSON line each), for tests that read them after the run stopped the servers.
+LOGGED_EVENTS = {"load_lora_adapter", "unload_lora_adapter"}
+
+
 class StandinServer:
     def __init__(self, args: argparse.Namespace, extra_flags: list[str]):
         self.args = args
@@ -140,6 +144,8 @@ class StandinServer:
 
     def record(self, kind: str, **fields) -> None:
         self.events.append({"kind": kind, "time": time.time(), **fields})
+        if kind in LOGGED_EVENTS or (kind == "generate" and fields.get("lora")):  # readable after shutdown
+            print(f"[standin-sglang] event {json.dumps(self.events[-1])}", flush=True)
 
     # ------------------------------------------------------------------ generate
 

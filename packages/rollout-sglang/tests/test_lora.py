@@ -267,3 +267,18 @@ def test_attached_server_checks_read_sglangs_server_info():
     # as SGLang's memory pool: q_proj there means LoRA buffers for the fused qkv_proj, so v_proj fits
     with pytest.raises(ConfigError, match=r"its --lora-target-modules \['q_proj'\] lack \['down_proj'\]"):
         check_attached_server("s", {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"]}, spec)
+
+
+def test_a_memory_release_restores_the_base_and_keeps_the_adapter(lora_engine, tiny_model):
+    """Colocated: released weights come back from the base model's folder (adapter syncs never change
+    them), and requests go on naming the current adapter with the same tokens as before the release."""
+    engine = lora_engine(num_engines=1)
+    asyncio.run(engine.update_weights(adapter(tiny_model, 1), version=1, last=True))
+    before = asyncio.run(engine.generate([2, 3], GREEDY))
+    asyncio.run(engine.release_memory())
+    asyncio.run(engine.resume_memory())
+    after = asyncio.run(engine.generate([2, 3], GREEDY))
+    url = engine.engine_urls[0]
+    assert [e["model_path"] for e in events(url, "update_weights_from_disk")] == [str(tiny_model)]
+    assert after.token_ids == before.token_ids and after.weight_version == 1
+    assert loras_named(url) == ["slime-v1", "slime-v1"]
