@@ -63,7 +63,8 @@ def test_doctor_flags_a_broken_backend(plugin_dir):
     lines = result.stdout.splitlines()
     good = next(line for line in lines if line.strip().startswith("good-one"))
     broken = next(line for line in lines if line.strip().startswith("broken-one"))
-    assert good.strip().endswith("good_engine:Engine, loads")
+    # a loading engine: its entry point, the distribution that registers it, and what it claims
+    assert "good_engine:Engine (slime-rl-extra 0.1.0), loads, capabilities: none beyond the core contract" in good
     assert "does not load: No module named 'missing_engine_module'" in broken
     assert "slime_rl.rollout_engines:broken-one" in lines[-1] and lines[-1].startswith("problems:")
     assert "Traceback" not in result.stdout + result.stderr
