@@ -30,7 +30,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu" --durations=20
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
