@@ -68,12 +68,12 @@ def test_agent_learns_toy_tool_task_through_slime_cli(agent_model, tmp_path):
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["rollout/reward_mean"] for m in metrics if "rollout/reward_mean" in m]
     assert len(rewards) == STEPS
-    third = STEPS // 3
-    first, last = statistics.fmean(rewards[:third]), statistics.fmean(rewards[-third:])
-    print(f"reward per step: {' '.join(f'{r:.2f}' for r in rewards)}; first third {first:.2f}, last third {last:.2f}")
-    # Means of thirds, not single steps: one step's 32 episodes swing by +-0.15. At lr 3e-3 the policy
-    # collapsed at step 7 on an idle machine (reward 0 from then on); at 1e-3 thirds went 0.37 -> 0.73.
-    assert last >= first + 0.25, rewards
+    start, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-(STEPS // 3):])
+    print(f"reward per step: {' '.join(f'{r:.2f}' for r in rewards)}; first 3 steps {start:.2f}, last third {last:.2f}")
+    # The untrained policy's level (the first 3 steps: +-0.05 over 96 episodes) against the last third's mean
+    # (+-0.03): a policy that does not learn stays near its start, one that collapses falls (at lr 3e-3 it hit 0
+    # at step 7). Against the first third instead, which already learns, a run going 0.28 -> 0.72 failed.
+    assert last >= start + 0.25, rewards
 
     # Every trained sample, against what the engine sampled for it, token by token.
     engine_turns: dict[str, list[dict]] = {}
@@ -100,7 +100,7 @@ def test_agent_learns_toy_tool_task_through_slime_cli(agent_model, tmp_path):
         sample = rollouts[row["sample_id"]]
         assert sample["tokens"] == tokens and sample["loss_mask"] == mask
         assert sample["metadata"]["turns"] == len(turns) <= 4
-    late = turn_counts[-third * 32:]
+    late = turn_counts[-(STEPS // 3) * 32:]  # the last third's episodes
     assert sum(2 <= n <= 4 for n in late) >= 0.6 * len(late), late  # the task takes two turns or more
     assert max(turn_counts) <= 4
 
