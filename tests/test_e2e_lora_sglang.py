@@ -9,9 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from standin import fake_sglang_python
+from standin import standin_loop_config
 
-from slime_rl.core.config import load_config
 from slime_rl.core.loop import train
 
 
@@ -19,20 +18,9 @@ from slime_rl.core.loop import train
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
 def test_lora_loop_syncs_adapters_to_sglang(transport, tiny_model_dir, tmp_path, monkeypatch):
     pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
-    monkeypatch.setenv("TOY_TOKENIZER", str(tiny_model_dir))
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
-    monkeypatch.setenv("SLIME_RL_TORCH_THREADS", "1")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input": f"def f{i}(", "label": ""}) + "\n" for i in range(20)))
     run = tmp_path / "run"
-    cfg = load_config(None, [
-        f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=2",
-        "data.n_samples_per_prompt=4", "data.num_rollout=3", "rollout.max_response_len=6",
-        "rollout.engine=sglang", f"rollout.engine_python={fake_sglang_python(tmp_path)}",
-        f"rollout.update_weight_transport={transport}", "trainer.lora.rank=4", "trainer.lora.alpha=8",
-        "rollout.reward=toy_rewards:digit_token_fraction", "trainer.lr=0.01", "cluster.device=cpu",
-        f"logging.dir={run}", "logging.tensorboard=false",
-    ])
+    cfg = standin_loop_config(tiny_model_dir, tmp_path, monkeypatch, transport=transport,
+                              overrides=["trainer.lora.rank=4", "trainer.lora.alpha=8"])
     summary = train(cfg)
     rows = [json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
