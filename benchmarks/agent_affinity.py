@@ -78,8 +78,20 @@ def main(argv: list[str] | None = None) -> None:
 
         args.model_dir = make_qwen_shaped_model(work / "qwen2.5-0.5b-random")
     engine_args = dict(GPU_ENGINE_ARGS if args.engine_args is None else args.engine_args)
-    servers = [start_server(i, str(args.model_dir), log_dir=work, python=args.python, engine_args=engine_args,
-                            gpu_ids=[gpu] if args.engine_args is None else None) for i, gpu in enumerate(args.gpus)]
+    servers = []
+    for i, gpu in enumerate(args.gpus):
+        if args.engine_args is not None:
+            servers.append(start_server(i, str(args.model_dir), log_dir=work, python=args.python,
+                                        engine_args=engine_args))
+            continue
+        # SGLang sizes its KV cache as if it were alone (total x fraction, less what is already used), so a
+        # second server on a GPU starts after the first holds its memory and asks for the two shares together.
+        earlier = [s for s, g in zip(servers, args.gpus[:i], strict=True) if g == gpu]
+        for server in earlier:
+            wait_healthy(server, args.startup_timeout)
+        own_args = {**engine_args, "mem_fraction_static": engine_args["mem_fraction_static"] * (len(earlier) + 1)}
+        servers.append(start_server(i, str(args.model_dir), log_dir=work, python=args.python,
+                                    engine_args=own_args, gpu_ids=[gpu]))
     rng = random.Random(0)
     prompts = [[rng.randrange(200, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.episodes)]
     results = {}

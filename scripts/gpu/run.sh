@@ -54,8 +54,8 @@ for stage in "$@"; do
     bench-step-nographs) cmd=(python3 benchmarks/colocated_step.py --prompts 32 --samples 8 --prompt-len 1024
                               --response-len 512 --cuda-graphs off --timeout 300 --json "$logs/bench-step-nographs.json") ;;
     bench-affinity) cmd=(timeout 420 python3 benchmarks/agent_affinity.py --gpus 0 0) ;;
-    bench-async) cmd=(timeout 420 python3 benchmarks/async_speedup.py --json "$logs/bench-async.json") ;;
-    bench-async-x2) cmd=(timeout 420 python3 benchmarks/async_speedup.py --gpus 2 --json "$logs/bench-async-x2.json") ;;
+    bench-async) cmd=(timeout 570 python3 benchmarks/async_speedup.py --json "$logs/bench-async.json") ;;
+    bench-async-x2) cmd=(timeout 570 python3 benchmarks/async_speedup.py --gpus 2 --json "$logs/bench-async-x2.json") ;;
     bench-async-kill) cmd=(timeout 300 python3 benchmarks/async_speedup.py --modes fully --groups 64 --kill-engine-after 15
                            --json "$logs/bench-async-kill.json") ;;
     bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py --logs-to "$logs/rollout-logs") ;;

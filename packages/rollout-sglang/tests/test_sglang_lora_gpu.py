@@ -266,7 +266,7 @@ def test_smoke_client_and_standin_lora_shapes_match_this_sglang():
     for cls, keys in sent.items():
         known, required = fields(cls)
         assert keys <= known and required <= keys, (cls.__name__, keys - known, required - keys)
-    assert fields(io_struct.LoRAUpdateOutput)[0] == {"success", "error_message", "loaded_adapters"}
+    assert {"success", "error_message", "loaded_adapters"} <= fields(io_struct.LoRAUpdateOutput)[0]  # what we read
     assert "lora_path" in {f.name for f in dataclasses.fields(io_struct.GenerateReqInput)}
     flags = {f.name for f in dataclasses.fields(ServerArgs)}
     assert set(adapters.lora_engine_args(SPEC)) <= flags
