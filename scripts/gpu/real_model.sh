@@ -33,7 +33,7 @@ for task in "$@"; do
   run=$logs/real-model/$task
   start=$(date +%s)
   # shellcheck disable=SC2086  # REAL_MODEL_OVERRIDES: extra key=value overrides, e.g. data.num_rollout=20
-  timeout "${REAL_MODEL_TASK_TIMEOUT_S:-290}" python3 -m slime_rl.cli.app train "$config" "logging.dir=$run" \
+  timeout "${REAL_MODEL_TASK_TIMEOUT_S:-270}" python3 -m slime_rl.cli.app train "$config" "logging.dir=$run" \
     ${REAL_MODEL_OVERRIDES:-}
   rc=$?
   echo "[real-model] $task: exit $rc after $(( $(date +%s) - start )) s (slime-cli train, startup included)"

@@ -62,7 +62,7 @@ for stage in "$@"; do
                            --json "$logs/bench-async-kill.json") ;;
     bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py --logs-to "$logs/rollout-logs") ;;
     bench-rollout-one-wave) cmd=(python3 benchmarks/rollout_throughput.py --requests 256 --rounds 3 --logs-to "$logs/rollout-logs") ;;
-    real-model) cmd=(timeout 590 bash scripts/gpu/real_model.sh "$logs" addition chain_sum) ;;
+    real-model) cmd=(timeout 560 bash scripts/gpu/real_model.sh "$logs" addition chain_sum) ;;
     real-model-addition) cmd=(bash scripts/gpu/real_model.sh "$logs" addition) ;;
     real-model-chain-sum) cmd=(bash scripts/gpu/real_model.sh "$logs" chain_sum) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
