@@ -86,6 +86,35 @@ def test_packed_pieces_join_back_to_the_same_sha256(tmp_path):
     assert not joined.exists() and not list(joined.parent.glob("*.joining"))
 
 
+def test_the_stage_names_what_was_not_carried_before_it_trains(tmp_path):
+    """scripts/gpu/real_model.sh (the `real-model` stage) stops at once, saying what to carry, when the data or a
+    piece of the GGUF did not come; it never starts a run then."""
+    work = tmp_path / "repo"
+    shutil.copytree(GPU_SCRIPTS, work / "scripts" / "gpu")
+    env = {**os.environ, "SLIME_RL_CACHE": str(tmp_path / "cache"), "SMOL_PIECES_DIR": str(tmp_path / "stash"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "PYTHON": sys.executable}
+    stage = ["bash", "scripts/gpu/real_model.sh", str(tmp_path / "logs"), "addition"]
+    done = subprocess.run(stage, cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert ".gpu/smol-data/smollm2.manifest.json is missing: carry .gpu/smol-data" in done.stderr
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(os.urandom(1_500_000))
+    packed = subprocess.run(["bash", "scripts/gpu/pack_smollm2.sh", "--gguf", str(fake), "--piece-mb", "1", "--no-data"],
+                            cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert packed.returncode == 0, packed.stderr
+    shutil.rmtree(work / ".gpu" / "smol-1")  # its call never came
+    done = subprocess.run(stage, cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "piece model.gguf.part-1 (carried as smol-1) is in none of" in done.stderr
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "cache" / "models").exists()
+
+
+def test_run_sh_trains_the_tasks_that_have_configs():
+    stages = [line for line in (GPU_SCRIPTS / "run.sh").read_text().splitlines() if "real_model.sh" in line]
+    assert len(stages) == 3
+    tasks = {task for line in stages for task in line.split('"$logs"')[1].split(")")[0].split()}
+    assert tasks == set(TASKS) and all((ROOT / "examples" / f"smollm2_gpu_{t}.yaml").is_file() for t in tasks)
+
+
 # ------------------------------------------------------------------ the data and the configs
 
 

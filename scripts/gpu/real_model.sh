@@ -17,9 +17,10 @@ export SLIME_RL_CACHE=${SLIME_RL_CACHE:-/tmp/slime-rl-cache}  # survives to the 
 model=$SLIME_RL_CACHE/models/smollm2-135m-instruct
 began=$(date +%s)
 if [ ! -f "$model/config.json" ]; then
-  gguf=/tmp/smollm2/$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['file'])" "$manifest")
+  gguf=$SLIME_RL_CACHE/gguf/$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['file'])" "$manifest")
   # shellcheck disable=SC2046  # the pieces carried in this call, if any
-  python3 scripts/gpu/smol_pieces.py join "$manifest" --search /tmp/smol-pieces $(ls -d .gpu/smol-[0-9]* 2>/dev/null) \
+  python3 scripts/gpu/smol_pieces.py join "$manifest" --search "${SMOL_PIECES_DIR:-/tmp/smol-pieces}" \
+    $(ls -d .gpu/smol-[0-9]* 2>/dev/null) \
     --to "$gguf" || exit 1
   python3 -c "import sys; from slime_rl.core.builtin_models import install_from_gguf as i; print('[real-model] converted:', i('smollm2-135m-instruct', sys.argv[1]))" \
     "$gguf" || exit 1
