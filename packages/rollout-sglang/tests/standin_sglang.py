@@ -76,6 +76,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--standin-token-delay", type=float, default=0.0)  # seconds per generated token
     p.add_argument("--standin-update-delay", type=float, default=0.0)  # seconds a weight update takes (inf: forever)
     p.add_argument("--enable-return-routed-experts", action="store_true")  # SGLang's flag (MoE models)
+    p.add_argument("--skip-tokenizer-init", action="store_true")  # then stop strings are refused, as in SGLang
     add_flags(p)  # --enable-lora and the other LoRA flags (standin_lora.py)
     return p.parse_known_args(argv)
 
@@ -252,6 +253,8 @@ class StandinServer:
             rids = [rids] if single else [f"{rids}_{i}" for i in range(len(batch))]
         sps = body.get("sampling_params") or {}
         sps = sps if isinstance(sps, list) else [sps] * len(batch)
+        if self.args.skip_tokenizer_init and any(sp.get("stop") for sp in sps):  # SGLang's words
+            return _error(f"stop={sps[0].get('stop')} is unavailable when skip_tokenizer_init=True")
         loras = body.get("lora_path")
         loras = loras if isinstance(loras, list) else [loras] * len(batch)
         try:
@@ -272,7 +275,7 @@ class StandinServer:
         if not abort_all and not rid:
             return web.Response(status=200)
         for running_rid, flag in list(self.running.items()):
-            if abort_all or running_rid.startswith(rid):  # SGLang's scheduler matches by prefix
+            if abort_all or running_rid == rid:  # 0.5.17's TokenizerManager drops a rid it does not hold
                 flag.set()
         return web.Response(status=200)
 
@@ -286,7 +289,8 @@ class StandinServer:
     def server_args(self) -> dict:
         return {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
                 "host": self.args.host, "port": self.args.port, "tp_size": self.args.tp_size, "dp_size": 1,
-                "skip_tokenizer_init": False, "enable_memory_saver": self.args.enable_memory_saver,
+                "skip_tokenizer_init": self.args.skip_tokenizer_init,
+                "enable_memory_saver": self.args.enable_memory_saver,
                 # SGLang's /server_info returns its whole ServerArgs, both keys included.
                 "api_key": self.args.api_key, "admin_api_key": self.args.admin_api_key,
                 "enable_lora": self.args.enable_lora, "max_lora_rank": self.args.max_lora_rank,
