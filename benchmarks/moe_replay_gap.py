@@ -63,13 +63,17 @@ def bench_config(args, model_dir: Path) -> Config:
     on_cuda = args.device == "cuda"
     engine_args: dict = {}
     if args.engine == "sglang" and on_cuda:
-        engine_args = dict(GPU_ENGINE_ARGS, **NO_CUDA_GRAPHS, mem_fraction_static=args.mem_fraction)
+        # a KV pool of 64k tokens (the run needs 1.5k) keeps SGLang's pinned host copy of routed experts small
+        engine_args = dict(GPU_ENGINE_ARGS, **NO_CUDA_GRAPHS, mem_fraction_static=args.mem_fraction,
+                           max_total_tokens=65536)
     overrides = [f"model.path={model_dir}", f"model.dtype={args.dtype}", f"cluster.device={args.device}",
                  f"rollout.engine={args.engine}", f"rollout.engine_args={json.dumps(engine_args)}",
                  "rollout.temperature=1.0", f"rollout.max_response_len={args.new_tokens}",
                  "algorithm.routing_replay=rollout", f"logging.dir={args.work_dir / 'logs'}", "data.source=none"]
     if args.engine_python:
         overrides.append(f"rollout.engine_python={args.engine_python}")
+    if args.tokenizer_path:
+        overrides.append(f"model.tokenizer_path={args.tokenizer_path}")
     return load_config(None, overrides, check=False)
 
 
@@ -141,8 +145,9 @@ def main(argv: list[str] | None = None) -> GapResult:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--mem-fraction", type=float, default=0.4, help="SGLang --mem-fraction-static")
+    p.add_argument("--mem-fraction", type=float, default=0.3, help="SGLang --mem-fraction-static")
     p.add_argument("--engine-python", default=None, help="interpreter that runs sglang.launch_server")
+    p.add_argument("--tokenizer-path", default=None, help="model.tokenizer_path (the model is made without one)")
     p.add_argument("--work-dir", type=Path, default=None, help="the model and logs go here (default: a temp dir)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
