@@ -31,6 +31,7 @@ import asyncio
 import json
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -155,14 +156,19 @@ def main(argv: list[str] | None = None) -> GapResult:
     if args.device == "cpu":
         torch.set_num_threads(1)
 
+    started = time.perf_counter()
     model_dir = make_model(args.shape, args.work_dir / f"{args.shape}-{args.dtype}", dtype=getattr(torch, args.dtype))
+    print(f"[moe-replay] model in {model_dir} at {time.perf_counter() - started:.0f} s", flush=True)
     cfg = bench_config(args, model_dir)
     samples = sample_with_engine(cfg, random_prompts(args.prompts, args.prompt_len, SHAPES[args.shape][1]))
+    print(f"[moe-replay] {args.engine} sampled {sum(s.response_length for s in samples)} tokens; engine shut down"
+          f" at {time.perf_counter() - started:.0f} s", flush=True)
     if missing := missing_experts(samples):
         print("FAIL: the engine returned no routed experts for some samples, so replay has nothing to use:\n  "
               + "\n  ".join(missing[:5]), file=sys.stderr)
         raise SystemExit(1)
     result = trainer_gaps(cfg, samples, num_experts=MOE[args.shape][0])
+    print(f"[moe-replay] trainer's three log-prob passes done at {time.perf_counter() - started:.0f} s", flush=True)
     report(args, result)
     if result.control_shift == 0.0:
         print("FAIL: replaying other experts left every log-prob unchanged: the trainer did not use the batch's"
