@@ -93,7 +93,8 @@ class StandinServer:
         self.tokenizer = Tokenizer.from_file(str(Path(args.tokenizer_path or model_dir) / "tokenizer.json"))
         self.hf_config = json.loads((model_dir / "config.json").read_text())
         self.vocab_size = int(self.hf_config["vocab_size"])
-        self.eos_token_id = int(self.hf_config["eos_token_id"])
+        eos = self.hf_config.get("eos_token_id")  # a random model made from a bare config has none
+        self.eos_token_id = int(eos) if eos is not None else None
         self.weights = self._load_folder(model_dir)
         self.weight_version = "default"
         self.started_at = time.time()
@@ -157,7 +158,8 @@ class StandinServer:
         import numpy as np
 
         layers, k = int(self.hf_config["num_hidden_layers"]), int(self.hf_config["num_experts_per_tok"])
-        experts = int(self.hf_config["num_experts"])
+        # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts
+        experts = int(self.hf_config.get("num_experts") or self.hf_config["num_local_experts"])
         ids = np.asarray(fed, dtype=np.int64)[:, None, None] + np.arange(layers)[None, :, None] + np.arange(k)
         return base64.b64encode((ids % experts).astype("<i4").tobytes()).decode("ascii")
 
@@ -178,7 +180,7 @@ class StandinServer:
             seed = sp.get("sampling_seed")
             salt = 0 if temperature == 0 else int(seed) + 1 if seed is not None else secrets.randbits(62) + 2**62
             stop_ids = set(sp.get("stop_token_ids") or [])
-            if not sp.get("ignore_eos"):
+            if not sp.get("ignore_eos") and self.eos_token_id is not None:
                 stop_ids.add(self.eos_token_id)
             stops = sp.get("stop") or []
             stops = [stops] if isinstance(stops, str) else list(stops)
