@@ -14,6 +14,8 @@
 # bench-async-x2 (the same, trainer and engine on two GPUs), bench-async-kill (fully, the SGLang server
 # SIGKILLed mid-run), bench-affinity (issue 18: prefix-cache hit rate, affinity vs round robin, two
 # servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place).
+# real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
+# pack it first with scripts/gpu/pack_smollm2.sh), real-model-addition, real-model-chain-sum (one task each).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -63,6 +65,9 @@ for stage in "$@"; do
                            --json "$logs/bench-async-kill.json") ;;
     bench-rollout) cmd=(python3 benchmarks/rollout_throughput.py --logs-to "$logs/rollout-logs") ;;
     bench-rollout-one-wave) cmd=(python3 benchmarks/rollout_throughput.py --requests 256 --rounds 3 --logs-to "$logs/rollout-logs") ;;
+    real-model) cmd=(timeout 560 bash scripts/gpu/real_model.sh "$logs" addition chain_sum) ;;
+    real-model-addition) cmd=(bash scripts/gpu/real_model.sh "$logs" addition) ;;
+    real-model-chain-sum) cmd=(bash scripts/gpu/real_model.sh "$logs" chain_sum) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   "${cmd[@]}" > "$logs/$stage.log" 2>&1; rc=$?

