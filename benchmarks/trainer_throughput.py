@@ -59,7 +59,8 @@ SHAPES = {
 MOE = {"tiny-moe": (8, 2, 96, 32), "qwen3-30b-a3b-reduced": (128, 8, 768, 128)}
 
 
-def make_model(shape: str, folder: Path) -> Path:
+def make_model(shape: str, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A random HF model of ``shape`` saved in ``folder`` (kept if already there), weights in ``dtype``."""
     import transformers
 
     family, vocab, hidden, inter, layers, heads, kv, tied, theta = SHAPES[shape]
@@ -78,7 +79,7 @@ def make_model(shape: str, folder: Path) -> Path:
     config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1.5B is slow on a CPU
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(folder)
     del model
     return folder

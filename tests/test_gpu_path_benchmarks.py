@@ -119,3 +119,46 @@ def test_async_speedup_kill_option_on_the_stand_in_server(tmp_path, capsys):
         "--work-dir", str(tmp_path / "work")])
     assert len(result.killed) == 1 and result.restarts >= 1 and len(result.rows) >= 1
     assert "engine kill: PASS" in capsys.readouterr().out
+
+
+def test_moe_replay_gap_benchmark_replays_the_engines_experts(tmp_path, capsys):
+    """Issue 19's replay measurement end to end on the CPU (HF engine, tiny Qwen3-MoE, fp32, the Megatron trainer;
+    ~10 s): every sample brings the engine's routed experts, the trainer's log-probs follow the experts the batch
+    carries (the shifted-experts control moves them), and in fp32 both passes match the engine's."""
+    moe_replay_gap = bench("moe_replay_gap")
+    result = moe_replay_gap.main(["--engine", "hf", "--device", "cpu", "--shape", "tiny-moe", "--prompts", "4",
+                                  "--prompt-len", "8", "--new-tokens", "8", "--work-dir", str(tmp_path)])
+    assert result.tokens == 4 * 8
+    assert result.mean_off < 1e-4 and result.mean_on < 1e-4  # fp32, same weights: replaying the engine's own
+    assert result.max_on < 1e-3                                # choices keeps the parity routing alone has
+    assert result.control_shift > 1e-3  # other experts, other log-probs: the replay reached the routers
+    out = capsys.readouterr().out
+    assert "| 32 | " in out and "replay cuts the mean gap" in out and "control (engine's experts shifted" in out
+
+
+def test_moe_replay_gap_benchmark_names_samples_without_routed_experts():
+    from slime_rl.core.sample import Sample
+
+    moe_replay_gap = bench("moe_replay_gap")
+    fed = Sample(index=0, tokens=[5, 6, 7], rollout_routed_experts=[[[0, 1]], [[2, 3]]])  # 3 tokens, 2 fed
+    bare = Sample(index=1, tokens=[5, 6, 7])
+    assert moe_replay_gap.missing_experts([fed, bare]) == ["sample 1: 0 routed-expert rows for 3 tokens"]
+
+
+def test_moe_replay_gap_benchmark_through_sglang_engine_on_the_stand_in(tmp_path, capsys):
+    """The GPU run's path on the CPU (~15 s): SGLangEngine starts the (stand-in) server with
+    --enable-return-routed-experts, each request goes straight to the engine, its base64 routed experts (a made-up
+    routing, not the trainer's) reach the trainer and move its log-probs. The stand-in's log-probs are made up, so
+    the gaps mean nothing here."""
+    pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
+    from slime_rl.core.testing import stdlib_text, train_tokenizer
+
+    moe_replay_gap = bench("moe_replay_gap")
+    train_tokenizer(stdlib_text(10), vocab_size=512).save_pretrained(tmp_path / "tokenizer")
+    result = moe_replay_gap.main(["--engine", "sglang", "--engine-python", fake_sglang_python(tmp_path), "--device",
+                                  "cpu", "--shape", "tiny-moe", "--prompts", "4", "--prompt-len", "8", "--new-tokens",
+                                  "8", "--tokenizer-path", str(tmp_path / "tokenizer"), "--work-dir", str(tmp_path)])
+    assert result.tokens == 4 * 8
+    assert abs(result.mean_on - result.mean_off) > 1e-4  # the stand-in's experts, not the trainer's own, were used
+    assert result.control_shift > 1e-3
+    assert "| 32 | " in capsys.readouterr().out

@@ -7,6 +7,7 @@
 # e2e (issue 7 b,f), e2e-offload (f with offload only), bench-trainer (like for like, with the
 # 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
 # bench-sync, bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
+# moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
 # SGLangEngine), bench-sync-lora, e2e-lora (issue 20: GRPO with LoRA through SGLang's adapters, tiny and
 # 1.5B shapes), bench-async (off / one_step / fully on one shared GPU, issue 17),
@@ -42,6 +43,8 @@ for stage in "$@"; do
                                --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
     bench-moe) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen3-30b-a3b-reduced --samples 16
                     --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 8 --peak-tflops 989 --skip-memory) ;;
+    moe-replay) cmd=(timeout 400 python3 benchmarks/moe_replay_gap.py --shape qwen3-30b-a3b-reduced --prompts 16
+                     --new-tokens 64 --work-dir /tmp/moe-replay) ;;
     bench-sync-1.5b) cmd=(timeout 200 python3 benchmarks/weight_sync.py --shape qwen2.5-1.5b --bucket-mb 2048
                           --mem-fraction 0.1 --json "$logs/bench-sync-1.5b.json") ;;
     bench-sync) cmd=(timeout 330 python3 benchmarks/weight_sync.py --shape qwen2.5-7b --bucket-mb 512 2048 4096

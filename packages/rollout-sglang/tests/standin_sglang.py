@@ -76,6 +76,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--standin-token-delay", type=float, default=0.0)  # seconds per generated token
     p.add_argument("--standin-update-delay", type=float, default=0.0)  # seconds a weight update takes (inf: forever)
     p.add_argument("--enable-return-routed-experts", action="store_true")  # SGLang's flag (MoE models)
+    p.add_argument("--skip-tokenizer-init", action="store_true")  # then stop strings are refused, as in SGLang
     add_flags(p)  # --enable-lora and the other LoRA flags (standin_lora.py)
     return p.parse_known_args(argv)
 
@@ -92,7 +93,8 @@ class StandinServer:
         self.tokenizer = Tokenizer.from_file(str(Path(args.tokenizer_path or model_dir) / "tokenizer.json"))
         self.hf_config = json.loads((model_dir / "config.json").read_text())
         self.vocab_size = int(self.hf_config["vocab_size"])
-        self.eos_token_id = int(self.hf_config["eos_token_id"])
+        eos = self.hf_config.get("eos_token_id")  # a random model made from a bare config has none
+        self.eos_token_id = int(eos) if eos is not None else None
         self.weights = self._load_folder(model_dir)
         self.weight_version = "default"
         self.started_at = time.time()
@@ -156,7 +158,8 @@ class StandinServer:
         import numpy as np
 
         layers, k = int(self.hf_config["num_hidden_layers"]), int(self.hf_config["num_experts_per_tok"])
-        experts = int(self.hf_config["num_experts"])
+        # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts
+        experts = int(self.hf_config.get("num_experts") or self.hf_config["num_local_experts"])
         ids = np.asarray(fed, dtype=np.int64)[:, None, None] + np.arange(layers)[None, :, None] + np.arange(k)
         return base64.b64encode((ids % experts).astype("<i4").tobytes()).decode("ascii")
 
@@ -177,7 +180,7 @@ class StandinServer:
             seed = sp.get("sampling_seed")
             salt = 0 if temperature == 0 else int(seed) + 1 if seed is not None else secrets.randbits(62) + 2**62
             stop_ids = set(sp.get("stop_token_ids") or [])
-            if not sp.get("ignore_eos"):
+            if not sp.get("ignore_eos") and self.eos_token_id is not None:
                 stop_ids.add(self.eos_token_id)
             stops = sp.get("stop") or []
             stops = [stops] if isinstance(stops, str) else list(stops)
@@ -252,6 +255,8 @@ class StandinServer:
             rids = [rids] if single else [f"{rids}_{i}" for i in range(len(batch))]
         sps = body.get("sampling_params") or {}
         sps = sps if isinstance(sps, list) else [sps] * len(batch)
+        if self.args.skip_tokenizer_init and any(sp.get("stop") for sp in sps):  # SGLang's words
+            return _error(f"stop={sps[0].get('stop')} is unavailable when skip_tokenizer_init=True")
         loras = body.get("lora_path")
         loras = loras if isinstance(loras, list) else [loras] * len(batch)
         try:
@@ -272,7 +277,7 @@ class StandinServer:
         if not abort_all and not rid:
             return web.Response(status=200)
         for running_rid, flag in list(self.running.items()):
-            if abort_all or running_rid.startswith(rid):  # SGLang's scheduler matches by prefix
+            if abort_all or running_rid == rid:  # 0.5.17's TokenizerManager drops a rid it does not hold
                 flag.set()
         return web.Response(status=200)
 
@@ -286,7 +291,8 @@ class StandinServer:
     def server_args(self) -> dict:
         return {"model_path": self.args.model_path, "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
                 "host": self.args.host, "port": self.args.port, "tp_size": self.args.tp_size, "dp_size": 1,
-                "skip_tokenizer_init": False, "enable_memory_saver": self.args.enable_memory_saver,
+                "skip_tokenizer_init": self.args.skip_tokenizer_init,
+                "enable_memory_saver": self.args.enable_memory_saver,
                 # SGLang's /server_info returns its whole ServerArgs, both keys included.
                 "api_key": self.args.api_key, "admin_api_key": self.args.admin_api_key,
                 "enable_lora": self.args.enable_lora, "max_lora_rank": self.args.max_lora_rank,

@@ -19,6 +19,7 @@ from slime_rl.core.config import Config
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.plugins import load_plugin
 from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.client import GenerateError
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import bearer
 from slime_rl.rollout_sglang.trainer_sync import SGLangWeightSender
@@ -137,6 +138,13 @@ def test_stop_token_and_greedy_determinism(shared_engine):
                                                                     stop_token_ids=[stop_at], ignore_eos=True)))
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == first.token_ids[:k + 1] and stopped.log_probs == first.log_probs[:k + 1]
+
+
+def test_stop_strings_to_a_server_without_its_tokenizer_name_the_fix(shared_engine):
+    # rollout.stop is empty, so the launch skipped SGLang's tokenizer; a generate function asking for stop strings
+    # is refused by the server with words that name what to change in the config
+    with pytest.raises(GenerateError, match=r"skip_tokenizer_init.*list them in rollout\.stop"):
+        asyncio.run(shared_engine.generate([9, 8, 7], SamplingParams(temperature=0.0, max_new_tokens=4, stop=["a"])))
 
 
 def test_abort_all_then_one(shared_engine):

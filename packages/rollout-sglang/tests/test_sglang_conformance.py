@@ -26,7 +26,9 @@ def test_sglang_engine_passes_the_suite_with_stand_in_servers(tiny_model, standi
     config = json.loads((moe / "config.json").read_text())
     config.update(num_experts=8, num_experts_per_tok=2)  # the stand-in routes experts by these fields
     (moe / "config.json").write_text(json.dumps(config))
-    cfg = make_config(moe, standin_python, tmp_path / "run", engine_args={"enable_return_routed_experts": True})
+    # stop strings are in the suite: keep the server's tokenizer (launch.py skips it when rollout.stop is empty)
+    cfg = make_config(moe, standin_python, tmp_path / "run",
+                      engine_args={"enable_return_routed_experts": True, "skip_tokenizer_init": False})
     tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     lines = ["the quick brown fox jumps over", "what is 1 + 2? the answer", "def add(a, b): return"]
     backend = Backend(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sglang_gpu import PROMPTS, gpu_config, hf_weights, make_tiny_llama
+from test_sglang_gpu import ENGINE_ARGS, PROMPTS, gpu_config, hf_weights, make_tiny_llama
 
 from slime_rl.core.testing import conformance as cf
 from slime_rl.core.testing import tiny_model
@@ -29,7 +29,9 @@ def test_sglang_engine_passes_the_whole_suite_on_the_gpu(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     reference_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     def make_engine() -> SGLangEngine:
-        engine = SGLangEngine.from_config(gpu_config(folder, tmp_path / "run"))
+        # stop strings are in the suite: keep the server's tokenizer (launch.py skips it when rollout.stop is empty)
+        engine_args = {**ENGINE_ARGS, "skip_tokenizer_init": False}
+        engine = SGLangEngine.from_config(gpu_config(folder, tmp_path / "run", engine_args=engine_args))
         # weights released without SGLang's CPU backup come back from a host copy of the last sync
         engine.keep_weights_for_recovery = True
         return engine

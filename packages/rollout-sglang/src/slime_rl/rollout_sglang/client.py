@@ -169,11 +169,12 @@ class GenerateClient:
     async def generate(self, input_ids: list[int], params: SamplingParams, rid_prefix: str, *,
                        default_version: int = 0, should_stop: Callable[[], bool] | None = None,
                        routed_shape: tuple[int, int] | None = None, routing_key: str | None = None,
-                       lora_path: str | None = None) -> GenerateOutput:
+                       lora_path: str | None = None,
+                       on_attempt: Callable[[str], None] | None = None) -> GenerateOutput:
         """POST one request; on a dropped connection or a 5xx from the router, retry with a
         fresh rid (``{rid_prefix}.{attempt}``), at most ``max_retries`` failures while no engine is
-        restarting and never past ``retry_timeout``. An abort of
-        ``rid_prefix`` reaches every attempt (SGLang matches aborts by rid prefix).
+        restarting and never past ``retry_timeout``. ``on_attempt(rid)`` hears each attempt's rid
+        before it is sent: SGLang 0.5.17 aborts only a request whose rid it is given exactly.
         ``should_stop()`` true when a slot frees up or before a retry: an empty abort result.
         ``routing_key``: requests with the same key go to the same worker (router policy ``manual``).
         ``lora_path``: the LoRA adapter to generate with (`build_payload`)."""
@@ -186,6 +187,8 @@ class GenerateClient:
                 if should_stop is not None and should_stop():
                     return GenerateOutput([], [], "abort", default_version)
                 payload = build_payload(input_ids, params, f"{rid_prefix}.{attempt}", lora_path)
+                if on_attempt is not None:
+                    on_attempt(payload["rid"])
                 try:
                     async with session.post(f"{self.router_url}/generate", json=payload, headers=headers) as resp:
                         if resp.status == 200:
@@ -200,7 +203,7 @@ class GenerateClient:
                 else:
                     if resp.status not in _RETRY_STATUS:
                         raise GenerateError(f"request {rid_prefix}: the router answered HTTP {resp.status}: "
-                                            f"{text[:500]}")
+                                            f"{text[:500]}{_fix_for(text)}")
                     problem = f"HTTP {resp.status}: {text[:200]}"
                 if self.recovering is None or not self.recovering():
                     counted += 1
@@ -225,6 +228,14 @@ class GenerateClient:
             else:
                 _abandon(self._session)
         self._session = self._semaphore = self._loop = None
+
+
+def _fix_for(refusal: str) -> str:
+    """What the user changes for a refusal they can fix in the config."""
+    if "skip_tokenizer_init" in refusal:  # stop strings sent to a server started without its tokenizer
+        return ("; stop strings need SGLang's tokenizer: list them in rollout.stop (the launch then keeps it) "
+                "or set rollout.engine_args.skip_tokenizer_init: false")
+    return ""
 
 
 def _abandon(session: aiohttp.ClientSession) -> None:

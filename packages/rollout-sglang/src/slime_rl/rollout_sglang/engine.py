@@ -62,7 +62,7 @@ ALL_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 @dataclass
 class _Request:
     rid: str
-    wire_prefix: str | None = None  # rid prefix of the attempt on the wire; None while queued here
+    wire_rid: str | None = None  # the rid of the attempt on the wire; None while queued here
     aborted: bool = False  # the caller asked for it to stop
     done: bool = False
 
@@ -294,22 +294,23 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
                 if req.aborted:
                     return GenerateOutput(tokens, log_probs, "abort", self._version, token_versions=versions)
                 part_params = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
-                req.wire_prefix = f"{rid}#{uuid.uuid4().hex[:12]}"  # unique: SGLang aborts by rid prefix
+                wire_prefix = f"{rid}#{uuid.uuid4().hex[:12]}"  # a rid SGLang has not seen, for every part
                 client, routed_shape, part_version = self.client, None, self._version
                 if params.return_routed_experts:
                     client, routed_shape = self._engine_client(rid), served_routing_shape(self.model_path)
                 lora, version = self.roster.acquire() if self.roster else (None, self._version)
                 try:
-                    out = await client.generate(list(input_ids) + tokens, part_params, req.wire_prefix,
+                    out = await client.generate(list(input_ids) + tokens, part_params, wire_prefix,
                                                 default_version=version, should_stop=lambda: req.aborted,
-                                                routed_shape=routed_shape, routing_key=routing_key, lora_path=lora)
+                                                routed_shape=routed_shape, routing_key=routing_key, lora_path=lora,
+                                                on_attempt=lambda wire_rid: setattr(req, "wire_rid", wire_rid))
                 except GenerateError as err:
                     raise GenerateError(f"{err}; the engines: {self._describe_servers()}") from None
                 finally:
                     self._release_adapter(lora)
                 if lora is not None:  # the server's own version is the base's; the adapter is the policy
                     out = replace(out, weight_version=version)
-                req.wire_prefix = None  # back from the server: nothing there to abort
+                req.wire_rid = None  # back from the server: nothing there to abort
                 cached = out.cached_tokens if not tokens and cached is None else cached
                 tokens += out.token_ids
                 log_probs += out.log_probs
@@ -354,11 +355,11 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         deadline = loop.time() + 30.0
         async with httpx.AsyncClient(timeout=10.0) as http:
             while True:
-                sent = [r for r in reqs if not r.done and r.wire_prefix is not None]
+                sent = [r for r in reqs if not r.done and r.wire_rid is not None]
                 if not sent:
                     return
                 # Re-sent until they return: an abort can reach a server before its request does.
-                posts = [http.post(f"{t.url}/abort_request", json={"rid": r.wire_prefix}, headers=t.headers)
+                posts = [http.post(f"{t.url}/abort_request", json={"rid": r.wire_rid}, headers=t.headers)
                          for r in sent for t in self.targets()]
                 await asyncio.gather(*posts, return_exceptions=True)
                 if loop.time() >= deadline:
