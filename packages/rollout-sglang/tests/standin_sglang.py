@@ -30,6 +30,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 from standin_auth import ADMIN_OPTIONAL, auth_decision, auth_middleware  # noqa: F401 (re-exported)
+from standin_gate import ModelGate, RequestAborted
 from standin_lora import LoraError, LoraRegistry, add_flags, decode_tensor_payload
 from standin_nccl import join_group, receive_broadcast
 from tokenizers import Tokenizer
@@ -98,11 +100,9 @@ class StandinServer:
         self.weights = self._load_folder(model_dir)
         self.weight_version = "default"
         self.started_at = time.time()
-        self.paused = False
-        self.resumed = asyncio.Event()
-        self.resumed.set()
+        self.gate = ModelGate()  # SGLang's pause and model-update lock (standin_gate.py)
         self.memory = {"weights": True, "kv_cache": True, "cuda_graph": True}
-        self.running: dict[str, asyncio.Event] = {}  # rid -> abort flag
+        self.running: dict[str, asyncio.Event] = {}  # rid -> abort flag, from arrival (SGLang's rid_to_state)
         self.groups: dict[str, object] = {}
         self.events: list[dict] = []  # what happened, in order (test inspection)
         self.completed: list[str] = []  # rids answered (finished or aborted)
@@ -170,8 +170,10 @@ class StandinServer:
         self.running[rid] = aborted
         started = time.time()
         self.record("generate", rid=rid, input_len=len(input_ids), sampling_params=sp, lora=lora)
+        entered = False
         try:
-            await self.resumed.wait()  # paused: new requests wait (SGLang's is_pause_cond)
+            await self.gate.enter(rid, aborted)  # raises RequestAborted (HTTP 499) if aborted before it got in
+            entered = True
             max_new = sp.get("max_new_tokens", 128)
             max_new = 128 if max_new is None else int(max_new)
             temperature = float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0)
@@ -205,12 +207,23 @@ class StandinServer:
                     if matched is not None:
                         finish = {"type": "stop", "matched": matched}
                         break
+        except RequestAborted:
+            self.completed.append(rid)
+            raise
         finally:
             self.running.pop(rid, None)
+            if entered:
+                await self.gate.leave(rid)
             await self.lora.release(lora)
         self.completed.append(rid)
         if lora is not None:  # when a request naming an adapter ended (tests order it before the unload)
             self.record("generate_end", rid=rid, lora=lora)
+        if finish["type"] == "abort" and not out:  # still in the scheduler's waiting queue: SGLang's _handle_abort_req
+            meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                    "weight_version": self.weight_version, "e2e_latency": time.time() - started, "completion_tokens": 0}
+            if return_logprob:
+                meta.update(input_token_logprobs=[], output_token_logprobs=[])
+            return {"text": "", "output_ids": [], "meta_info": meta}
         meta = {
             "id": rid,
             "finish_reason": finish,
@@ -262,11 +275,14 @@ class StandinServer:
             prints = [self.lora.resolve(name) for name in loras]
         except LoraError as err:  # SGLang answers 400 with the message
             return _error(str(err))
-        outs = await asyncio.gather(*[
-            self.generate_one(x, sp, rid, bool(body.get("return_logprob")), body.get("logprob_start_len", -1),
-                              bool(body.get("return_routed_experts")), lora, fp)
-            for x, sp, rid, lora, fp in zip(batch, sps, rids, loras, prints, strict=True)
-        ])
+        try:
+            outs = await asyncio.gather(*[
+                self.generate_one(x, sp, rid, bool(body.get("return_logprob")), body.get("logprob_start_len", -1),
+                                  bool(body.get("return_routed_experts")), lora, fp)
+                for x, sp, rid, lora, fp in zip(batch, sps, rids, loras, prints, strict=True)
+            ])
+        except RequestAborted as err:  # SGLang's _create_error_response of a RequestAbortedError
+            return _error(str(err), status=err.status)
         return web.json_response(outs[0] if single else outs)
 
     async def handle_abort(self, request: web.Request) -> web.Response:
@@ -321,16 +337,17 @@ class StandinServer:
                                    "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
 
     async def handle_state(self, request: web.Request) -> web.Response:
-        return web.json_response({"events": self.events, "completed": self.completed, "paused": self.paused,
+        return web.json_response({"events": self.events, "completed": self.completed, "paused": self.gate.paused,
                                   "memory": self.memory, "weight_version": self.weight_version,
-                                  "fingerprint": self.fingerprint(), "running": sorted(self.running)})
+                                  "fingerprint": self.fingerprint(), "running": sorted(self.running), "in_model": sorted(self.gate.in_model)})
 
     # ------------------------------------------------------------------ control
 
     async def handle_flush_cache(self, request: web.Request) -> web.Response:
-        if self.running and not self.paused:
+        # SGLang's Scheduler.flush_cache: only when fully idle; requests held by a pause (in_place, retract) count
+        if self.gate.in_model:
             self.record("flush_cache", success=False)
-            return web.Response(status=400, text="Cache not flushed because there are pending requests.\n")
+            return web.Response(status=400, text="Flush cache failed.\n")
         self.record("flush_cache", success=True)
         self.prefix_cache.clear()
         return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
@@ -340,43 +357,61 @@ class StandinServer:
         body = await _json_or_empty(request)
         mode = body.get("mode", "abort")
         self.record("pause_generation", mode=mode)
-        self.paused = True
-        self.resumed.clear()
-        if mode == "abort":
+        await self.gate.set_paused(True)
+        # abort: like SGLang's TokenizerManager.pause_generation, abort all (those waiting at the pause too: they
+        # answer 499 after continue) until no request holds the model; in_place and retract hold them in the model
+        while mode == "abort":
             for flag in self.running.values():
                 flag.set()
-            while self.running:
-                await asyncio.sleep(0.01)
+            if not self.gate.in_model:
+                break
+            await asyncio.sleep(0.01)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def handle_continue(self, request: web.Request) -> web.Response:
         self.record("continue_generation")
-        self.paused = False
-        self.resumed.set()
+        await self.gate.set_paused(False)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def handle_release(self, request: web.Request) -> web.Response:
         body = await _json_or_empty(request)
         tags = body.get("tags") or list(self.memory)
         self.record("release_memory_occupation", tags=tags)
+        if self.gate.in_model:  # held in place, or running: the scheduler's assertion kills the server
+            _scheduler_crash("AssertionError: release_memory_occupation should be called only when server is idle.")
         for tag in tags:
             self.memory[tag] = False
+        if "kv_cache" in tags:  # SGLang flushes the cache with the KV pool
+            self.prefix_cache.clear()
         return web.json_response(None)
 
     async def handle_resume(self, request: web.Request) -> web.Response:
         body = await _json_or_empty(request)
         tags = body.get("tags") or list(self.memory)
         self.record("resume_memory_occupation", tags=tags)
-        if any(self.memory[tag] for tag in tags):  # SGLang: offload_tags.remove(tag) raises KeyError
-            return _error(f"KeyError: {[t for t in tags if self.memory[t]][0]!r}")
+        if any(self.memory[tag] for tag in tags):  # SGLang: offload_tags.remove(tag) raises in the scheduler
+            _scheduler_crash(f"KeyError: {[t for t in tags if self.memory[t]][0]!r}")
         for tag in tags:
             self.memory[tag] = True
         return web.json_response(None)
 
     # ------------------------------------------------------------------ weights
 
-    async def _update_takes_its_time(self) -> None:  # --standin-update-delay (inf: it never answers)
-        await asyncio.sleep(min(self.args.standin_update_delay, 1e9))
+    async def _update(self, body: dict, work) -> web.Response:
+        """SGLang's order around ``work()`` (one update endpoint's load): ``abort_all_requests``, the model-update
+        lock unless paused (standin_gate.py), --standin-update-delay (inf: it never answers), the load, then with
+        ``flush_cache`` (default true) the scheduler's flush, which asserts that no request is held in the model."""
+        if body.get("abort_all_requests"):
+            for flag in self.running.values():
+                flag.set()
+        async with self.gate.weight_update():
+            await asyncio.sleep(min(self.args.standin_update_delay, 1e9))
+            response = await work()
+            if response.status == 200 and body.get("flush_cache", True):
+                if self.gate.in_model:
+                    _scheduler_crash("AssertionError: Cache flush failed after updating weights")
+                self.prefix_cache.clear()
+        return response
 
     def _apply(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         for name, tensor in named:
@@ -393,29 +428,35 @@ class StandinServer:
         payloads = body["serialized_named_tensors"]
         self.record("update_weights_from_tensor", load_format=body.get("load_format"), num_payloads=len(payloads),
                     weight_version=body.get("weight_version"), flush_cache=body.get("flush_cache", True))
-        await self._update_takes_its_time()
-        try:
-            if len(payloads) != self.args.tp_size:
-                raise ValueError(f"{len(payloads)} payloads for tp_size {self.args.tp_size}")
-            self._apply(decode_tensor_payload(payloads[0], body.get("load_format")), body.get("weight_version"))
-        except Exception as err:  # SGLang answers 400 with success=false
-            return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
-        return web.json_response({"success": True, "message": "Success"})
+
+        async def load() -> web.Response:
+            try:
+                if len(payloads) != self.args.tp_size:
+                    raise ValueError(f"{len(payloads)} payloads for tp_size {self.args.tp_size}")
+                self._apply(decode_tensor_payload(payloads[0], body.get("load_format")), body.get("weight_version"))
+            except Exception as err:  # SGLang answers 400 with success=false
+                return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
+            return web.json_response({"success": True, "message": "Success"})
+
+        return await self._update(body, load)
 
     async def handle_update_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.record("update_weights_from_disk", model_path=body["model_path"], weight_version=body.get("weight_version"))
-        await self._update_takes_its_time()
-        try:
-            loaded = self._load_folder(Path(body["model_path"]))
-            if not loaded:
-                raise FileNotFoundError(f"no *.safetensors in {body['model_path']}")
-            self._apply(list(loaded.items()), body.get("weight_version"))
-        except Exception as err:
-            return web.json_response({"success": False, "message": f"Failed to update weights: {err}",
-                                      "num_paused_requests": 0}, status=400)
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": 0})
+
+        async def load() -> web.Response:
+            try:
+                loaded = self._load_folder(Path(body["model_path"]))
+                if not loaded:
+                    raise FileNotFoundError(f"no *.safetensors in {body['model_path']}")
+                self._apply(list(loaded.items()), body.get("weight_version"))
+            except Exception as err:
+                return web.json_response({"success": False, "message": f"Failed to update weights: {err}",
+                                          "num_paused_requests": 0}, status=400)
+            return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                      "num_paused_requests": 0})
+
+        return await self._update(body, load)
 
     async def handle_init_group(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -441,24 +482,27 @@ class StandinServer:
         body = await request.json()
         self.record("update_weights_from_distributed", names=body["names"], load_format=body.get("load_format"),
                     weight_version=body.get("weight_version"))
-        await self._update_takes_its_time()
-        group = self.groups.get(body.get("group_name", "weight_update_group"))
-        if group is None:
-            return web.json_response({"success": False, "message": "Please call `init_weights_update_group` first."},
-                                     status=400)
-        try:
-            named = await asyncio.to_thread(receive_broadcast, group, body)
-            self._apply(named, body.get("weight_version"))
-        except Exception as err:
-            return web.json_response({"success": False, "message": f"Failed to update parameter online: {err}"},
-                                     status=400)
-        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+        async def load() -> web.Response:
+            group = self.groups.get(body.get("group_name", "weight_update_group"))
+            if group is None:
+                return web.json_response({"success": False, "message": "Please call `init_weights_update_group` "
+                                          "first."}, status=400)
+            try:
+                named = await asyncio.to_thread(receive_broadcast, group, body)
+                self._apply(named, body.get("weight_version"))
+            except Exception as err:
+                return web.json_response({"success": False, "message": f"Failed to update parameter online: {err}"},
+                                         status=400)
+            return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+        return await self._update(body, load)
 
     async def handle_get_weights(self, request: web.Request) -> web.Response:
         body = await _json_or_empty(request)
         name, truncate = body.get("name"), int(body.get("truncate_size", 100))
         if name not in self.weights:
-            return _error(f"Get parameter by name failed: {name}")
+            return _error("Get parameter by name failed")
         return web.json_response(self.weights[name].float().numpy().tolist()[:truncate])
 
     async def handle_weights_checker(self, request: web.Request) -> web.Response:
@@ -485,6 +529,12 @@ class StandinServer:
 async def _json_or_empty(request: web.Request) -> dict:
     raw = await request.read()
     return json.loads(raw) if raw.strip() else {}
+
+
+def _scheduler_crash(message: str) -> None:
+    """An exception in SGLang's scheduler process: it logs it and SIGQUITs the server, which exits unanswered."""
+    print(f"[standin-sglang] Scheduler hit an exception: {message}", flush=True)
+    os._exit(1)
 
 
 def _error(message: str, status: int = 400) -> web.Response:
