@@ -302,6 +302,29 @@ def test_a_request_held_in_place_through_a_sync_counts_its_tokens_as_the_older_v
     assert len([e for e in events(engine.engine_urls[0], "generate") if e["rid"].startswith("held#")]) == 1
 
 
+def test_a_request_that_reaches_a_server_as_a_sync_pauses_it_is_sent_again(make_engine, tiny_model):
+    """The race of a sync with a request already on its way: it reaches the server after the pause, waits there,
+    and pause(abort)'s abort-all marks it, so after continue SGLang 0.5.17 answers HTTP 499 'Request ... was
+    aborted' (RequestAbortedError), never a response: the engine sends it again on the new weights."""
+    engine = make_engine(num_engines=1)
+    url = engine.engine_urls[0]
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+
+    async def run():
+        ws.pause_generation(engine.targets(), timeout=10, step="test", mode="in_place")  # the pause got there first
+        task = asyncio.create_task(engine.generate([2, 3], params, request_id="late"))
+        deadline = time.monotonic() + 30
+        while not state(url)["running"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await engine.update_weights(new_weights(tiny_model, 3.0), version=1, last=True)
+        return await asyncio.wait_for(task, 20)
+
+    out = asyncio.run(run())
+    assert out.finish_reason == "length" and len(out.token_ids) == 20 and out.weight_version == 1
+    attempts = [e["rid"] for e in events(url, "generate") if e["rid"].startswith("late#")]
+    assert len(attempts) == 2 and attempts[0] in state(url)["completed"]  # the first was answered 499
+
+
 def test_trainer_side_sync_with_the_weight_sync_functions(make_engine, tiny_model):
     """A trainer process pushes the buckets itself (its CUDA tensors never leave it): the engine
     only holds generation before and lets it go after."""
