@@ -39,6 +39,7 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 from standin_auth import ADMIN_OPTIONAL, auth_decision, auth_middleware  # noqa: F401 (re-exported)
+from standin_checks import context_length, request_error
 from standin_gate import ModelGate, RequestAborted
 from standin_lora import LoraError, LoraRegistry, add_flags, decode_tensor_payload
 from standin_nccl import join_group, receive_broadcast
@@ -71,6 +72,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", "--tp", type=int, default=1)
     p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-api-key", default=None)
     p.add_argument("--standin-startup-delay", type=float, default=0.0)  # /health answers 503 this long
@@ -97,6 +99,7 @@ class StandinServer:
         self.hf_config = json.loads((model_dir / "config.json").read_text())
         self.vocab_size = int(self.hf_config["vocab_size"])
         self.eos_token_id = int(self.hf_config["eos_token_id"])
+        self.context_len = context_length(args.context_length, self.hf_config)
         self.weights = self._load_folder(model_dir)
         self.weight_version = "default"
         self.started_at = time.time()
@@ -269,6 +272,8 @@ class StandinServer:
         sps = sps if isinstance(sps, list) else [sps] * len(batch)
         if self.args.skip_tokenizer_init and any(sp.get("stop") for sp in sps):  # SGLang's words
             return _error(f"stop={sps[0].get('stop')} is unavailable when skip_tokenizer_init=True")
+        for refusal in filter(None, (request_error(sp, len(x), self.context_len) for x, sp in zip(batch, sps, strict=True))):
+            return _error(refusal)  # SGLang's checks before it runs a request (standin_checks.py)
         loras = body.get("lora_path")
         loras = loras if isinstance(loras, list) else [loras] * len(batch)
         try:

@@ -147,9 +147,15 @@ def test_stop_strings_to_a_server_without_its_tokenizer_name_the_fix(shared_engi
         asyncio.run(shared_engine.generate([9, 8, 7], SamplingParams(temperature=0.0, max_new_tokens=4, stop=["a"])))
 
 
+def test_a_request_past_the_context_length_is_refused_with_sglangs_words(shared_engine):
+    # SGLang 0.5.17 refuses (HTTP 400) a prompt plus max_new_tokens over the context (2048 for the tiny model)
+    with pytest.raises(GenerateError, match=r"HTTP 400.*maximum context length of 2048 tokens.*2050 tokens"):
+        asyncio.run(shared_engine.generate([9, 8], SamplingParams(max_new_tokens=2048)))
+
+
 def test_abort_all_then_one(shared_engine):
     engine = shared_engine  # max_concurrency=3
-    long = SamplingParams(max_new_tokens=50_000, ignore_eos=True)  # ~100 s at 2 ms a token
+    long = SamplingParams(max_new_tokens=2000, ignore_eos=True)  # ~4 s at 2 ms a token; 2 + 2000 fit 2048
 
     async def run():
         tasks = {rid: asyncio.create_task(engine.generate([1, 2], long, request_id=rid))
@@ -169,7 +175,7 @@ def test_abort_all_then_one(shared_engine):
 
     (a, b, c, queued), x, y_was_running = asyncio.run(run())
     for out in (a, b, c, x):
-        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 50_000
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 2000
         assert len(out.log_probs) == len(out.token_ids)
     assert queued.finish_reason == "abort" and queued.token_ids == []
     assert y_was_running  # aborting "x" left "y" alone
