@@ -21,7 +21,7 @@ def request_error(sp: dict, input_len: int, context_len: int) -> str | None:
     """SGLang's refusal of one request, or None."""
     if input_len >= context_len:
         return f"The input ({input_len} tokens) is longer than the model's context length ({context_len} tokens)."
-    max_new = sp.get("max_new_tokens", 128)
+    max_new = sp.get("max_new_tokens")  # absent: SGLang checks no total (its default, 128, applies later)
     if max_new is not None and max_new + input_len > context_len:
         return (f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
                 f"You requested a total of {max_new + input_len} tokens: {input_len} tokens from the input messages "
