@@ -1,15 +1,24 @@
 """TEST DOUBLE (CPU tests only): the checks SGLang 0.5.17 makes of a ``/generate`` request before running it, with
-its messages, for the stand-in server (standin_sglang.py). Each refusal is HTTP 400 ``{"error": {"message"}}``.
+its messages, for the stand-in server (standin_sglang.py). Refusals are HTTP 400 ``{"error": {"message"}}`` unless
+said otherwise.
 
 - the context length (managers/tokenizer_manager.py ``_validate_one_request``): the input, and the input plus
   ``max_new_tokens``, must fit (``--context-length``, else the model's ``max_position_embeddings``);
 - the sampling parameters (sampling/sampling_params.py ``SamplingParams.verify``): temperature, top_p, top_k,
-  max_new_tokens.
+  max_new_tokens;
+- the sampling parameters' names: ``SamplingParams(**sampling_params)`` (a msgspec struct) raises TypeError on
+  any other key, which the endpoint does not catch: HTTP 500.
 """
 
 from __future__ import annotations
 
 import math
+
+# SGLang 0.5.17's SamplingParams fields (sampling/sampling_params.py)
+SAMPLING_FIELDS = frozenset(
+    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty presence_penalty "
+    "repetition_penalty min_new_tokens n json_schema regex ebnf structural_tag ignore_eos skip_special_tokens "
+    "spaces_between_special_tokens no_stop_trim stream_interval logit_bias sampling_seed custom_params".split())
 
 
 def context_length(flag: int | None, hf_config: dict) -> int:
@@ -17,8 +26,16 @@ def context_length(flag: int | None, hf_config: dict) -> int:
     return int(flag) if flag else int(hf_config.get("max_position_embeddings", 2048))
 
 
-def request_error(sp: dict, input_len: int, context_len: int) -> str | None:
-    """SGLang's refusal of one request, or None."""
+def request_error(sp: dict, input_len: int, context_len: int) -> tuple[int, str] | None:
+    """SGLang's refusal of one request (HTTP status, message), or None."""
+    unknown = sorted(set(sp) - SAMPLING_FIELDS)
+    if unknown:
+        return 500, f"Internal Server Error (TypeError: Unexpected keyword argument '{unknown[0]}')"
+    message = _length_or_value_error(sp, input_len, context_len)
+    return (400, message) if message else None
+
+
+def _length_or_value_error(sp: dict, input_len: int, context_len: int) -> str | None:
     if input_len >= context_len:
         return f"The input ({input_len} tokens) is longer than the model's context length ({context_len} tokens)."
     max_new = sp.get("max_new_tokens")  # absent: SGLang checks no total (its default, 128, applies later)

@@ -273,7 +273,7 @@ class StandinServer:
         if self.args.skip_tokenizer_init and any(sp.get("stop") for sp in sps):  # SGLang's words
             return _error(f"stop={sps[0].get('stop')} is unavailable when skip_tokenizer_init=True")
         for refusal in filter(None, (request_error(sp, len(x), self.context_len) for x, sp in zip(batch, sps, strict=True))):
-            return _error(refusal)  # SGLang's checks before it runs a request (standin_checks.py)
+            return _error(refusal[1], refusal[0])  # SGLang's checks before it runs a request (standin_checks.py)
         loras = body.get("lora_path")
         loras = loras if isinstance(loras, list) else [loras] * len(batch)
         try:
