@@ -30,6 +30,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -37,6 +38,9 @@ from pathlib import Path
 import torch
 from aiohttp import web
 from safetensors.torch import load_file
+from standin_auth import ADMIN_OPTIONAL, auth_decision, auth_middleware  # noqa: F401 (re-exported)
+from standin_checks import context_length, request_error
+from standin_gate import ModelGate, RequestAborted
 from standin_lora import LoraError, LoraRegistry, add_flags, decode_tensor_payload
 from standin_nccl import join_group, receive_broadcast
 from tokenizers import Tokenizer
@@ -68,6 +72,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", "--tp", type=int, default=1)
     p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-api-key", default=None)
     p.add_argument("--standin-startup-delay", type=float, default=0.0)  # /health answers 503 this long
@@ -95,14 +100,13 @@ class StandinServer:
         self.vocab_size = int(self.hf_config["vocab_size"])
         eos = self.hf_config.get("eos_token_id")  # a random model made from a bare config has none
         self.eos_token_id = int(eos) if eos is not None else None
+        self.context_len = context_length(args.context_length, self.hf_config)
         self.weights = self._load_folder(model_dir)
         self.weight_version = "default"
         self.started_at = time.time()
-        self.paused = False
-        self.resumed = asyncio.Event()
-        self.resumed.set()
+        self.gate = ModelGate()  # SGLang's pause and model-update lock (standin_gate.py)
         self.memory = {"weights": True, "kv_cache": True, "cuda_graph": True}
-        self.running: dict[str, asyncio.Event] = {}  # rid -> abort flag
+        self.running: dict[str, asyncio.Event] = {}  # rid -> abort flag, from arrival (SGLang's rid_to_state)
         self.groups: dict[str, object] = {}
         self.events: list[dict] = []  # what happened, in order (test inspection)
         self.completed: list[str] = []  # rids answered (finished or aborted)
@@ -171,8 +175,10 @@ class StandinServer:
         self.running[rid] = aborted
         started = time.time()
         self.record("generate", rid=rid, input_len=len(input_ids), sampling_params=sp, lora=lora)
+        entered = False
         try:
-            await self.resumed.wait()  # paused: new requests wait (SGLang's is_pause_cond)
+            await self.gate.enter(rid, aborted)  # raises RequestAborted (HTTP 499) if aborted before it got in
+            entered = True
             max_new = sp.get("max_new_tokens", 128)
             max_new = 128 if max_new is None else int(max_new)
             temperature = float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0)
@@ -206,12 +212,23 @@ class StandinServer:
                     if matched is not None:
                         finish = {"type": "stop", "matched": matched}
                         break
+        except RequestAborted:
+            self.completed.append(rid)
+            raise
         finally:
             self.running.pop(rid, None)
+            if entered:
+                await self.gate.leave(rid)
             await self.lora.release(lora)
         self.completed.append(rid)
         if lora is not None:  # when a request naming an adapter ended (tests order it before the unload)
             self.record("generate_end", rid=rid, lora=lora)
+        if finish["type"] == "abort" and not out:  # still in the scheduler's waiting queue: SGLang's _handle_abort_req
+            meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                    "weight_version": self.weight_version, "e2e_latency": time.time() - started, "completion_tokens": 0}
+            if return_logprob:
+                meta.update(input_token_logprobs=[], output_token_logprobs=[])
+            return {"text": "", "output_ids": [], "meta_info": meta}
         meta = {
             "id": rid,
             "finish_reason": finish,
@@ -257,17 +274,22 @@ class StandinServer:
         sps = sps if isinstance(sps, list) else [sps] * len(batch)
         if self.args.skip_tokenizer_init and any(sp.get("stop") for sp in sps):  # SGLang's words
             return _error(f"stop={sps[0].get('stop')} is unavailable when skip_tokenizer_init=True")
+        for refusal in filter(None, (request_error(sp, len(x), self.context_len) for x, sp in zip(batch, sps, strict=True))):
+            return _error(refusal[1], refusal[0])  # SGLang's checks before it runs a request (standin_checks.py)
         loras = body.get("lora_path")
         loras = loras if isinstance(loras, list) else [loras] * len(batch)
         try:
             prints = [self.lora.resolve(name) for name in loras]
         except LoraError as err:  # SGLang answers 400 with the message
             return _error(str(err))
-        outs = await asyncio.gather(*[
-            self.generate_one(x, sp, rid, bool(body.get("return_logprob")), body.get("logprob_start_len", -1),
-                              bool(body.get("return_routed_experts")), lora, fp)
-            for x, sp, rid, lora, fp in zip(batch, sps, rids, loras, prints, strict=True)
-        ])
+        try:
+            outs = await asyncio.gather(*[
+                self.generate_one(x, sp, rid, bool(body.get("return_logprob")), body.get("logprob_start_len", -1),
+                                  bool(body.get("return_routed_experts")), lora, fp)
+                for x, sp, rid, lora, fp in zip(batch, sps, rids, loras, prints, strict=True)
+            ])
+        except RequestAborted as err:  # SGLang's _create_error_response of a RequestAbortedError
+            return _error(str(err), status=err.status)
         return web.json_response(outs[0] if single else outs)
 
     async def handle_abort(self, request: web.Request) -> web.Response:
@@ -322,16 +344,17 @@ class StandinServer:
                                    "num_tokens": 0, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}])
 
     async def handle_state(self, request: web.Request) -> web.Response:
-        return web.json_response({"events": self.events, "completed": self.completed, "paused": self.paused,
+        return web.json_response({"events": self.events, "completed": self.completed, "paused": self.gate.paused,
                                   "memory": self.memory, "weight_version": self.weight_version,
-                                  "fingerprint": self.fingerprint(), "running": sorted(self.running)})
+                                  "fingerprint": self.fingerprint(), "running": sorted(self.running), "in_model": sorted(self.gate.in_model)})
 
     # ------------------------------------------------------------------ control
 
     async def handle_flush_cache(self, request: web.Request) -> web.Response:
-        if self.running and not self.paused:
+        # SGLang's Scheduler.flush_cache: only when fully idle; requests held by a pause (in_place, retract) count
+        if self.gate.in_model:
             self.record("flush_cache", success=False)
-            return web.Response(status=400, text="Cache not flushed because there are pending requests.\n")
+            return web.Response(status=400, text="Flush cache failed.\n")
         self.record("flush_cache", success=True)
         self.prefix_cache.clear()
         return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
@@ -341,43 +364,61 @@ class StandinServer:
         body = await _json_or_empty(request)
         mode = body.get("mode", "abort")
         self.record("pause_generation", mode=mode)
-        self.paused = True
-        self.resumed.clear()
-        if mode == "abort":
+        await self.gate.set_paused(True)
+        # abort: like SGLang's TokenizerManager.pause_generation, abort all (those waiting at the pause too: they
+        # answer 499 after continue) until no request holds the model; in_place and retract hold them in the model
+        while mode == "abort":
             for flag in self.running.values():
                 flag.set()
-            while self.running:
-                await asyncio.sleep(0.01)
+            if not self.gate.in_model:
+                break
+            await asyncio.sleep(0.01)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def handle_continue(self, request: web.Request) -> web.Response:
         self.record("continue_generation")
-        self.paused = False
-        self.resumed.set()
+        await self.gate.set_paused(False)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def handle_release(self, request: web.Request) -> web.Response:
         body = await _json_or_empty(request)
         tags = body.get("tags") or list(self.memory)
         self.record("release_memory_occupation", tags=tags)
+        if self.gate.in_model:  # held in place, or running: the scheduler's assertion kills the server
+            _scheduler_crash("AssertionError: release_memory_occupation should be called only when server is idle.")
         for tag in tags:
             self.memory[tag] = False
+        if "kv_cache" in tags:  # SGLang flushes the cache with the KV pool
+            self.prefix_cache.clear()
         return web.json_response(None)
 
     async def handle_resume(self, request: web.Request) -> web.Response:
         body = await _json_or_empty(request)
         tags = body.get("tags") or list(self.memory)
         self.record("resume_memory_occupation", tags=tags)
-        if any(self.memory[tag] for tag in tags):  # SGLang: offload_tags.remove(tag) raises KeyError
-            return _error(f"KeyError: {[t for t in tags if self.memory[t]][0]!r}")
+        if any(self.memory[tag] for tag in tags):  # SGLang: offload_tags.remove(tag) raises in the scheduler
+            _scheduler_crash(f"KeyError: {[t for t in tags if self.memory[t]][0]!r}")
         for tag in tags:
             self.memory[tag] = True
         return web.json_response(None)
 
     # ------------------------------------------------------------------ weights
 
-    async def _update_takes_its_time(self) -> None:  # --standin-update-delay (inf: it never answers)
-        await asyncio.sleep(min(self.args.standin_update_delay, 1e9))
+    async def _update(self, body: dict, work) -> web.Response:
+        """SGLang's order around ``work()`` (one update endpoint's load): ``abort_all_requests``, the model-update
+        lock unless paused (standin_gate.py), --standin-update-delay (inf: it never answers), the load, then with
+        ``flush_cache`` (default true) the scheduler's flush, which asserts that no request is held in the model."""
+        if body.get("abort_all_requests"):
+            for flag in self.running.values():
+                flag.set()
+        async with self.gate.weight_update():
+            await asyncio.sleep(min(self.args.standin_update_delay, 1e9))
+            response = await work()
+            if response.status == 200 and body.get("flush_cache", True):
+                if self.gate.in_model:
+                    _scheduler_crash("AssertionError: Cache flush failed after updating weights")
+                self.prefix_cache.clear()
+        return response
 
     def _apply(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         for name, tensor in named:
@@ -394,29 +435,35 @@ class StandinServer:
         payloads = body["serialized_named_tensors"]
         self.record("update_weights_from_tensor", load_format=body.get("load_format"), num_payloads=len(payloads),
                     weight_version=body.get("weight_version"), flush_cache=body.get("flush_cache", True))
-        await self._update_takes_its_time()
-        try:
-            if len(payloads) != self.args.tp_size:
-                raise ValueError(f"{len(payloads)} payloads for tp_size {self.args.tp_size}")
-            self._apply(decode_tensor_payload(payloads[0], body.get("load_format")), body.get("weight_version"))
-        except Exception as err:  # SGLang answers 400 with success=false
-            return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
-        return web.json_response({"success": True, "message": "Success"})
+
+        async def load() -> web.Response:
+            try:
+                if len(payloads) != self.args.tp_size:
+                    raise ValueError(f"{len(payloads)} payloads for tp_size {self.args.tp_size}")
+                self._apply(decode_tensor_payload(payloads[0], body.get("load_format")), body.get("weight_version"))
+            except Exception as err:  # SGLang answers 400 with success=false
+                return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
+            return web.json_response({"success": True, "message": "Success"})
+
+        return await self._update(body, load)
 
     async def handle_update_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.record("update_weights_from_disk", model_path=body["model_path"], weight_version=body.get("weight_version"))
-        await self._update_takes_its_time()
-        try:
-            loaded = self._load_folder(Path(body["model_path"]))
-            if not loaded:
-                raise FileNotFoundError(f"no *.safetensors in {body['model_path']}")
-            self._apply(list(loaded.items()), body.get("weight_version"))
-        except Exception as err:
-            return web.json_response({"success": False, "message": f"Failed to update weights: {err}",
-                                      "num_paused_requests": 0}, status=400)
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": 0})
+
+        async def load() -> web.Response:
+            try:
+                loaded = self._load_folder(Path(body["model_path"]))
+                if not loaded:
+                    raise FileNotFoundError(f"no *.safetensors in {body['model_path']}")
+                self._apply(list(loaded.items()), body.get("weight_version"))
+            except Exception as err:
+                return web.json_response({"success": False, "message": f"Failed to update weights: {err}",
+                                          "num_paused_requests": 0}, status=400)
+            return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                      "num_paused_requests": 0})
+
+        return await self._update(body, load)
 
     async def handle_init_group(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -442,24 +489,27 @@ class StandinServer:
         body = await request.json()
         self.record("update_weights_from_distributed", names=body["names"], load_format=body.get("load_format"),
                     weight_version=body.get("weight_version"))
-        await self._update_takes_its_time()
-        group = self.groups.get(body.get("group_name", "weight_update_group"))
-        if group is None:
-            return web.json_response({"success": False, "message": "Please call `init_weights_update_group` first."},
-                                     status=400)
-        try:
-            named = await asyncio.to_thread(receive_broadcast, group, body)
-            self._apply(named, body.get("weight_version"))
-        except Exception as err:
-            return web.json_response({"success": False, "message": f"Failed to update parameter online: {err}"},
-                                     status=400)
-        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+        async def load() -> web.Response:
+            group = self.groups.get(body.get("group_name", "weight_update_group"))
+            if group is None:
+                return web.json_response({"success": False, "message": "Please call `init_weights_update_group` "
+                                          "first."}, status=400)
+            try:
+                named = await asyncio.to_thread(receive_broadcast, group, body)
+                self._apply(named, body.get("weight_version"))
+            except Exception as err:
+                return web.json_response({"success": False, "message": f"Failed to update parameter online: {err}"},
+                                         status=400)
+            return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+        return await self._update(body, load)
 
     async def handle_get_weights(self, request: web.Request) -> web.Response:
         body = await _json_or_empty(request)
         name, truncate = body.get("name"), int(body.get("truncate_size", 100))
         if name not in self.weights:
-            return _error(f"Get parameter by name failed: {name}")
+            return _error("Get parameter by name failed")
         return web.json_response(self.weights[name].float().numpy().tolist()[:truncate])
 
     async def handle_weights_checker(self, request: web.Request) -> web.Response:
@@ -483,62 +533,15 @@ class StandinServer:
                                   "per_engine_checksum": hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()})
 
 
-# SGLang 0.5.17's endpoints marked @auth_level(AuthLevel.ADMIN_OPTIONAL) (http_server.py); every other
-# endpoint is NORMAL. With an admin key set, these take only the admin key.
-ADMIN_OPTIONAL = {
-    "/set_internal_state", "/flush_cache", "/add_external_corpus", "/remove_external_corpus",
-    "/list_external_corpora", "/clear_hicache_storage_backend", "/hicache/storage-backend/clear",
-    "/hicache/storage-backend", "/start_profile", "/stop_profile", "/freeze_gc",
-    "/start_expert_distribution_record", "/stop_expert_distribution_record",
-    "/dump_expert_distribution_record", "/update_weights_from_disk",
-    "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
-    "/get_remote_instance_transfer_engine_info", "/remote_instance_transfer_engine_info",
-    "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_tensor",
-    "/update_weights_from_distributed", "/update_weights_from_ipc", "/update_weight_version",
-    "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation", "/weights_checker",
-    "/slow_down", "/load_lora_adapter", "/unload_lora_adapter", "/configure_logging", "/abort_request",
-    "/pause_generation", "/continue_generation",
-}
-
-
-def auth_decision(method: str, path: str, authorization: str | None, api_key: str | None,
-                  admin_api_key: str | None) -> int | None:
-    """None if allowed, else the HTTP status (SGLang's decide_request_auth: /health* and /metrics
-    always open; admin endpoints take the admin key when one is set, else the api key; the others
-    take the api key when one is set)."""
-    if method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics"):
-        return None
-    if path.startswith("/standin/"):  # the test double's own inspection endpoint, not SGLang's
-        return None
-
-    def matches(expected: str) -> bool:
-        parts = (authorization or "").split(" ", 1)
-        return len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1], expected)
-
-    if path in ADMIN_OPTIONAL or path.startswith("/dumper/"):
-        expected = admin_api_key or api_key
-    else:
-        expected = api_key
-    return None if expected is None or matches(expected) else 401
-
-
-def auth_middleware(server: StandinServer):
-    @web.middleware
-    async def check(request: web.Request, handler):
-        status = auth_decision(request.method, request.path, request.headers.get("Authorization"),
-                               server.args.api_key, server.args.admin_api_key)
-        if status is not None:
-            server.record("refused", path=request.path, status=status)
-            print(f"[standin-sglang] refused {request.method} {request.path}: HTTP {status}", flush=True)
-            return web.json_response({"error": "Unauthorized" if status == 401 else "Forbidden"}, status=status)
-        return await handler(request)
-
-    return check
-
-
 async def _json_or_empty(request: web.Request) -> dict:
     raw = await request.read()
     return json.loads(raw) if raw.strip() else {}
+
+
+def _scheduler_crash(message: str) -> None:
+    """An exception in SGLang's scheduler process: it logs it and SIGQUITs the server, which exits unanswered."""
+    print(f"[standin-sglang] Scheduler hit an exception: {message}", flush=True)
+    os._exit(1)
 
 
 def _error(message: str, status: int = 400) -> web.Response:

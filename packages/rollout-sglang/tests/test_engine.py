@@ -147,9 +147,15 @@ def test_stop_strings_to_a_server_without_its_tokenizer_name_the_fix(shared_engi
         asyncio.run(shared_engine.generate([9, 8, 7], SamplingParams(temperature=0.0, max_new_tokens=4, stop=["a"])))
 
 
+def test_a_request_past_the_context_length_is_refused_with_sglangs_words(shared_engine):
+    # SGLang 0.5.17 refuses (HTTP 400) a prompt plus max_new_tokens over the context (2048 for the tiny model)
+    with pytest.raises(GenerateError, match=r"HTTP 400.*maximum context length of 2048 tokens.*2050 tokens"):
+        asyncio.run(shared_engine.generate([9, 8], SamplingParams(max_new_tokens=2048)))
+
+
 def test_abort_all_then_one(shared_engine):
     engine = shared_engine  # max_concurrency=3
-    long = SamplingParams(max_new_tokens=50_000, ignore_eos=True)  # ~100 s at 2 ms a token
+    long = SamplingParams(max_new_tokens=2000, ignore_eos=True)  # ~4 s at 2 ms a token; 2 + 2000 fit 2048
 
     async def run():
         tasks = {rid: asyncio.create_task(engine.generate([1, 2], long, request_id=rid))
@@ -169,7 +175,7 @@ def test_abort_all_then_one(shared_engine):
 
     (a, b, c, queued), x, y_was_running = asyncio.run(run())
     for out in (a, b, c, x):
-        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 50_000
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 2000
         assert len(out.log_probs) == len(out.token_ids)
     assert queued.finish_reason == "abort" and queued.token_ids == []
     assert y_was_running  # aborting "x" left "y" alone
@@ -300,6 +306,29 @@ def test_a_request_held_in_place_through_a_sync_counts_its_tokens_as_the_older_v
     assert out.finish_reason == "length" and out.weight_version == 1 and out.token_versions == [0] * 800
     assert [e["mode"] for e in events(engine.engine_urls[0], "pause_generation")] == ["in_place"]
     assert len([e for e in events(engine.engine_urls[0], "generate") if e["rid"].startswith("held#")]) == 1
+
+
+def test_a_request_that_reaches_a_server_as_a_sync_pauses_it_is_sent_again(make_engine, tiny_model):
+    """The race of a sync with a request already on its way: it reaches the server after the pause, waits there,
+    and pause(abort)'s abort-all marks it, so after continue SGLang 0.5.17 answers HTTP 499 'Request ... was
+    aborted' (RequestAbortedError), never a response: the engine sends it again on the new weights."""
+    engine = make_engine(num_engines=1)
+    url = engine.engine_urls[0]
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+
+    async def run():
+        ws.pause_generation(engine.targets(), timeout=10, step="test", mode="in_place")  # the pause got there first
+        task = asyncio.create_task(engine.generate([2, 3], params, request_id="late"))
+        deadline = time.monotonic() + 30
+        while not state(url)["running"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await engine.update_weights(new_weights(tiny_model, 3.0), version=1, last=True)
+        return await asyncio.wait_for(task, 20)
+
+    out = asyncio.run(run())
+    assert out.finish_reason == "length" and len(out.token_ids) == 20 and out.weight_version == 1
+    attempts = [e["rid"] for e in events(url, "generate") if e["rid"].startswith("late#")]
+    assert len(attempts) == 2 and attempts[0] in state(url)["completed"]  # the first was answered 499
 
 
 def test_trainer_side_sync_with_the_weight_sync_functions(make_engine, tiny_model):

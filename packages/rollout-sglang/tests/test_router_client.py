@@ -229,3 +229,18 @@ def test_routing_key_keeps_an_episode_on_one_worker_and_its_prefix_cache(workers
     print(f"prefix-cache hit rate, 8 episodes x 3 turns over 2 stand-in workers: manual policy with routing keys "
           f"{rates['manual']:.2f}, round robin {rates['round_robin']:.2f}")
     assert rates["manual"] > rates["round_robin"]
+
+
+def test_the_stand_in_refuses_what_sglang_refuses(workers):
+    """standin_checks.py: SGLang 0.5.17's checks before it runs a request (docs/standin-fidelity.md)."""
+    url = workers[0].url
+
+    def answer(sampling: dict, input_ids: list[int] = [1, 2]) -> httpx.Response:  # noqa: B006 (read only)
+        return httpx.post(f"{url}/generate", json={"input_ids": input_ids, "sampling_params": sampling}, timeout=30)
+
+    assert answer({"max_new_tokens": 2}).status_code == 200
+    too_long = answer({"max_new_tokens": 2047})  # 2 + 2047 > the tiny model's 2048
+    assert too_long.status_code == 400 and "maximum context length of 2048 tokens" in too_long.text
+    assert answer({"max_new_tokens": 2, "top_k": 0}).status_code == 400
+    assert answer({"max_new_tokens": 2, "top_p": 0.0}).status_code == 400
+    assert answer({"max_new_tokens": 2, "no_such_param": 1}).status_code == 500  # SamplingParams(**kw): TypeError

@@ -83,3 +83,46 @@ def test_pause_in_place_keeps_running_requests_through_a_weight_update(tmp_path,
           f"{sync_s:.2f} s while they ran; version-0 tokens per request {splits} then version 1; 1 /generate "
           f"each, num_retractions {[a.get('num_retractions') for a in answers]}, cached_tokens "
           f"{[a.get('cached_tokens') for a in answers]}")
+
+
+def test_a_request_aborted_at_a_pause_answers_499_and_the_engine_sends_it_again(tmp_path):
+    """SGLang 0.5.17 answers HTTP 499 'Request <rid> was aborted' (RequestAbortedError, tokenizer_manager.py)
+    for a request aborted while it waits at a pause; a sync's pause(abort) aborts such a request, and the
+    engine must send it again rather than fail (docs/standin-fidelity.md)."""
+    import httpx
+
+    from slime_rl.rollout_sglang import weight_sync as ws
+
+    model = make_tiny_llama(tmp_path / "model")
+    engine = SGLangEngine.from_config(gpu_config(model, tmp_path / "run"))
+    target = engine.targets()[0]
+    try:
+        ws.pause_generation([target], timeout=30, step="test", mode="in_place")
+        body = {"input_ids": PROMPTS[0], "rid": "held-at-pause", "sampling_params": {"max_new_tokens": 4}}
+        headers = {"Authorization": f"Bearer {engine.keys.api_key}"} if engine.keys.api_key else {}
+
+        async def raw():
+            async with httpx.AsyncClient(timeout=60) as http:
+                answer = asyncio.create_task(http.post(f"{target.url}/generate", json=body, headers=headers))
+                await asyncio.sleep(1.0)
+                await http.post(f"{target.url}/abort_request", json={"rid": "held-at-pause"}, headers=target.headers)
+                ws.continue_generation([target], timeout=30, step="test")
+                return await answer
+
+        resp = asyncio.run(raw())
+        assert resp.status_code == 499 and "was aborted" in resp.text, (resp.status_code, resp.text)
+
+        async def race():
+            ws.pause_generation([target], timeout=30, step="test", mode="in_place")  # the pause got there first
+            task = asyncio.create_task(engine.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=20)))
+            await asyncio.sleep(1.0)
+            zero_head = [(n, torch.zeros_like(t) if n == "lm_head.weight" else t) for n, t in hf_weights(model, "cuda:0")]
+            await engine.update_weights(zero_head, version=1, last=True)  # pause(abort) marks it: 499 after continue
+            return await asyncio.wait_for(task, 120)
+
+        out = asyncio.run(race())
+        assert out.finish_reason == "length" and len(out.token_ids) == 20 and out.weight_version == 1
+        print(f"\n(abort at a pause) raw answer HTTP {resp.status_code}: {resp.text[:100]}; the engine's request "
+              f"came back whole on version {out.weight_version}")
+    finally:
+        asyncio.run(engine.shutdown())

@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 # the prefix cache of the worker that served its first turn. Other policies ignore it.
 ROUTING_KEY_HEADER = "x-smg-routing-key"
 
+# SGLang 0.5.17's answer to a request aborted before it reached its scheduler (RequestAbortedError, e.g. one
+# waiting at a pause when pause_generation(abort) aborts all): "Request <rid> was aborted", no tokens, no meta_info.
+# sglang-router 0.3.2 passes it on as is.
+ABORTED_STATUS = 499
+
 # Router answers worth retrying: no worker alive or reachable right now (500
 # call_upstream_request_error, 502/504 from a dying upstream, 503 no_available_workers).
 _RETRY_STATUS = {500, 502, 503, 504}
@@ -194,6 +199,8 @@ class GenerateClient:
                         if resp.status == 200:
                             return parse_response(await resp.json(), default_version=default_version,
                                                   routed_shape=routed_shape)
+                        if resp.status == ABORTED_STATUS:  # aborted before it reached SGLang's scheduler
+                            return GenerateOutput([], [], "abort", default_version)
                         text = await resp.text()
                 except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:  # incl. connect timeouts
                     problem = f"{type(err).__name__}: {err}"
