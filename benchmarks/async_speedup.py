@@ -126,8 +126,10 @@ def run_config(args, mode: str, folder: Path, prompts: Path, run_dir: Path) -> d
         cluster.update(colocate=True, offload=False)  # one device, both resident: the modes can overlap
     return {
         "model": {"path": str(folder), "dtype": "bfloat16" if on_cuda else "float32"},
+        # one pass over the groups, not num_rollout steps: with num_rollout the data cycles, and fully async would
+        # run ahead into the next pass and train its short groups in place of this pass's long ones
         "data": {"prompt_data": str(prompts), "rollout_batch_size": args.batch, "n_samples_per_prompt": args.samples,
-                 "num_rollout": args.groups // args.batch},
+                 "num_epoch": 1},
         "rollout": rollout,
         "trainer": {"backend": "megatron", "lr": 1e-6},
         "cluster": cluster,
