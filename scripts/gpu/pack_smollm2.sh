@@ -23,7 +23,10 @@ if [ -z "$gguf" ]; then
   gguf=$("$py" -c "from slime_rl.core.builtin_models import builtin_gguf; print(builtin_gguf('smollm2-135m-instruct'))")
 fi
 [ -f "$gguf" ] || { echo "pack_smollm2.sh: --gguf: $gguf is not a file" >&2; exit 2; }
-rm -rf "$out"/smol-[0-9]*  # pieces of an earlier pack
+# pieces of an earlier pack: only its own part files, then its folders if nothing else is in them
+for folder in "$out"/smol-[0-9]*; do
+  [ -d "$folder" ] && rm -f "$folder"/*.part-[0-9]* && { rmdir "$folder" 2>/dev/null || true; }
+done
 "$py" "$here/smol_pieces.py" split "$gguf" --piece-mb "$piece_mb" --out "$out" --prefix smol \
   --manifest "$out/smol-data/smollm2.manifest.json"
 [ "$data" = 0 ] || "$py" "$here/make_smollm2_data.py" --out "$out/smol-data"
