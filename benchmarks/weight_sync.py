@@ -26,32 +26,41 @@ path is timed over ``--syncs`` syncs of the whole model:
 Reported: seconds per sync (median), GB/s over the model's bytes, the peak extra GPU memory in this
 process and on the device during a sync, and the engine's checksums of every parameter it holds
 under a trainer name (SGLang's ``/weights_checker``) compared with the trainer's after the last sync
-(adapter rows: the servers that list the last version's adapter in ``/v1/models``).
+(adapter rows: the servers that list the last version's adapter in ``/v1/models``). Per path also
+where a sync's time goes (seconds in each step, `PHASES`) and how long the writes it leaves running in
+the background take (the restore copy of the weights, adapter folders): the benchmark waits for them
+between syncs, untimed, as the loop's train step would.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from slime_rl.core.config import Config
 from slime_rl.core.lora import LoraSpec, adapter_name, peft_name
+from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.adapter_roster import AdapterRoster
 from slime_rl.rollout_sglang.adapters import SGLANG_LORA_MODULES, lora_engine_args
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import bearer
+from slime_rl.rollout_sglang.restore_copy import RestoreCopy
 from slime_rl.rollout_sglang.trainer_sync import SGLangWeightSender
+from slime_rl.rollout_sglang.transport import BucketPusher
 
 SHAPES = {
     # name: (family, vocab, hidden, intermediate, layers, heads, kv_heads, tied)
@@ -84,6 +93,8 @@ class Row:
     peak_extra_process_gib: float
     peak_extra_device_gib: float
     checked: int  # tensors whose checksums matched after the last sync
+    phases: dict[str, float] = field(default_factory=dict)  # mean seconds per timed sync in each step (PHASES)
+    background_s: float = 0.0  # mean seconds the sync's background writes ran on after it (restore copies)
 
     @property
     def median(self) -> float:
@@ -180,6 +191,53 @@ def bucketed(named: ws.NamedTensors, bucket_bytes: int) -> list[ws.NamedTensors]
     return buckets + ([current] if current else [])
 
 
+# The steps of a sync, timed where the code calls them (in this process, any thread): where the time goes.
+PHASES = {"pause": (ws, "pause_generation"), "flush": (ws, "flush_cache"), "continue": (ws, "continue_generation"),
+          "post bucket": (ws, "update_from_tensor"), "push bucket": (BucketPusher, "push"),
+          "restore copy": (RestoreCopy, "add"), "restore finish": (RestoreCopy, "finish"),
+          "load adapter": (adapters, "load_adapter_from_tensors"), "unload adapter": (adapters, "unload_adapter"),
+          "adapter folder": (adapters.FolderWriter, "write")}
+
+
+@contextlib.contextmanager
+def phase_clock(seconds: Counter):
+    """Adds the seconds spent in each of PHASES' functions to ``seconds`` while it is open (nested calls,
+    such as a push inside a restore wait, count in both)."""
+    lock, originals = threading.Lock(), {}
+
+    def timed(phase, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    seconds[phase] += time.perf_counter() - start
+        return wrapper
+
+    for phase, (owner, name) in PHASES.items():
+        originals[(owner, name)] = getattr(owner, name)
+        setattr(owner, name, timed(phase, originals[(owner, name)]))
+    try:
+        yield seconds
+    finally:
+        for (owner, name), fn in originals.items():
+            setattr(owner, name, fn)
+
+
+def wait_for_background(sender: SGLangWeightSender, engine: SGLangEngine) -> float:
+    """Seconds until the writes a sync leaves running (restore copy, adapter folders) are done: the loop's
+    next train step hides them; back-to-back syncs here would otherwise wait for them in the next sync."""
+    start = time.perf_counter()
+    if sender.restore is not None:
+        sender.restore.wait()
+    sender.adapter_folders.wait()
+    if engine.roster is not None:
+        engine.roster.writer.wait()
+    return time.perf_counter() - start
+
+
 class DeviceMemoryWatch:
     """The lowest free device memory while it runs (every process on the GPU counts), polled."""
 
@@ -265,18 +323,23 @@ async def run_shape(args, shape: str, work: Path) -> list[Row]:
                 senders = {path: SGLangWeightSender(sync_config(folder, work / f"{shape}-{path}", transport,
                                                                 spec if adapter_path else None), rank=0)}
                 seconds, peak_process, peak_device = [], 0.0, 0.0
-                for _ in range(args.syncs + args.warmup):
+                phases, background = Counter(), []
+                for i in range(args.syncs + args.warmup):
                     version += 1
                     if on_cuda:
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
                     held = torch.cuda.memory_allocated() if on_cuda else 0
-                    with DeviceMemoryWatch(on_cuda) as watch:
+                    with DeviceMemoryWatch(on_cuda) as watch, phase_clock(Counter()) as spent:
                         start = time.perf_counter()
                         await one_sync(path, engine, buckets, version, senders, transport)
                         if on_cuda:
                             torch.cuda.synchronize()
                         seconds.append(time.perf_counter() - start)
+                    waited = wait_for_background(senders[path], engine)
+                    if i >= args.warmup:
+                        phases.update(spent)
+                        background.append(waited)
                     if on_cuda:
                         peak_process = max(peak_process, (torch.cuda.max_memory_allocated() - held) / 2**30)
                     peak_device = max(peak_device, watch.extra_gib)
@@ -287,12 +350,16 @@ async def run_shape(args, shape: str, work: Path) -> list[Row]:
                                                    timeout=engine.sync_timeout, step=f"{path} check")
                                   for t in engine.targets())
                 row = Row(shape, path, bucket_mib, len(buckets), seconds[args.warmup:], lora_gb if adapter_path else gb,
-                          peak_process, peak_device, checked)
+                          peak_process, peak_device, checked, {k: v / args.syncs for k, v in phases.items()},
+                          statistics.mean(background) if background else 0.0)
                 rows.append(row)
                 what = f"servers listing {adapter_name(version)}: {checked}" if adapter_path else \
                     f"checksums equal: {checked} tensors"
                 print(f"[{shape}] {path:14s} {bucket_mib:5d} MiB x{len(buckets):3d}: "
                       f"{' '.join(f'{s:.3f}' for s in seconds)} s; {row.gb / row.median:.2f} GB/s; {what}", flush=True)
+                print(f"[{shape}] {path:14s} per sync: " +
+                      ", ".join(f"{k} {v:.3f}" for k, v in sorted(row.phases.items(), key=lambda kv: -kv[1])) +
+                      f"; background writes after it {row.background_s:.3f} s", flush=True)
     finally:
         engine.keep_weights_for_recovery = False
         engine.roster = None

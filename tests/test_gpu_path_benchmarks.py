@@ -35,6 +35,13 @@ def test_weight_sync_benchmark_times_every_path_and_checks_the_engines_weights(t
         assert row.checked == 2 + 2 * 4 + 1
     out = capsys.readouterr().out
     assert "| tiny | engine-copy | 1 | 1 |" in out
+    # where each sync's time goes: the loop's path pauses, pushes, flushes and continues, and queues the
+    # restore copy whose disk write runs on after the sync; posting straight to SGLang does none of that
+    phases = {r.path: r.phases for r in rows}
+    assert {"pause", "push bucket", "flush", "continue", "restore copy", "restore finish"} <= set(phases["trainer"])
+    assert set(phases["direct"]) == {"post bucket"}
+    assert next(r for r in rows if r.path == "trainer").background_s > 0
+    assert "[tiny] trainer        per sync: " in out
 
 
 def test_weight_sync_benchmark_times_adapter_syncs_against_the_full_sync(tmp_path, capsys):
@@ -55,6 +62,9 @@ def test_weight_sync_benchmark_times_adapter_syncs_against_the_full_sync(tmp_pat
     assert adapter.gb * 1e9 == 2 * sum(4 * (out + inp) * 2 for out, inp in shapes.values())
     out = capsys.readouterr().out
     assert "[tiny] adapter / trainer (full weights), 1 MiB buckets: " in out
+    # an adapter sync loads the new adapter, unloads the one before, and leaves its folder to a background write
+    assert {"load adapter", "unload adapter", "adapter folder"} <= set(adapter.phases)
+    assert "pause" not in adapter.phases and adapter.background_s > 0
 
 
 @pytest.mark.slow

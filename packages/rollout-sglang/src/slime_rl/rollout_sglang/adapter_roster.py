@@ -18,6 +18,7 @@ from pathlib import Path
 from slime_rl.core.lora import LoraSpec, adapter_name
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.restore_copy import wait_for_folder
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class AdapterRoster:
     unloading: set[str] = field(default_factory=set)  # retired ones whose unload is under way
     folders: dict[str, Path] = field(default_factory=dict)  # every loaded adapter's PEFT folder
     pending: list[ws.NamedTensors] = field(default_factory=list)  # buckets of the sync in progress
+    writer: adapters.FolderWriter = field(default_factory=adapters.FolderWriter)  # folders of engine-side pushes
 
     def acquire(self) -> tuple[str | None, int]:
         """The adapter a request about to go out names, and its weight version; counted until `release`."""
@@ -83,7 +85,8 @@ class AdapterRoster:
         tensors = [item for bucket in self.pending for item in bucket]
         self.pending = []
         adapters.push_adapter(transport, targets, tensors, self.spec, version=version, base_model=base_model,
-                              folder=adapters.adapter_folder(self.work_dir, version), timeout=timeout)
+                              folder=adapters.adapter_folder(self.work_dir, version), timeout=timeout,
+                              writer=self.writer)
 
     def unload(self, targets: list[ws.Target], name: str, *, timeout: float) -> None:
         """``name`` off every server, then forgotten and its folder removed. A server that refuses is logged
@@ -102,6 +105,11 @@ class AdapterRoster:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def reload(self, target: ws.Target, *, timeout: float) -> None:
-        """A restarted server gets every adapter still in use, from its folder."""
+        """A restarted server gets every adapter still in use, from its folder (written in the background
+        after each sync, by this engine or by the trainer's sender: waited for up to ``timeout``)."""
         for name, folder in self.loaded():
+            if wait_for_folder(folder, timeout) is None:
+                raise ws.WeightSyncError(f"restore adapters: the folder of adapter {name} ({folder}) was not "
+                                         f"written within {timeout:.0f} s; the log of the process that synced it "
+                                         "says why")
             adapters.load_adapter_from_folder(target, name, folder, timeout=timeout, step="restore adapters")

@@ -13,7 +13,8 @@ each version is loaded as its own adapter, named `slime_rl.core.lora.adapter_nam
   ``/load_lora_adapter``.
 
 Every version is also written as a PEFT folder (`adapter_folder`), which a restarted server loads
-(`load_adapter_from_folder`). Plain blocking functions, like `weight_sync`.
+(`load_adapter_from_folder`); after a tensor or NCCL load it is written in the background (`FolderWriter`).
+Plain blocking functions, like `weight_sync`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +153,10 @@ def unload_adapter(target: ws.Target, name: str, *, timeout: float, step: str) -
 
 
 def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.NamedTensors, spec: LoraSpec, *,
-                 version: int, folder: Path, base_model: str, timeout: float) -> None:
+                 version: int, folder: Path, base_model: str, timeout: float, writer: FolderWriter) -> None:
     """Version ``version``'s whole adapter into every server under `adapter_name` by ``transport`` (see
-    the module docstring), after writing it to ``folder`` (the copy a restarted server is given)."""
+    the module docstring); then ``writer`` writes it to ``folder`` (the copy a restarted server is given),
+    or before, for ``disk``, which loads from that folder."""
     check_adapter_tensors(named_tensors, version=version)
     name, step = adapter_name(version), f"weight sync v{version} ({transport}, adapter)"
     if transport == "nccl":
@@ -161,9 +164,11 @@ def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.Nam
     elif transport not in ("tensor", "disk"):
         raise ValueError(f"rollout.update_weight_transport: unknown transport {transport!r}; "
                          "use one of auto, tensor, nccl, disk")
+    if transport == "disk":  # the servers load the folder: written first, in this thread
+        writer.wait()
+        save_adapter_folder(named_tensors, folder, spec, base_model)
     loaded: list[ws.Target] = []
     try:
-        save_adapter_folder(named_tensors, folder, spec, base_model)
         for target in targets:
             if transport == "disk":
                 load_adapter_from_folder(target, name, folder, timeout=timeout, step=step)
@@ -180,3 +185,50 @@ def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.Nam
                 logger.warning("%s", err)
         shutil.rmtree(folder, ignore_errors=True)
         raise
+    if transport != "disk":
+        writer.write(named_tensors, folder, spec, base_model)
+
+
+class FolderWriter:
+    """Writes each version's PEFT folder (`save_adapter_folder`) in a background thread, one at a time: only
+    a restarted server reads it (through `restore_copy.wait_for_folder`), so a sync need not wait for the
+    disk. The tensors are copied to host memory first (the trainer's next step changes its own)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # the last write's failure, logged by the next `write`
+
+    def write(self, named_tensors: ws.NamedTensors, folder: Path, spec: LoraSpec, base_model: str) -> None:
+        self.wait()
+        if self.error is not None:
+            logger.warning("writing an adapter folder failed (%s): a server restarted now cannot load that "
+                           "adapter until the next sync writes one", self.error)
+            self.error = None
+        host = _host_copy(named_tensors)
+        self._thread = threading.Thread(target=self._save, args=(host, folder, spec, base_model), daemon=True,
+                                        name=f"adapter-folder-{folder.name}")
+        self._thread.start()
+
+    def _save(self, named_tensors: ws.NamedTensors, folder: Path, spec: LoraSpec, base_model: str) -> None:
+        try:
+            save_adapter_folder(named_tensors, folder, spec, base_model)
+        except BaseException as err:  # reported by the next write; a restart that needs the folder says so
+            self.error = err
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def _host_copy(named_tensors: ws.NamedTensors) -> ws.NamedTensors:
+    """Host copies of the tensors: one device-to-host transfer for CUDA tensors (an adapter is hundreds of
+    small tensors), a clone for CPU ones."""
+    if not named_tensors or not named_tensors[0][1].is_cuda:
+        return [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+    flat = torch.cat([tensor.detach().reshape(-1) for _, tensor in named_tensors]).to("cpu")
+    out, offset = [], 0
+    for name, tensor in named_tensors:
+        out.append((name, flat[offset:offset + tensor.numel()].view(tensor.shape).clone()))
+        offset += tensor.numel()
+    return out

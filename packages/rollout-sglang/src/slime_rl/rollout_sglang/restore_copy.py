@@ -63,18 +63,24 @@ class RestoreCopy:
             self._names.append(name)
 
     def finish(self, version: int) -> None:
-        """The version's last bucket is in: write the folder in the background."""
+        """The version's last bucket is in: write the folder in the background. The sync does not wait for
+        the queued device-to-host copies: the writer does (a CUDA event recorded behind them; the trainer's
+        next kernels on the same stream run after them, so they copy this version)."""
+        copied = None
         if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the queued device-to-host copies
+            copied = torch.cuda.Event()
+            copied.record()
         named = [(name, self._held[name]) for name in self._names]
-        self._writer = threading.Thread(target=self._write, args=(version, named), daemon=True,
+        self._writer = threading.Thread(target=self._write, args=(version, named, copied), daemon=True,
                                         name=f"restore-copy-v{version}")
         self._writer.start()
 
-    def _write(self, version: int, named: NamedTensors) -> None:
+    def _write(self, version: int, named: NamedTensors, copied: torch.cuda.Event | None) -> None:
         final = version_folder(self.weights_dir, version)
         partial = final.with_name(f"{final.name}.partial")
         try:
+            if copied is not None:
+                copied.synchronize()
             shutil.rmtree(partial, ignore_errors=True)
             ws.save_hf_folder(named, partial, self.model_path)
             shutil.rmtree(final, ignore_errors=True)
@@ -93,7 +99,11 @@ class RestoreCopy:
 
 def wait_for_version(weights_dir: str | Path, version: int, timeout: float) -> Path | None:
     """The restore folder of ``version`` once it is complete; None if it is not there within ``timeout``."""
-    folder = version_folder(weights_dir, version)
+    return wait_for_folder(version_folder(weights_dir, version), timeout)
+
+
+def wait_for_folder(folder: Path, timeout: float) -> Path | None:
+    """``folder`` once a background writer has renamed it into place; None if not within ``timeout``."""
     deadline = time.monotonic() + timeout
     while not folder.is_dir():
         if time.monotonic() >= deadline:

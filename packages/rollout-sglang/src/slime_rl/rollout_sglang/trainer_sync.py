@@ -50,6 +50,7 @@ class SGLangWeightSender(WeightSender):
         # What a restarted server is restored from (restore_copy.py); a disk sync leaves its own folder.
         self.restore = (RestoreCopy(self.pusher.weights_dir, cfg.model.path)
                         if rank == 0 and cfg.rollout.max_engine_restarts > 0 else None)
+        self.adapter_folders = adapters.FolderWriter()
 
     def send(self, buckets: Iterator[NamedTensors], handle: list[ws.Target], *, version: int,
              transport: str) -> None:
@@ -63,7 +64,7 @@ class SGLangWeightSender(WeightSender):
             tensors = [item for bucket in buckets for item in bucket]
             adapters.push_adapter(transport, targets, tensors, spec, version=version, base_model=self.cfg.model.path,
                                   folder=adapters.adapter_folder(work_dir(self.cfg), version),
-                                  timeout=self.pusher.timeout)
+                                  timeout=self.pusher.timeout, writer=self.adapter_folders)
             return
         expected: dict[str, str] = {}  # checksums of each bucket's first and last tensor, for check_weight_update
         for index, bucket, last in _with_last(buckets):
