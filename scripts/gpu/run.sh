@@ -13,7 +13,8 @@
 # 1.5B shapes), bench-async (off / one_step / fully on one shared GPU, issue 17),
 # bench-async-x2 (the same, trainer and engine on two GPUs), bench-async-kill (fully, the SGLang server
 # SIGKILLed mid-run), bench-affinity (issue 18: prefix-cache hit rate, affinity vs round robin, two
-# servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place).
+# servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place),
+# restore-copy (the restore copy of CUDA buckets, copied on its own stream, holds the pushed values).
 # real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
 # pack it first with scripts/gpu/pack_smollm2.sh), real-model-addition, real-model-chain-sum (one task each).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
@@ -32,6 +33,7 @@ for stage in "$@"; do
     megatron-lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -k lora -p no:cacheprovider) ;;
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
     conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
+    restore-copy) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_restore_copy.py -p no:cacheprovider) ;;
     sglang-pause) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_pause.py -p no:cacheprovider) ;;
     sglang-d) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -k test_d -p no:cacheprovider) ;;
     e2e-lora) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -k test_g_lora -p no:cacheprovider) ;;

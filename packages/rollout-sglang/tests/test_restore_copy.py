@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -38,3 +39,26 @@ def test_a_failed_write_is_logged_and_the_sync_goes_on(tiny_model, tmp_path, cap
     with caplog.at_level(logging.WARNING):
         copy.add([("a", torch.ones(2))], first=True)  # the next sync: no exception
     assert "writing the restore copy of the weights" in caplog.text and copy.error is None
+
+
+@pytest.mark.gpu
+def test_cuda_buckets_are_copied_as_pushed_while_the_trainer_goes_on(tiny_model, tmp_path):
+    """CUDA buckets: the device-to-host copies run on their own stream and the sync does not wait for them;
+    the trainer's next kernels (an in-place update of the same tensors, a freed bucket's memory reused) must
+    still leave the copy holding the pushed values."""
+    copy = RestoreCopy(tmp_path / "weights", tiny_model)
+    big = [(f"w{i}", torch.full((4096, 4096), float(i + 1), device="cuda")) for i in range(8)]  # 512 MiB
+    copy.add(big[:4], first=True)
+    scratch = torch.full((4096, 4096), -1.0, device="cuda")  # a bucket made and freed by the trainer
+    copy.add([("scratch", scratch)], first=False)
+    del scratch
+    reused = torch.empty((4096, 4096), device="cuda").fill_(-2.0)  # may take the freed block
+    copy.add(big[4:], first=False)
+    copy.finish(1)
+    for _, tensor in big:
+        tensor.mul_(0)  # the optimizer step on the trainer's stream
+    copy.wait()
+    tensors = load_file(str(next(version_folder(tmp_path / "weights", 1).glob("*.safetensors"))))
+    assert all(torch.equal(tensors[f"w{i}"], torch.full((4096, 4096), float(i + 1))) for i in range(8))
+    assert torch.equal(tensors["scratch"], torch.full((4096, 4096), -1.0))
+    del reused

@@ -4,14 +4,15 @@ trainer pushed them itself (CUDA IPC, NCCL or CPU tensors straight to the server
 The engine never sees those tensors, so without this a server that died after the first sync could
 only come back with the model's initial weights, and its recovery failed. Trainer rank 0 copies each
 bucket to host memory as it pushes it (pinned buffers reused from sync to sync, the device-to-host
-copies queued behind the push) and a background thread writes the complete version as an HF folder,
-``<weights_dir>/restore/v<version>``, renamed into place only once complete; the version before is
+copies on a stream of their own, beside the push) and a background thread writes the complete version as
+an HF folder, ``<weights_dir>/restore/v<version>``, renamed into place only once complete; the version before is
 removed then. The engine's recovery waits (up to its sync timeout) for the folder of the version it
 needs (`wait_for_version`). Trainer and engines must share the folder (one node, or a shared disk).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
@@ -43,6 +44,7 @@ class RestoreCopy:
         self._names: list[str] = []  # this version's, in push order
         self._writer: threading.Thread | None = None
         self.error: BaseException | None = None  # the last write's failure (logged by the next `add`)
+        self._stream: torch.cuda.Stream | None = None  # the device-to-host copies of CUDA buckets
 
     def add(self, bucket: NamedTensors, *, first: bool) -> None:
         """Queue this bucket's copy to host memory (``first``: the first bucket of a version)."""
@@ -54,22 +56,28 @@ class RestoreCopy:
                                self.error)
                 self.error = None
             self._names = []
-        for name, tensor in bucket:
-            held = self._held.get(name)
-            if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
-                held = self._held[name] = torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                      pin_memory=tensor.is_cuda and torch.cuda.is_available())
-            held.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-            self._names.append(name)
+        on_cuda = any(tensor.is_cuda for _, tensor in bucket)
+        if on_cuda:  # the copies run beside the push, after what the trainer queued to make the bucket
+            self._stream = self._stream or torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream) if on_cuda else contextlib.nullcontext():
+            for name, tensor in bucket:
+                held = self._held.get(name)
+                if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+                    held = self._held[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                held.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+                if tensor.is_cuda:
+                    tensor.record_stream(self._stream)  # its memory is not reused before the copy is done
+                self._names.append(name)
 
     def finish(self, version: int) -> None:
-        """The version's last bucket is in: write the folder in the background. The sync does not wait for
-        the queued device-to-host copies: the writer does (a CUDA event recorded behind them; the trainer's
-        next kernels on the same stream run after them, so they copy this version)."""
+        """The version's last bucket is in: write the folder in the background. Neither the sync nor the
+        push waits for the device-to-host copies (their own stream): the writer does, and so does the
+        trainer's next kernel on its stream (a GPU-side wait: it may change the tensors just copied)."""
         copied = None
-        if torch.cuda.is_available():
-            copied = torch.cuda.Event()
-            copied.record()
+        if self._stream is not None:
+            copied = self._stream.record_event()
+            torch.cuda.current_stream().wait_event(copied)
         named = [(name, self._held[name]) for name in self._names]
         self._writer = threading.Thread(target=self._write, args=(version, named, copied), daemon=True,
                                         name=f"restore-copy-v{version}")
