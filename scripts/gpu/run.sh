@@ -14,7 +14,8 @@
 # bench-async-x2 (the same, trainer and engine on two GPUs), bench-async-kill (fully, the SGLang server
 # SIGKILLed mid-run), bench-affinity (issue 18: prefix-cache hit rate, affinity vs round robin, two
 # servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place),
-# restore-copy (the restore copy of CUDA buckets, copied on its own stream, holds the pushed values).
+# restore-copy (the restore copy of CUDA buckets, copied on its own stream, holds the pushed values),
+# moe-sync (issue 19: Qwen3-MoE and Qwen2-MoE weights from the Megatron trainer into SGLang by IPC and disk).
 # real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
 # pack it first with scripts/gpu/pack_smollm2.sh), real-model-addition, real-model-chain-sum (one task each).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
@@ -33,6 +34,7 @@ for stage in "$@"; do
     megatron-lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -k lora -p no:cacheprovider) ;;
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
     conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
+    moe-sync) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_moe_sync.py -p no:cacheprovider) ;;
     restore-copy) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_restore_copy.py -p no:cacheprovider) ;;
     sglang-pause) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_pause.py -p no:cacheprovider) ;;
     sglang-d) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -k test_d -p no:cacheprovider) ;;
