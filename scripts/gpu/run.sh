@@ -6,11 +6,11 @@
 # megatron-lora (issue 20: bf16 LoRA TP=2 vs TP=1, base frozen, resume; 2 GPUs),
 # e2e (issue 7 b,f), e2e-offload (f with offload only), bench-trainer (like for like, with the
 # 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
-# bench-sync, bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
+# bench-sync, bench-sync-7b (default buckets only), bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
 # SGLangEngine), bench-sync-lora, e2e-lora (issue 20: GRPO with LoRA through SGLang's adapters, tiny and
-# 1.5B shapes), bench-async (off / one_step / fully on one shared GPU, issue 17),
+# 1.5B shapes; e2e-lora-1.5b: the 1.5B one), bench-async (off / one_step / fully on one shared GPU, issue 17),
 # bench-async-x2 (the same, trainer and engine on two GPUs), bench-async-kill (fully, the SGLang server
 # SIGKILLed mid-run), bench-affinity (issue 18: prefix-cache hit rate, affinity vs round robin, two
 # servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place),
@@ -39,6 +39,7 @@ for stage in "$@"; do
     sglang-pause) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_pause.py -p no:cacheprovider) ;;
     sglang-d) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -k test_d -p no:cacheprovider) ;;
     e2e-lora) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -k test_g_lora -p no:cacheprovider) ;;
+    e2e-lora-1.5b) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -k "test_g_lora and 1.5b" -p no:cacheprovider) ;;
     e2e-offload) cmd=(python3 -m pytest -x -q -s -m gpu "tests/test_gpu_e2e.py::test_f_colocated_grpo_through_slime_cli[offload]" -p no:cacheprovider) ;;
     bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16
                         --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384 --profile 25) ;;
@@ -53,6 +54,8 @@ for stage in "$@"; do
                           --mem-fraction 0.1 --json "$logs/bench-sync-1.5b.json") ;;
     bench-sync) cmd=(timeout 330 python3 benchmarks/weight_sync.py --shape qwen2.5-7b --bucket-mb 512 2048 4096
                      --json "$logs/bench-sync.json") ;;
+    bench-sync-7b) cmd=(timeout 250 python3 benchmarks/weight_sync.py --shape qwen2.5-7b --bucket-mb 2048
+                        --json "$logs/bench-sync-7b.json") ;;
     bench-sync-small) cmd=(timeout 250 python3 benchmarks/weight_sync.py --shape qwen2-tiny qwen3-tiny llama-tiny
                            qwen2.5-1.5b --bucket-mb 512 2048 --mem-fraction 0.1 --json "$logs/bench-sync-small.json") ;;
     bench-sync-lora) cmd=(timeout 300 python3 benchmarks/weight_sync.py --shape qwen2.5-1.5b --bucket-mb 2048
