@@ -64,9 +64,9 @@ def test_a_restart_waits_for_the_folder_and_names_the_adapter_when_it_never_come
                         lambda target, name, folder, **kw: loads.append(f"{name} {folder.is_dir()}"))
     target = Target(url="http://127.0.0.1:1", name="sglang engine 0")
     with pytest.raises(WeightSyncError, match=r"folder of adapter slime-v1 .* was not written within 0 s"):
-        roster.reload(target, timeout=0.2)
+        roster.reload(target, roster.loaded(), timeout=0.2)
     writer = threading.Timer(0.3, adapters.save_adapter_folder,
                              args=(trainer_adapter(), adapters.adapter_folder(tmp_path, 1), SPEC, "base"))
     writer.start()
-    roster.reload(target, timeout=10)  # the folder lands while it waits
+    roster.reload(target, roster.loaded(), timeout=10)  # the folder lands while it waits
     assert loads == ["slime-v1 True"]

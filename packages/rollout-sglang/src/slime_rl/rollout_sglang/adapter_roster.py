@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class AdapterRoster:
     """The adapters an engine's servers hold: the current one (requests name it) and retired ones
-    (still named by requests in flight). Not thread-safe: the engine's event loop owns it."""
+    (still named by requests in flight). Not thread-safe: the engine's event loop owns it; the blocking
+    calls below run on control threads and change none of its state but ``pending``."""
 
     spec: LoraSpec
     work_dir: Path  # adapter folders live in work_dir/adapters/v{N} (`adapters.adapter_folder`)
@@ -89,25 +90,27 @@ class AdapterRoster:
                               writer=self.writer)
 
     def unload(self, targets: list[ws.Target], name: str, *, timeout: float) -> None:
-        """``name`` off every server, then forgotten and its folder removed. A server that refuses is logged
-        (a dead one has nothing to unload; a restarted one is given only the adapters in use)."""
-        try:
-            for target in targets:
-                try:
-                    adapters.unload_adapter(target, name, timeout=timeout, step=f"retire adapter {name}")
-                except ws.WeightSyncError as err:
-                    logger.warning("%s", err)
-        finally:
-            self.retired.discard(name)
-            self.unloading.discard(name)
-            folder = self.folders.pop(name, None)
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
+        """``name`` off every server (a control thread; `forget` it after, on the loop). A server that
+        refuses is logged (a dead one has nothing to unload; a restarted one is given only the adapters in use)."""
+        for target in targets:
+            try:
+                adapters.unload_adapter(target, name, timeout=timeout, step=f"retire adapter {name}")
+            except ws.WeightSyncError as err:
+                logger.warning("%s", err)
 
-    def reload(self, target: ws.Target, *, timeout: float) -> None:
-        """A restarted server gets every adapter still in use, from its folder (written in the background
-        after each sync, by this engine or by the trainer's sender: waited for up to ``timeout``)."""
-        for name, folder in self.loaded():
+    def forget(self, name: str) -> None:
+        """An unloaded adapter leaves the roster, and its folder the disk."""
+        self.retired.discard(name)
+        self.unloading.discard(name)
+        folder = self.folders.pop(name, None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def reload(self, target: ws.Target, in_use: list[tuple[str, Path]], *, timeout: float) -> None:
+        """A restarted server gets every adapter still in use (`loaded`, taken on the loop), from its folder
+        (written in the background after each sync, by this engine or the trainer's sender: waited for up to
+        ``timeout``)."""
+        for name, folder in in_use:
             if wait_for_folder(folder, timeout) is None:
                 raise ws.WeightSyncError(f"restore adapters: the folder of adapter {name} ({folder}) was not "
                                          f"written within {timeout:.0f} s; the log of the process that synced it "

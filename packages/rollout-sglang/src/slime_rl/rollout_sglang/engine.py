@@ -506,30 +506,26 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         self._version = version
         try:
             for name in self.roster.switch(version):
-                self.roster.unloading.add(name)
-                await self._control(self.roster.unload, self.targets(), name, timeout=self.sync_timeout)
+                await self._retire_adapter(name)
         finally:
             self._end_sync()
 
     def _release_adapter(self, name: str | None) -> None:
         if self.roster is not None and self.roster.release(name):
-            self._unload_adapter(name)
+            task = asyncio.get_running_loop().create_task(self._retire_adapter(name))  # the caller: a request
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
 
-    def _unload_adapter(self, name: str) -> None:
-        """Take a retired adapter off every server, in the background (the caller is a request's return).
-        An unload lost before it started (its event loop ended) is retried at the next sync."""
+    async def _retire_adapter(self, name: str) -> None:
+        """A retired adapter off every server (a control thread), then out of the roster (here, on the loop
+        that owns it). An unload that did not run (its event loop ended first) is tried again at the next sync."""
         self.roster.unloading.add(name)
-
-        async def unload() -> None:
-            try:  # roster.unload logs a server that refuses, and forgets the adapter either way
-                await self._control(self.roster.unload, self.targets(), name, timeout=self.sync_timeout)
-            except BaseException:
-                self.roster.unloading.discard(name)
-                raise
-
-        task = asyncio.get_running_loop().create_task(unload())
-        self._unloads.add(task)
-        task.add_done_callback(self._unloads.discard)
+        try:
+            await self._control(self.roster.unload, self.targets(), name, timeout=self.sync_timeout)
+        except BaseException:
+            self.roster.unloading.discard(name)
+            raise
+        self.roster.forget(name)
 
     def _end_sync(self, reopen: bool = True) -> None:
         self._syncing = None

@@ -138,7 +138,7 @@ class EngineRecovery:
                 if (self._version > 0 and self.roster is None) or self._weights_stale:
                     await self._control(self._restore_weights, [target])
                 if self.roster is not None:
-                    await self._control(self.roster.reload, target, timeout=self.sync_timeout)
+                    await self._control(self.roster.reload, target, self.roster.loaded(), timeout=self.sync_timeout)
                 if self._released:  # a colocated trainer holds the GPU now: give the memory back again
                     await self._control(ws.release_memory, [target], sorted(self._released),
                                             timeout=self.sync_timeout)
