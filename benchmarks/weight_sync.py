@@ -231,7 +231,7 @@ def wait_for_background(sender: SGLangWeightSender, engine: SGLangEngine) -> flo
     next train step hides them; back-to-back syncs here would otherwise wait for them in the next sync."""
     start = time.perf_counter()
     if sender.restore is not None:
-        sender.restore.wait()
+        sender.restore.writes.wait()
     sender.adapter_folders.wait()
     if engine.roster is not None:
         engine.roster.writer.wait()

@@ -578,5 +578,5 @@ def test_a_server_killed_during_a_trainer_side_sync_is_left_out_and_restored_aft
         restored = events(fresh.url, "update_weights_from_disk")
         assert [Path(e["model_path"]).name for e in restored] == ["v2"]  # weights/restore/v2
     finally:
-        sender.restore.wait()
+        sender.restore.writes.wait()
         asyncio.run(engine.shutdown())

@@ -19,7 +19,7 @@ def test_each_version_is_written_whole_and_replaces_the_one_before(tiny_model, t
         copy.add(bucket[1:], first=False)
         copy.finish(version)
         bucket[0][1].zero_()  # the trainer reuses its buffers: the copy was taken when pushed
-    copy.wait()
+    copy.writes.wait()
     folder = wait_for_version(tmp_path / "weights", 2, timeout=5)
     assert folder == version_folder(tmp_path / "weights", 2) and (folder / "config.json").is_file()
     tensors = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
@@ -34,11 +34,11 @@ def test_a_failed_write_is_logged_and_the_sync_goes_on(tiny_model, tmp_path, cap
     copy = RestoreCopy(blocked, tiny_model)
     copy.add([("a", torch.ones(2))], first=True)
     copy.finish(1)
-    copy.wait()
-    assert copy.error is not None
+    copy.writes.wait()
+    assert copy.writes.error is not None
     with caplog.at_level(logging.WARNING):
         copy.add([("a", torch.ones(2))], first=True)  # the next sync: no exception
-    assert "writing the restore copy of the weights" in caplog.text and copy.error is None
+    assert "writing the restore copy of the weights" in caplog.text and copy.writes.error is None
 
 
 @pytest.mark.gpu
@@ -57,7 +57,7 @@ def test_cuda_buckets_are_copied_as_pushed_while_the_trainer_goes_on(tiny_model,
     copy.finish(1)
     for _, tensor in big:
         tensor.mul_(0)  # the optimizer step on the trainer's stream
-    copy.wait()
+    copy.writes.wait()
     tensors = load_file(str(next(version_folder(tmp_path / "weights", 1).glob("*.safetensors"))))
     assert all(torch.equal(tensors[f"w{i}"], torch.full((4096, 4096), float(i + 1))) for i in range(8))
     assert torch.equal(tensors["scratch"], torch.full((4096, 4096), -1.0))

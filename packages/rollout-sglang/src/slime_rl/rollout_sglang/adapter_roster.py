@@ -18,7 +18,7 @@ from pathlib import Path
 from slime_rl.core.lora import LoraSpec, adapter_name
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import weight_sync as ws
-from slime_rl.rollout_sglang.restore_copy import wait_for_folder
+from slime_rl.rollout_sglang.background_write import wait_for_folder
 
 logger = logging.getLogger(__name__)
 

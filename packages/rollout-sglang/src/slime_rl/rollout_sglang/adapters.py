@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch
 from slime_rl.core.config import ConfigError
 from slime_rl.core.lora import LoraSpec, adapter_name, hf_name, peft_adapter_config
 from slime_rl.rollout_sglang import weight_sync as ws
+from slime_rl.rollout_sglang.background_write import BackgroundWrite
 from slime_rl.rollout_sglang.server import engine_args_to_flags
 
 logger = logging.getLogger(__name__)
@@ -189,36 +189,17 @@ def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.Nam
         writer.write(named_tensors, folder, spec, base_model)
 
 
-class FolderWriter:
-    """Writes each version's PEFT folder (`save_adapter_folder`) in a background thread, one at a time: only
-    a restarted server reads it (through `restore_copy.wait_for_folder`), so a sync need not wait for the
-    disk. The tensors are copied to host memory first (the trainer's next step changes its own)."""
+class FolderWriter(BackgroundWrite):
+    """Each version's PEFT folder (`save_adapter_folder`), written in the background from a host copy taken
+    now (the trainer's next step changes its own tensors)."""
 
     def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self.error: BaseException | None = None  # the last write's failure, logged by the next `write`
+        super().__init__("an adapter folder", "a server restarted now cannot load that adapter until the next "
+                                              "sync writes one")
 
     def write(self, named_tensors: ws.NamedTensors, folder: Path, spec: LoraSpec, base_model: str) -> None:
-        self.wait()
-        if self.error is not None:
-            logger.warning("writing an adapter folder failed (%s): a server restarted now cannot load that "
-                           "adapter until the next sync writes one", self.error)
-            self.error = None
         host = _host_copy(named_tensors)
-        self._thread = threading.Thread(target=self._save, args=(host, folder, spec, base_model), daemon=True,
-                                        name=f"adapter-folder-{folder.name}")
-        self._thread.start()
-
-    def _save(self, named_tensors: ws.NamedTensors, folder: Path, spec: LoraSpec, base_model: str) -> None:
-        try:
-            save_adapter_folder(named_tensors, folder, spec, base_model)
-        except BaseException as err:  # reported by the next write; a restart that needs the folder says so
-            self.error = err
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self.start(lambda: save_adapter_folder(host, folder, spec, base_model), name=f"adapter-folder-{folder.name}")
 
 
 def _host_copy(named_tensors: ws.NamedTensors) -> ws.NamedTensors:

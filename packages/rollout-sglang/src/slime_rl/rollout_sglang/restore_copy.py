@@ -13,18 +13,14 @@ needs (`wait_for_version`). Trainer and engines must share the folder (one node,
 from __future__ import annotations
 
 import contextlib
-import logging
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import torch
 
 from slime_rl.core.contracts import NamedTensors
 from slime_rl.rollout_sglang import weight_sync as ws
-
-logger = logging.getLogger(__name__)
+from slime_rl.rollout_sglang.background_write import BackgroundWrite, wait_for_folder
 
 
 def restore_dir(weights_dir: str | Path) -> Path:
@@ -42,19 +38,15 @@ class RestoreCopy:
         self.weights_dir, self.model_path = Path(weights_dir), Path(model_path)
         self._held: dict[str, torch.Tensor] = {}
         self._names: list[str] = []  # this version's, in push order
-        self._writer: threading.Thread | None = None
-        self.error: BaseException | None = None  # the last write's failure (logged by the next `add`)
+        self.writes = BackgroundWrite(f"the restore copy of the weights under {restore_dir(weights_dir)}",
+                                      "a server that dies now cannot be restored until the next copy is written")
         self._stream: torch.cuda.Stream | None = None  # the device-to-host copies of CUDA buckets
 
     def add(self, bucket: NamedTensors, *, first: bool) -> None:
         """Queue this bucket's copy to host memory (``first``: the first bucket of a version)."""
         if first:
-            self.wait()  # the writer still reads the buffers of the version before
-            if self.error is not None:  # only a restart needs the copy: the run goes on, and says so
-                logger.warning("writing the restore copy of the weights under %s failed (%s): a server that dies"
-                               " now cannot be restored until the next copy is written", restore_dir(self.weights_dir),
-                               self.error)
-                self.error = None
+            self.writes.wait()  # the writer still reads the buffers of the version before
+            self.writes.report()  # only a restart needs the copy: the run goes on, and says so
             self._names = []
         on_cuda = any(tensor.is_cuda for _, tensor in bucket)
         if on_cuda:  # the copies run beside the push, after what the trainer queued to make the bucket
@@ -79,42 +71,22 @@ class RestoreCopy:
             copied = self._stream.record_event()
             torch.cuda.current_stream().wait_event(copied)
         named = [(name, self._held[name]) for name in self._names]
-        self._writer = threading.Thread(target=self._write, args=(version, named, copied), daemon=True,
-                                        name=f"restore-copy-v{version}")
-        self._writer.start()
+        self.writes.start(lambda: self._write(version, named, copied), name=f"restore-copy-v{version}")
 
     def _write(self, version: int, named: NamedTensors, copied: torch.cuda.Event | None) -> None:
         final = version_folder(self.weights_dir, version)
         partial = final.with_name(f"{final.name}.partial")
-        try:
-            if copied is not None:
-                copied.synchronize()
-            shutil.rmtree(partial, ignore_errors=True)
-            ws.save_hf_folder(named, partial, self.model_path)
-            shutil.rmtree(final, ignore_errors=True)
-            partial.rename(final)
-            for old in restore_dir(self.weights_dir).glob("v*"):
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-        except BaseException as err:  # reported by the next sync; the engine's recovery says what is missing
-            self.error = err
-
-    def wait(self) -> None:
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        if copied is not None:
+            copied.synchronize()
+        shutil.rmtree(partial, ignore_errors=True)
+        ws.save_hf_folder(named, partial, self.model_path)
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        for old in restore_dir(self.weights_dir).glob("v*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def wait_for_version(weights_dir: str | Path, version: int, timeout: float) -> Path | None:
     """The restore folder of ``version`` once it is complete; None if it is not there within ``timeout``."""
     return wait_for_folder(version_folder(weights_dir, version), timeout)
-
-
-def wait_for_folder(folder: Path, timeout: float) -> Path | None:
-    """``folder`` once a background writer has renamed it into place; None if not within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not folder.is_dir():
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.1)
-    return folder
