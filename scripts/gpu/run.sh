@@ -35,7 +35,8 @@ for stage in "$@"; do
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
     conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
     moe-sync) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_moe_sync.py -p no:cacheprovider) ;;
-    restore-copy) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_restore_copy.py -p no:cacheprovider) ;;
+    restore-copy) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_restore_copy.py
+                       packages/rollout-sglang/tests/test_adapter_folders.py -p no:cacheprovider) ;;
     sglang-pause) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_pause.py -p no:cacheprovider) ;;
     sglang-d) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -k test_d -p no:cacheprovider) ;;
     e2e-lora) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -k test_g_lora -p no:cacheprovider) ;;

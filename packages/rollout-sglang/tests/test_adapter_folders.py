@@ -70,3 +70,15 @@ def test_a_restart_waits_for_the_folder_and_names_the_adapter_when_it_never_come
     writer.start()
     roster.reload(target, roster.loaded(), timeout=10)  # the folder lands while it waits
     assert loads == ["slime-v1 True"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_folder_keeps_each_tensors_dtype(tmp_path, device):
+    """CUDA adapters of one dtype go to the host in one transfer; mixed dtypes must not be promoted by it."""
+    writer = adapters.FolderWriter()
+    named = [(NAMES[0], torch.ones(2, 8, dtype=torch.bfloat16, device=device)),
+             (NAMES[1], torch.full((8, 2), 3.0, device=device))]
+    writer.write(named, tmp_path / "v1", SPEC, "base")
+    writer.wait()
+    saved = load_file(str(tmp_path / "v1" / "adapter_model.safetensors"))
+    assert (saved[NAMES[0]].dtype, saved[NAMES[1]].dtype) == (torch.bfloat16, torch.float32)

@@ -203,10 +203,10 @@ class FolderWriter(BackgroundWrite):
 
 
 def _host_copy(named_tensors: ws.NamedTensors) -> ws.NamedTensors:
-    """Host copies of the tensors: one device-to-host transfer for CUDA tensors (an adapter is hundreds of
-    small tensors), a clone for CPU ones."""
-    if not named_tensors or not named_tensors[0][1].is_cuda:
-        return [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+    """Host copies of the tensors: one device-to-host transfer for CUDA tensors of one dtype (an adapter is
+    hundreds of small tensors), else one per tensor."""
+    if len({(tensor.device, tensor.dtype) for _, tensor in named_tensors}) != 1 or not named_tensors[0][1].is_cuda:
+        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
     flat = torch.cat([tensor.detach().reshape(-1) for _, tensor in named_tensors]).to("cpu")
     out, offset = [], 0
     for name, tensor in named_tensors:
