@@ -202,7 +202,7 @@ PHASES = {"pause": (ws, "pause_generation"), "flush": (ws, "flush_cache"), "cont
 @contextlib.contextmanager
 def phase_clock(seconds: Counter):
     """Adds the seconds spent in each of PHASES' functions to ``seconds`` while it is open (nested calls,
-    such as a push inside a restore wait, count in both)."""
+    such as the post inside a push, count in both)."""
     lock, originals = threading.Lock(), {}
 
     def timed(phase, fn):
