@@ -203,13 +203,10 @@ class FolderWriter(BackgroundWrite):
 
 
 def _host_copy(named_tensors: ws.NamedTensors) -> ws.NamedTensors:
-    """Host copies of the tensors: one device-to-host transfer for CUDA tensors of one dtype (an adapter is
-    hundreds of small tensors), else one per tensor."""
-    if len({(tensor.device, tensor.dtype) for _, tensor in named_tensors}) != 1 or not named_tensors[0][1].is_cuda:
-        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in named_tensors]
-    flat = torch.cat([tensor.detach().reshape(-1) for _, tensor in named_tensors]).to("cpu")
-    out, offset = [], 0
-    for name, tensor in named_tensors:
-        out.append((name, flat[offset:offset + tensor.numel()].view(tensor.shape).clone()))
-        offset += tensor.numel()
-    return out
+    """Host copies of the tensors, in one device-to-host transfer (an adapter is hundreds of small tensors):
+    the bucket layout of `weight_sync.flatten_bucket`, bytes of any dtype, cut back into separate tensors."""
+    if not named_tensors:
+        return []
+    flat, metadata = ws.flatten_bucket(named_tensors)
+    host = flat.to("cpu")
+    return [(m.name, host[m.start_idx:m.end_idx].clone().view(m.dtype).view(m.shape)) for m in metadata]
