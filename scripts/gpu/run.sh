@@ -14,7 +14,7 @@
 # bench-async-x2 (the same, trainer and engine on two GPUs), bench-async-kill (fully, the SGLang server
 # SIGKILLed mid-run), bench-affinity (issue 18: prefix-cache hit rate, affinity vs round robin, two
 # servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place),
-# restore-copy (the restore copy of CUDA buckets, copied on its own stream, holds the pushed values),
+# restore-copy (the restore copy of CUDA buckets holds the pushed values; adapter folders keep dtypes),
 # moe-sync (issue 19: Qwen3-MoE and Qwen2-MoE weights from the Megatron trainer into SGLang by IPC and disk).
 # real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
 # pack it first with scripts/gpu/pack_smollm2.sh), real-model-addition, real-model-chain-sum (one task each).

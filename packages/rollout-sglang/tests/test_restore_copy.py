@@ -43,9 +43,9 @@ def test_a_failed_write_is_logged_and_the_sync_goes_on(tiny_model, tmp_path, cap
 
 @pytest.mark.gpu
 def test_cuda_buckets_are_copied_as_pushed_while_the_trainer_goes_on(tiny_model, tmp_path):
-    """CUDA buckets: the device-to-host copies run on their own stream and the sync does not wait for them;
-    the trainer's next kernels (an in-place update of the same tensors, a freed bucket's memory reused) must
-    still leave the copy holding the pushed values."""
+    """CUDA buckets, copied to pinned host memory without blocking as they are pushed: the trainer's next
+    kernels (an in-place update of the same tensors, a freed bucket's memory reused) must still leave the copy
+    holding the pushed values."""
     copy = RestoreCopy(tmp_path / "weights", tiny_model)
     big = [(f"w{i}", torch.full((4096, 4096), float(i + 1), device="cuda")) for i in range(8)]  # 512 MiB
     copy.add(big[:4], first=True)

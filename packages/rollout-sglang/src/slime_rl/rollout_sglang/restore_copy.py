@@ -4,15 +4,14 @@ trainer pushed them itself (CUDA IPC, NCCL or CPU tensors straight to the server
 The engine never sees those tensors, so without this a server that died after the first sync could
 only come back with the model's initial weights, and its recovery failed. Trainer rank 0 copies each
 bucket to host memory as it pushes it (pinned buffers reused from sync to sync, the device-to-host
-copies on a stream of their own, beside the push) and a background thread writes the complete version as
-an HF folder, ``<weights_dir>/restore/v<version>``, renamed into place only once complete; the version before is
+copies queued behind the push) and a background thread writes the complete version as an HF folder,
+``<weights_dir>/restore/v<version>``, renamed into place only once complete; the version before is
 removed then. The engine's recovery waits (up to its sync timeout) for the folder of the version it
 needs (`wait_for_version`). Trainer and engines must share the folder (one node, or a shared disk).
 """
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
 
@@ -40,7 +39,6 @@ class RestoreCopy:
         self._names: list[str] = []  # this version's, in push order
         self.writes = BackgroundWrite(f"the restore copy of the weights under {restore_dir(weights_dir)}",
                                       "a server that dies now cannot be restored until the next copy is written")
-        self._stream: torch.cuda.Stream | None = None  # the device-to-host copies of CUDA buckets
 
     def add(self, bucket: NamedTensors, *, first: bool) -> None:
         """Queue this bucket's copy to host memory (``first``: the first bucket of a version)."""
@@ -48,36 +46,24 @@ class RestoreCopy:
             self.writes.wait()  # the writer still reads the buffers of the version before
             self.writes.report()  # only a restart needs the copy: the run goes on, and says so
             self._names = []
-        on_cuda = any(tensor.is_cuda for _, tensor in bucket)
-        if on_cuda:  # the copies run beside the push, after what the trainer queued to make the bucket
-            self._stream = self._stream or torch.cuda.Stream()
-            self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream) if on_cuda else contextlib.nullcontext():
-            for name, tensor in bucket:
-                held = self._held.get(name)
-                if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
-                    held = self._held[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-                held.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
-                if tensor.is_cuda:
-                    tensor.record_stream(self._stream)  # its memory is not reused before the copy is done
-                self._names.append(name)
+        for name, tensor in bucket:
+            held = self._held.get(name)
+            if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
+                held = self._held[name] = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                      pin_memory=tensor.is_cuda and torch.cuda.is_available())
+            held.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+            self._names.append(name)
 
     def finish(self, version: int) -> None:
-        """The version's last bucket is in: write the folder in the background. Neither the sync nor the
-        push waits for the device-to-host copies (their own stream): the writer does, and so does the
-        trainer's next kernel on its stream (a GPU-side wait: it may change the tensors just copied)."""
-        copied = None
-        if self._stream is not None:
-            copied = self._stream.record_event()
-            torch.cuda.current_stream().wait_event(copied)
+        """The version's last bucket is in: write the folder in the background."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the queued device-to-host copies
         named = [(name, self._held[name]) for name in self._names]
-        self.writes.start(lambda: self._write(version, named, copied), name=f"restore-copy-v{version}")
+        self.writes.start(lambda: self._write(version, named), name=f"restore-copy-v{version}")
 
-    def _write(self, version: int, named: NamedTensors, copied: torch.cuda.Event | None) -> None:
+    def _write(self, version: int, named: NamedTensors) -> None:
         final = version_folder(self.weights_dir, version)
         partial = final.with_name(f"{final.name}.partial")
-        if copied is not None:
-            copied.synchronize()
         shutil.rmtree(partial, ignore_errors=True)
         ws.save_hf_folder(named, partial, self.model_path)
         shutil.rmtree(final, ignore_errors=True)
