@@ -20,8 +20,10 @@ path is timed over ``--syncs`` syncs of the whole model:
 - ``adapter`` (with ``--lora-rank``): the trainer path with ``trainer.lora`` (`SGLangWeightSender` loads
   random rank-R adapters on every projection as one SGLang adapter per version, by CUDA IPC), against a
   server started with slime-rl's LoRA flags (`adapters.lora_engine_args`; the full-weight paths run on the
-  same server); ``adapter-engine``: the same through `SGLangEngine.update_weights`. The figure for issue 20
-  is an adapter row's seconds over the full ``trainer`` row's (target: at most 1/10).
+  same server); ``adapter-engine``: the same through `SGLangEngine.update_weights`; ``adapter-disk``: the
+  trainer path by ``disk`` (a PEFT folder the servers load). The figure for issue 20 is an adapter row's
+  seconds over the full-weight row of the same way in (``trainer``; ``disk`` for ``adapter-disk``;
+  target: at most 1/10).
 
 Reported: seconds per sync (median), GB/s over the model's bytes, the peak extra GPU memory in this
 process and on the device during a sync, and the engine's checksums of every parameter it holds
@@ -76,7 +78,9 @@ SHAPES = {
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 WRITE_WEIGHTS_BELOW = 200_000_000  # parameters; larger shapes start the engine on dummy weights
 PATHS = ("direct", "trainer", "engine", "engine-copy", "disk")
-ADAPTER_PATHS = ("adapter", "adapter-engine")  # with --lora-rank
+ADAPTER_PATHS = ("adapter", "adapter-engine", "adapter-disk")  # with --lora-rank
+# The full-weight row each adapter row is compared with: the same way into the engine.
+FULL_PATH_OF = {"adapter": "trainer", "adapter-engine": "trainer", "adapter-disk": "disk"}
 GPU_ENGINE_ARGS = {"skip_tokenizer_init": True, "attention_backend": "triton", "sampling_backend": "pytorch",
                    "grammar_backend": "none", "cuda_graph_backend_decode": "disabled",
                    "cuda_graph_backend_prefill": "disabled", "dtype": "bfloat16", "max_total_tokens": 65536}
@@ -279,7 +283,7 @@ async def one_sync(path: str, engine: SGLangEngine, buckets: list[ws.NamedTensor
             for i, bucket in enumerate(buckets):
                 ws.update_from_tensor(target, bucket, version=version if i == len(buckets) - 1 else None,
                                       timeout=engine.sync_timeout, step=f"direct bucket {i}")
-    elif path in ("trainer", "disk", "adapter"):
+    elif path in ("trainer", "disk", "adapter", "adapter-disk"):
         targets = await engine.begin_weight_sync(version, transport=transport)
         senders[path].send(iter(buckets), targets, version=version, transport=transport)
         await engine.end_weight_sync(version)
@@ -319,7 +323,7 @@ async def run_shape(args, shape: str, work: Path) -> list[Row]:
                 adapter_path = path in ADAPTER_PATHS
                 buckets = bucketed(lora if adapter_path else weights, bucket_mib * 2**20)
                 engine.roster = roster if adapter_path else None
-                transport = "disk" if path == "disk" else "tensor"
+                transport = "disk" if path in ("disk", "adapter-disk") else "tensor"
                 senders = {path: SGLangWeightSender(sync_config(folder, work / f"{shape}-{path}", transport,
                                                                 spec if adapter_path else None), rank=0)}
                 seconds, peak_process, peak_device = [], 0.0, 0.0
@@ -385,12 +389,16 @@ def table(rows: list[Row]) -> str:
 
 
 def adapter_ratios(rows: list[Row]) -> list[str]:
-    """Issue 20's figure: each adapter row's median over the full-weight ``trainer`` row's (same shape, bucket)."""
-    full = {(r.shape, r.bucket_mib): r.median for r in rows if r.path == "trainer"}
-    return [f"[{r.shape}] {r.path} / trainer (full weights), {r.bucket_mib} MiB buckets: "
-            f"{r.median / full[(r.shape, r.bucket_mib)]:.3f} ({r.median * 1e3:.1f} ms vs "
-            f"{full[(r.shape, r.bucket_mib)] * 1e3:.1f} ms)"
-            for r in rows if r.path in ADAPTER_PATHS and (r.shape, r.bucket_mib) in full]
+    """Issue 20's figure: each adapter row's median over its full-weight row's (`FULL_PATH_OF`; same shape
+    and bucket size)."""
+    full = {(r.shape, r.path, r.bucket_mib): r.median for r in rows if r.path not in ADAPTER_PATHS}
+    lines = []
+    for r in rows:
+        key = (r.shape, FULL_PATH_OF.get(r.path), r.bucket_mib)
+        if key in full:
+            lines.append(f"[{r.shape}] {r.path} / {key[1]} (full weights), {r.bucket_mib} MiB buckets: "
+                         f"{r.median / full[key]:.3f} ({r.median * 1e3:.1f} ms vs {full[key] * 1e3:.1f} ms)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

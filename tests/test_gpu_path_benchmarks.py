@@ -47,21 +47,25 @@ def test_weight_sync_benchmark_times_every_path_and_checks_the_engines_weights(t
 def test_weight_sync_benchmark_times_adapter_syncs_against_the_full_sync(tmp_path, capsys):
     """--lora-rank (issue 20): the server starts with the LoRA flags; the adapter paths load rank-4 adapters
     (the stand-in checks every tensor's PEFT name and shape against the model) and each adapter row is
-    set against the full-weight trainer row."""
+    set against the full-weight row of the same way in (IPC/by value: trainer; a folder: disk)."""
     pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
     weight_sync = bench("weight_sync")
     rows = weight_sync.main(["--shape", "tiny", "--device", "cpu", "--engine-python", fake_sglang_python(tmp_path),
-                             "--bucket-mb", "1", "--paths", "trainer", "adapter", "adapter-engine", "--lora-rank", "4",
+                             "--bucket-mb", "1", "--paths", "trainer", "adapter", "adapter-engine", "disk", "adapter-disk",
+                             "--lora-rank", "4",
                              "--syncs", "2", "--warmup", "0", "--work-dir", str(tmp_path / "work")])
-    full, adapter, adapter_engine = rows
-    assert (full.path, adapter.path, adapter_engine.path) == ("trainer", "adapter", "adapter-engine")
-    assert full.checked == 2 + 2 * 4 + 1 and adapter.checked == adapter_engine.checked == 1  # one server lists it
+    full, adapter, adapter_engine, full_disk, adapter_disk = rows
+    assert [r.path for r in rows] == ["trainer", "adapter", "adapter-engine", "disk", "adapter-disk"]
+    assert full.checked == full_disk.checked == 2 + 2 * 4 + 1
+    assert adapter.checked == adapter_engine.checked == adapter_disk.checked == 1  # one server lists it
     # tiny: 2 layers x 7 projections x (A + B), rank 4, bf16
     shapes = {"q": (64, 64), "k": (32, 64), "v": (32, 64), "o": (64, 64), "gate": (128, 64), "up": (128, 64),
               "down": (64, 128)}
     assert adapter.gb * 1e9 == 2 * sum(4 * (out + inp) * 2 for out, inp in shapes.values())
     out = capsys.readouterr().out
     assert "[tiny] adapter / trainer (full weights), 1 MiB buckets: " in out
+    assert "[tiny] adapter-disk / disk (full weights), 1 MiB buckets: " in out
+    assert "[tiny] adapter-engine / disk" not in out
     # an adapter sync loads the new adapter, unloads the one before, and leaves its folder to a background write
     assert {"load adapter", "unload adapter", "adapter folder"} <= set(adapter.phases)
     assert "pause" not in adapter.phases and adapter.background_s > 0

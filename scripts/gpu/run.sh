@@ -59,8 +59,8 @@ for stage in "$@"; do
                         --json "$logs/bench-sync-7b.json") ;;
     bench-sync-small) cmd=(timeout 250 python3 benchmarks/weight_sync.py --shape qwen2-tiny qwen3-tiny llama-tiny
                            qwen2.5-1.5b --bucket-mb 512 2048 --mem-fraction 0.1 --json "$logs/bench-sync-small.json") ;;
-    bench-sync-lora) cmd=(timeout 300 python3 benchmarks/weight_sync.py --shape qwen2.5-1.5b --bucket-mb 2048
-                          --paths direct trainer adapter adapter-engine --lora-rank 16 --mem-fraction 0.3
+    bench-sync-lora) cmd=(timeout 400 python3 benchmarks/weight_sync.py --shape qwen2.5-1.5b --bucket-mb 2048
+                          --paths direct trainer adapter adapter-engine disk adapter-disk --lora-rank 16 --mem-fraction 0.3
                           --json "$logs/bench-sync-lora.json") ;;
     bench-step) cmd=(python3 benchmarks/colocated_step.py --prompts 32 --samples 8 --prompt-len 1024 --response-len 512
                      --timeout 400 --json "$logs/bench-step.json") ;;
