@@ -7,8 +7,8 @@
 
 The trainer side is random bf16 weights of the shape, on the GPU, cut into buckets of ``--bucket-mb``
 (the sync needs the weights only, so a 7B fits one H200 next to its engine); the engine is started
-with SGLang's dummy weights (``--load-format dummy``) for shapes too large to write to disk. Each
-path is timed over ``--syncs`` syncs of the whole model:
+with SGLang's dummy weights (``--load-format dummy``) for shapes too large to write to disk (unless
+``--paths`` has ``disk``). Each path is timed over ``--syncs`` syncs of the whole model:
 
 - ``direct``: each bucket serialised (`weight_sync.serialize_bucket`) and posted straight to
   ``/update_weights_from_tensor``: what SGLang itself costs;
@@ -200,7 +200,8 @@ PHASES = {"pause": (ws, "pause_generation"), "flush": (ws, "flush_cache"), "cont
           "post bucket": (ws, "update_from_tensor"), "push bucket": (BucketPusher, "push"),
           "restore copy": (RestoreCopy, "add"), "restore finish": (RestoreCopy, "finish"),
           "load adapter": (adapters, "load_adapter_from_tensors"), "unload adapter": (adapters, "unload_adapter"),
-          "adapter folder": (adapters.FolderWriter, "write")}
+          "load adapter folder": (adapters, "load_adapter_from_folder"),
+          "adapter folder": (adapters.FolderWriter, "write"), "adapter host copy": (adapters, "_host_copy")}
 
 
 @contextlib.contextmanager
@@ -295,9 +296,11 @@ async def one_sync(path: str, engine: SGLangEngine, buckets: list[ws.NamedTensor
 
 async def run_shape(args, shape: str, work: Path) -> list[Row]:
     on_cuda = args.device == "cuda"
-    folder = make_model_folder(shape, work / shape)
+    # a full sync from disk needs a server that loaded its weights from disk (SGLang refuses one on dummy weights)
+    from_disk = "disk" in args.paths
+    folder = make_model_folder(shape, work / shape, weights=True if from_disk else None)
     engine_args = dict(GPU_ENGINE_ARGS, mem_fraction_static=args.mem_fraction) if on_cuda else {}
-    if on_cuda and param_count_of(folder) >= WRITE_WEIGHTS_BELOW:
+    if on_cuda and not from_disk and param_count_of(folder) >= WRITE_WEIGHTS_BELOW:
         engine_args["load_format"] = "dummy"
     spec = LoraSpec(args.lora_rank, 2.0 * args.lora_rank, 0.0, SGLANG_LORA_MODULES) if args.lora_rank else None
     if spec is not None:  # one server for both: the full-weight paths and the adapter paths

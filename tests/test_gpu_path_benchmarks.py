@@ -35,10 +35,12 @@ def test_weight_sync_benchmark_times_every_path_and_checks_the_engines_weights(t
         assert row.checked == 2 + 2 * 4 + 1
     out = capsys.readouterr().out
     assert "| tiny | engine-copy | 1 | 1 |" in out
-    # where each sync's time goes: the loop's path pauses, pushes, flushes and continues, and queues the
-    # restore copy whose disk write runs on after the sync; posting straight to SGLang does none of that
+    # where each sync's time goes: the loop's path pushes, flushes, and queues the restore copy whose disk write
+    # runs on after the sync (no request is out, so no pause and no continue); posting straight to SGLang does
+    # none of that
     phases = {r.path: r.phases for r in rows}
-    assert {"pause", "push bucket", "flush", "continue", "restore copy", "restore finish"} <= set(phases["trainer"])
+    assert {"push bucket", "flush", "restore copy", "restore finish"} <= set(phases["trainer"])
+    assert not {"pause", "continue"} & set(phases["trainer"])
     assert set(phases["direct"]) == {"post bucket"}
     assert next(r for r in rows if r.path == "trainer").background_s > 0
     assert "[tiny] trainer        per sync: " in out

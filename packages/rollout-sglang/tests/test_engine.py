@@ -209,10 +209,11 @@ def test_weight_sync_changes_generations_and_reports_the_version(make_engine, ti
         update = {"tensor": "update_weights_from_tensor", "disk": "update_weights_from_disk",
                   "nccl": "update_weights_from_distributed"}[transport]
         first_update = kinds.index(update)
-        # generation paused before the first transfer, cache flushed and generation continued after the last
-        assert "pause_generation" in kinds[:first_update]
-        assert kinds[-2:] == ["flush_cache", "continue_generation"] or kinds[-3:-1] == ["flush_cache",
-                                                                                        "continue_generation"]
+        # no request was out, so no pause and no continue (the engine's gate held generation); the cache
+        # flushed after the last transfer
+        assert "pause_generation" not in kinds and "continue_generation" not in kinds
+        last_update = len(kinds) - 1 - kinds[::-1].index(update)
+        assert "flush_cache" in kinds[last_update:] and "flush_cache" not in kinds[:first_update]
         versions = [e.get("weight_version") for e in events(url, update)]
         assert versions[-1] == "1" and all(v is None for v in versions[:-1])  # the version comes with the last part
     if transport == "disk":
@@ -331,27 +332,40 @@ def test_a_request_that_reaches_a_server_as_a_sync_pauses_it_is_sent_again(make_
     assert len(attempts) == 2 and attempts[0] in state(url)["completed"]  # the first was answered 499
 
 
-def test_trainer_side_sync_with_the_weight_sync_functions(make_engine, tiny_model):
-    """A trainer process pushes the buckets itself (its CUDA tensors never leave it): the engine
-    only holds generation before and lets it go after."""
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_trainer_side_sync_with_the_weight_sync_functions(make_engine, tiny_model, in_flight):
+    """A trainer process pushes the buckets itself (its CUDA tensors never leave it): the engine holds
+    generation before and lets it go after; the servers are paused (and continued) only when a request is
+    out, which the synchronous loop's syncs never have."""
     engine = make_engine(num_engines=1)
     before = asyncio.run(engine.generate([5, 6], GREEDY))
     weights = new_weights(tiny_model, 0.5)
+    params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)  # ~1.6 s
 
     async def sync():
+        task = asyncio.create_task(engine.generate([2, 3], params, request_id="long")) if in_flight else None
+        await asyncio.sleep(0.4)
         targets = await engine.begin_weight_sync(1)
+        waiting = asyncio.create_task(engine.generate([5, 6], GREEDY, request_id="during"))
         # ... these calls run in the trainer process, given `targets` ...
         ws.push_tensor_bucket(targets, weights[:2], version=None, timeout=60, step="v1 bucket 0")
         ws.push_tensor_bucket(targets, weights[2:], version=1, timeout=60, step="v1 bucket 1")
         await engine.end_weight_sync(1)
+        return await asyncio.wait_for(waiting, 20), task and await asyncio.wait_for(task, 20)
 
-    asyncio.run(sync())
+    during, long = asyncio.run(sync())
     after = asyncio.run(engine.generate([5, 6], GREEDY))
     assert engine.weight_version == 1 and after.weight_version == 1 and after.token_ids != before.token_ids
+    # a request made during the sync waited for it: it ran on the new weights
+    assert during.weight_version == 1 and during.token_ids == after.token_ids
     kinds = [e["kind"] for e in state(engine.engine_urls[0])["events"]
              if e["kind"] not in ("generate", "generate_body")]
-    assert kinds[-5:] == ["pause_generation", "update_weights_from_tensor", "update_weights_from_tensor",
-                          "flush_cache", "continue_generation"]
+    pushes = ["update_weights_from_tensor", "update_weights_from_tensor", "flush_cache"]
+    if in_flight:
+        assert kinds[-5:] == ["pause_generation", *pushes, "continue_generation"]
+        assert long.finish_reason == "length" and long.weight_version == 1
+    else:
+        assert kinds[-3:] == pushes and "pause_generation" not in kinds and "continue_generation" not in kinds
 
 
 @pytest.mark.parametrize("transport", ["tensor", "disk", "nccl"])

@@ -110,6 +110,7 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         self._inflight: dict[str, _Request] = {}
         self._closed_by: set[str] = set()  # why generation is held: "sync", "memory"
         self._pause_epoch = 0  # grows with every pause; a request aborted by one continues
+        self._servers_paused = False  # a pause went out and no continue since: opening again sends one
         self._syncing: int | None = None  # the version whose buckets are arriving
         self._bucket_index = 0
         self._sync_transport: str | None = None
@@ -437,12 +438,18 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
             return self.targets()
         self._closed_by.add("sync")
         self._pause_epoch += 1
+        if not self._inflight:
+            # No request out (the synchronous loop's syncs): the closed gate holds new ones here, so the
+            # servers need no pause (nor a continue after; two round trips, ~0.07 s of a 7B sync on an H200)
+            return self.targets()
+        self._servers_paused = True
         try:
             await self._control_live(ws.pause_generation, timeout=self.sync_timeout,
                                      step=f"weight sync v{version}: pause generation", mode=self.pause_mode)
         except BaseException:
             self._end_sync()  # nothing changed yet: let the engines that did pause go on
             await self._control(_try, ws.continue_generation, self.targets(), timeout=30.0, step="undo pause")
+            self._servers_paused = "memory" in self._closed_by
             raise
         return self.targets()
 
@@ -461,11 +468,13 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
                 for target in self.targets():
                     await self._control(ws.check_weights, target, self._verify_sample,
                                         timeout=self.sync_timeout, step=step)
-            if self.pause_mode != "in_place":  # SGLang refuses a flush while requests are held in place
+            held_in_place = self._servers_paused and self.pause_mode == "in_place"
+            if not held_in_place:  # SGLang refuses a flush while requests are held in place
                 await self._control_live(ws.flush_cache, timeout=self.sync_timeout, step=f"{step}: flush cache")
-            if "memory" not in self._closed_by:
+            if self._servers_paused and "memory" not in self._closed_by:
                 await self._control_live(ws.continue_generation, timeout=self.sync_timeout,
                                          step=f"{step}: continue generation")
+                self._servers_paused = False
         except BaseException:
             self._end_sync(reopen=False)
             raise
@@ -541,6 +550,7 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         Generation is held until `resume_memory`."""
         self._closed_by.add("memory")
         self._pause_epoch += 1
+        self._servers_paused = True
         targets = self.targets()
         await self._control(ws.pause_generation, targets, timeout=self.sync_timeout, step="release: pause")
         await self._control(ws.flush_cache, targets, timeout=self.sync_timeout, step="release: flush cache")
@@ -562,6 +572,7 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
             if "sync" not in self._closed_by:
                 await self._control(ws.continue_generation, self.targets(), timeout=self.sync_timeout,
                                         step="resume: continue generation")
+                self._servers_paused = False
             self._closed_by.discard("memory")
 
     async def shutdown(self) -> None:

@@ -143,6 +143,7 @@ class EngineRecovery:
                     await self._control(ws.release_memory, [target], sorted(self._released),
                                             timeout=self.sync_timeout)
                 if self._closed_by:
+                    self._servers_paused = True
                     await self._control(ws.pause_generation, [target], timeout=self.sync_timeout,
                                             step="recovery: hold generation")
                 self.servers[self.servers.index(server)] = fresh
