@@ -201,7 +201,7 @@ PHASES = {"pause": (ws, "pause_generation"), "flush": (ws, "flush_cache"), "cont
           "restore copy": (RestoreCopy, "add"), "restore finish": (RestoreCopy, "finish"),
           "load adapter": (adapters, "load_adapter_from_tensors"), "unload adapter": (adapters, "unload_adapter"),
           "load adapter folder": (adapters, "load_adapter_from_folder"),
-          "adapter folder": (adapters.FolderWriter, "write"), "adapter host copy": (adapters, "_host_copy")}
+          "adapter folder": (adapters.FolderWriter, "write"), "adapter snapshot": (adapters, "_snapshot")}
 
 
 @contextlib.contextmanager

@@ -21,16 +21,21 @@ NAMES = ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
          "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight")
 
 
-def trainer_adapter() -> list[tuple[str, torch.Tensor]]:
-    return [(NAMES[0], torch.ones(2, 8)), (NAMES[1], torch.full((8, 2), 3.0))]
+def trainer_adapter(device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    return [(NAMES[0], torch.ones(2, 8, device=device)), (NAMES[1], torch.full((8, 2), 3.0, device=device))]
 
 
-def test_the_sync_does_not_wait_for_the_folder_which_holds_the_synced_values(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_sync_does_not_wait_for_the_folder_which_holds_the_synced_values(tmp_path, monkeypatch, device):
+    """The background write moves the adapter to the host too: the snapshot taken at the sync (a device
+    copy, on CUDA) is what it writes, not the tensors the trainer changes next."""
     disk = threading.Event()
     save = adapters.save_adapter_folder
     monkeypatch.setattr(adapters, "save_adapter_folder", lambda *a: (disk.wait(10), save(*a)))
+    on_host = adapters._on_host
+    monkeypatch.setattr(adapters, "_on_host", lambda *a: (disk.wait(10), on_host(*a))[1])
     writer, folder = adapters.FolderWriter(), tmp_path / "adapters" / "v1"
-    named = trainer_adapter()
+    named = trainer_adapter(device)
     writer.write(named, folder, SPEC, "base")  # returns while the disk is held
     assert not folder.exists()
     for _, tensor in named:

@@ -190,7 +190,7 @@ def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.Nam
 
 
 class FolderWriter(BackgroundWrite):
-    """Each version's PEFT folder (`save_adapter_folder`), written in the background from a host copy taken
+    """Each version's PEFT folder (`save_adapter_folder`), written in the background from a snapshot taken
     now (the trainer's next step changes its own tensors)."""
 
     def __init__(self) -> None:
@@ -198,15 +198,19 @@ class FolderWriter(BackgroundWrite):
                                               "sync writes one")
 
     def write(self, named_tensors: ws.NamedTensors, folder: Path, spec: LoraSpec, base_model: str) -> None:
-        host = _host_copy(named_tensors)
-        self.start(lambda: save_adapter_folder(host, folder, spec, base_model), name=f"adapter-folder-{folder.name}")
+        snapshot = _snapshot(named_tensors)
+        self.start(lambda: save_adapter_folder(_on_host(*snapshot), folder, spec, base_model),
+                   name=f"adapter-folder-{folder.name}")
 
 
-def _host_copy(named_tensors: ws.NamedTensors) -> ws.NamedTensors:
-    """Host copies of the tensors, in one device-to-host transfer (an adapter is hundreds of small tensors):
-    the bucket layout of `weight_sync.flatten_bucket`, bytes of any dtype, cut back into separate tensors."""
-    if not named_tensors:
-        return []
-    flat, metadata = ws.flatten_bucket(named_tensors)
-    host = flat.to("cpu")
+def _snapshot(named_tensors: ws.NamedTensors) -> tuple[torch.Tensor | None, list[Any]]:
+    """One copy of all the tensors on their device (an adapter is hundreds of small tensors), in the bucket
+    layout of `weight_sync.flatten_bucket`: bytes of any dtype. A CUDA copy is queued on the current stream
+    before anything the trainer does next, so the transfer to the host can wait for the background thread."""
+    return ws.flatten_bucket(named_tensors) if named_tensors else (None, [])
+
+
+def _on_host(flat: torch.Tensor | None, metadata: list[Any]) -> ws.NamedTensors:
+    """The snapshot moved to the host (one transfer) and cut back into separate tensors."""
+    host = flat.to("cpu") if flat is not None else None
     return [(m.name, host[m.start_idx:m.end_idx].clone().view(m.dtype).view(m.shape)) for m in metadata]
