@@ -449,7 +449,7 @@ class SGLangEngine(EngineRecovery, RolloutEngine):
         except BaseException:
             self._end_sync()  # nothing changed yet: let the engines that did pause go on
             await self._control(_try, ws.continue_generation, self.targets(), timeout=30.0, step="undo pause")
-            self._servers_paused = "memory" in self._closed_by
+            self._servers_paused = False
             raise
         return self.targets()
 

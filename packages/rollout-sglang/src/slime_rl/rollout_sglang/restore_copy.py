@@ -49,8 +49,7 @@ class RestoreCopy:
         for name, tensor in bucket:
             held = self._held.get(name)
             if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype:
-                held = self._held[name] = torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                      pin_memory=tensor.is_cuda and torch.cuda.is_available())
+                held = self._held[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
             held.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
             self._names.append(name)
 
