@@ -43,12 +43,12 @@ class Trend:
     @property
     def verdict(self) -> str:
         if math.isnan(self.half_width):
-            return "too few steps for a trend"
+            return "has too few steps for a trend"
         if self.slope - self.half_width > 0:
             return "rises"
         if self.slope + self.half_width < 0:
             return "falls"
-        return "no clear trend (the 95% interval holds zero)"
+        return "shows no clear trend (the 95% interval holds zero)"
 
 
 def read_run(path: Path, label: str | None = None) -> RunGap:

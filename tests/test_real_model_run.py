@@ -59,8 +59,9 @@ def test_packed_pieces_join_back_to_the_same_sha256(tmp_path):
     assert [p.stat().st_size for p in pieces] == [1_000_000, 1_000_000, 500_000]
     for k in (1, 2, 3):  # one call per piece, then the stage
         assert f'carry [".gpu/smol-{k}"]: mkdir -p /tmp/smol-pieces && cp .gpu/smol-{k}/*' in done.stdout
-    assert 'carry [".gpu/rest", ".gpu/smol-data"]: source scripts/gpu/setup.sh && bash scripts/gpu/run.sh real-model' \
-        in done.stdout
+    for stage in ("real-model-addition", "real-model-chain-sum"):  # a task a call: each takes ~5.5 min
+        assert f'carry [".gpu/rest", ".gpu/smol-data"]: source scripts/gpu/setup.sh && bash scripts/gpu/run.sh {stage}' \
+            in done.stdout
     # as on the GPU: the first two pieces stashed in /tmp by earlier calls, the last one carried with the stage
     stash = tmp_path / "smol-pieces"
     stash.mkdir()
@@ -217,8 +218,8 @@ def test_the_gap_trend_is_a_rise_or_fall_only_outside_noise():
     assert rising.verdict == "rises"
     assert plot_logprob_gap.fit_trend(steps, [0.05 - 0.001 * s for s in steps]).verdict == "falls"
     noise = plot_logprob_gap.fit_trend(steps, [0.02, 0.03] * 5)  # alternating: a tiny slope inside its interval
-    assert noise.verdict.startswith("no clear trend")
-    assert plot_logprob_gap.fit_trend([1, 2], [0.1, 0.2]).verdict == "too few steps for a trend"
+    assert noise.verdict.startswith("shows no clear trend")
+    assert plot_logprob_gap.fit_trend([1, 2], [0.1, 0.2]).verdict == "has too few steps for a trend"
 
 
 def test_the_gap_plot_names_a_file_without_the_gap(tmp_path, capsys):

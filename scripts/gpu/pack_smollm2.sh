@@ -37,5 +37,7 @@ echo "  1. carry [\".gpu/sgl\"]: source scripts/gpu/setup.sh"
 for k in $(seq 1 "$n"); do
   echo "  $((k + 1)). carry [\".gpu/smol-$k\"]: mkdir -p /tmp/smol-pieces && cp .gpu/smol-$k/* /tmp/smol-pieces/"
 done
-echo "  $((n + 2)). carry [\".gpu/rest\", \".gpu/smol-data\"]: source scripts/gpu/setup.sh && bash scripts/gpu/run.sh real-model"
-echo "     (or, when one call cannot hold both tasks: real-model-addition, then real-model-chain-sum in the next call)"
+# one task a call: a task takes ~5.5 min on one H200, both do not fit the device's 10 min per call
+echo "  $((n + 2)). carry [\".gpu/rest\", \".gpu/smol-data\"]: source scripts/gpu/setup.sh && bash scripts/gpu/run.sh real-model-addition"
+echo "  $((n + 3)). carry [\".gpu/rest\", \".gpu/smol-data\"]: source scripts/gpu/setup.sh && bash scripts/gpu/run.sh real-model-chain-sum"
+echo "     (the model converted in the first stays in /tmp for the second; \`real-model\` runs both in one call)"

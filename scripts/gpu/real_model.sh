@@ -36,7 +36,7 @@ for task in "$@"; do
   # SIGINT at the time limit: slime-cli shuts its run down on an interrupt (with SIGTERM, Ray's workers and the
   # servers were left behind, holding the GPU from the next task)
   # shellcheck disable=SC2086  # REAL_MODEL_OVERRIDES: extra key=value overrides, e.g. data.num_rollout=20
-  timeout -s INT -k 30 "${REAL_MODEL_TASK_TIMEOUT_S:-270}" python3 -m slime_rl.cli.app train "$config" "logging.dir=$run" \
+  timeout -s INT -k 30 "${REAL_MODEL_TASK_TIMEOUT_S:-540}" python3 -m slime_rl.cli.app train "$config" "logging.dir=$run" \
     ${REAL_MODEL_OVERRIDES:-}
   rc=$?
   echo "[real-model] $task: exit $rc after $(( $(date +%s) - start )) s (slime-cli train, startup included)"
