@@ -5,7 +5,8 @@
 # conformance suite against real SGLang), megatron (issue 5 bf16 TP=2, parity),
 # megatron-lora (issue 20: bf16 LoRA TP=2 vs TP=1, base frozen, resume; 2 GPUs),
 # e2e (issue 7 b,f), e2e-offload (f with offload only), bench-trainer (like for like, with the
-# 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-rollout,
+# 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-trainer-short (the real-model run's
+# micro-batch: 128 samples of ~40 tokens, SmolLM2-135M shape, with each side's top ops), bench-rollout,
 # bench-sync, bench-sync-7b (default buckets only), bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
@@ -45,6 +46,9 @@ for stage in "$@"; do
     e2e-offload) cmd=(python3 -m pytest -x -q -s -m gpu "tests/test_gpu_e2e.py::test_f_colocated_grpo_through_slime_cli[offload]" -p no:cacheprovider) ;;
     bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16
                         --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384 --profile 25) ;;
+    bench-trainer-short) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape smollm2-135m --samples 128
+                              --prompt-len 34 --response-len 6 --jitter 4 --max-tokens-per-gpu 8192
+                              --baseline-micro-batch-size 128 --skip-memory --peak-tflops 989 --profile 15) ;;
     bench-trainer-packed) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b
                                --samples 32 --prompt-len 256 --response-len 512 --jitter 240
                                --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
