@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
@@ -51,6 +52,12 @@ def test_servers_start_with_a_health_endpoint_that_does_not_generate(tiny_model,
     server = start_server(0, str(tiny_model), log_dir=tmp_path, python=standin_python,
                           engine_args={"standin_never_healthy": True})
     try:
+        # Between fork and exec /proc/PID/environ still shows this process's environment: wait for the exec
+        # (the server's own command line; read too early, the variable was missing on a loaded machine)
+        deadline = time.monotonic() + 60
+        while str(tiny_model) not in open(f"/proc/{server.process.pid}/cmdline").read():
+            assert time.monotonic() < deadline, "the server process did not exec within 60 s"
+            time.sleep(0.05)
         environ = dict(item.split("=", 1) for item in
                        open(f"/proc/{server.process.pid}/environ").read().split("\0") if "=" in item)
         assert environ["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
