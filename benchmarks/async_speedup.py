@@ -13,7 +13,7 @@ distribution, shuffled, so every mode and every run gets the same lengths): ``lo
 ``rollout.generate_fn``) asks the engine for exactly that many tokens with eos ignored. The run refuses a
 distribution whose p99/p50 is under 8.
 
-Each mode runs `slime_rl.core.loop.train` (Megatron trainer, ``--engine`` rollout) from scratch: ``off``
+Each mode runs `slime_rl.core.run.loop.train` (Megatron trainer, ``--engine`` rollout) from scratch: ``off``
 (rollout, train, sync in turn), ``one_step`` (rollout k+1 during training on k) and ``fully`` (the engine
 generates all the time, ``--in-flight`` groups at most, weights land mid-request; ``--max-staleness`` versions
 at most). On one GPU (``--gpus 1``) trainer and engine share it, both resident (``colocate: true,
@@ -57,7 +57,7 @@ MIN_TAIL_RATIO = 8.0  # p99 / p50 of the response lengths
 async def long_tail_generate(sample, params, engine):
     """``rollout.generate_fn``: the default single-turn generate, with this prompt's own length
     (``metadata.max_new_tokens``) and eos ignored, so the lengths are the benchmark's, not the model's."""
-    from slime_rl.core.rollout import generate_single_turn
+    from slime_rl.core.run.rollout import generate_single_turn
 
     length = int(sample.metadata["max_new_tokens"])
     return await generate_single_turn(sample, replace(params, max_new_tokens=length, ignore_eos=True), engine)
@@ -155,7 +155,7 @@ def sglang_server_groups(model_folder: Path) -> list[int]:
 
 def run_mode(args, mode: str, folder: Path, prompts: Path, work: Path) -> ModeResult:
     from slime_rl.core.config import Config
-    from slime_rl.core.loop import train
+    from slime_rl.core.run.loop import train
 
     marks: dict[str, float] = {}
     killed: list[int] = []

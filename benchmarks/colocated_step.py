@@ -5,7 +5,7 @@
     python benchmarks/colocated_step.py --device cpu --engine hf --shape tiny --prompts 2 --samples 2 \\
         --prompt-len 8 --response-len 4 --steps 1                         # the CPU smoke test
 
-`slime_rl.core.loop.train` runs ``--steps`` steps (Megatron trainer, ``--engine`` rollout, colocated on one
+`slime_rl.core.run.loop.train` runs ``--steps`` steps (Megatron trainer, ``--engine`` rollout, colocated on one
 device, ``cluster.offload`` on unless ``--no-offload``) on a random model of ``--shape`` (made on the spot)
 and random ``--prompt-len``-token prompts, with the config's defaults otherwise (micro-batching by
 `trainer.max_tokens_per_gpu`). The loop's phases are timed by the loop itself (`metrics.phase`, which this
@@ -92,7 +92,7 @@ class Sampler:
 @contextlib.contextmanager
 def recorded_phases(windows: list[tuple[str, float, float]]):
     """Wrap the loop's `phase` so each phase's wall-clock window is kept too."""
-    import slime_rl.core.loop as loop
+    import slime_rl.core.run.loop as loop
 
     original = loop.phase
 
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from slime_rl.core.config import Config
-    from slime_rl.core.loop import train
+    from slime_rl.core.run.loop import train
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="colocated-step-"))
     started = time.time()

@@ -1,7 +1,7 @@
 """The CPU demo's step time by phase, and the peak memory of all its processes together.
 
 Runs the configuration `slime-cli train` runs with no CONFIG (GRPO on SmolLM2-135M-Instruct
-over addition problems: slime_rl.cli.default_run) through slime_rl.core.loop.train for --steps
+over addition problems: slime_rl.cli.default_run) through slime_rl.core.run.loop.train for --steps
 steps, drops the first --warmup, and prints the median of each phase the loop times
 (time/rollout, time/prepare, time/train, time/weight_sync, time/step; inside prepare, rank 0's
 time/log_probs, time/ref_log_probs and time/advantages).
@@ -39,8 +39,8 @@ import torch
 from slime_rl.cli.app import wire
 from slime_rl.cli.default_run import prepare_default
 from slime_rl.core.config import load_config
-from slime_rl.core.cpu import cpu_info
-from slime_rl.core.loop import train
+from slime_rl.core.config.cpu import cpu_info
+from slime_rl.core.run.loop import train
 
 STEP_TARGET_S = 4.5
 RSS_TARGET_GIB = 5.0

@@ -1,6 +1,6 @@
 """What the Ray driver itself spends on a training step, as the batch grows to millions of tokens.
 
-Runs the real loop (slime_rl.core.loop.train, Ray, the rollout worker, the trainer ranks) with a
+Runs the real loop (slime_rl.core.run.loop.train, Ray, the rollout worker, the trainer ranks) with a
 stand-in engine that answers every request at once with ``--response-len`` tokens and a stand-in
 trainer that does no math (log-probs of zero, no model; its data-parallel sums are real gloo
 all-reduces). What remains is the data path: samples -> columnar batch -> object store ->
@@ -35,7 +35,7 @@ import torch
 # (label, prompts per step, samples per prompt, response tokens per sample)
 SIZES = {"0.07M": (8, 8, 1024), "0.5M": (32, 8, 2048), "2M": (64, 8, 4096), "8M": (128, 8, 8192)}
 DRIVER_TARGET_S = 0.2
-STANDINS = "slime_rl.core.standins"
+STANDINS = "slime_rl.core.testing.standins"
 
 
 def one_reward(sample) -> float:
@@ -45,7 +45,7 @@ def one_reward(sample) -> float:
 
 def measure(label: str, dp: int, steps: int, model: str, workdir: Path) -> dict[str, Any]:
     from slime_rl.core.config import load_config
-    from slime_rl.core.loop import train
+    from slime_rl.core.run.loop import train
 
     prompts, n, response_len = SIZES[label]
     data = workdir / f"prompts-{label}.jsonl"
@@ -98,8 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("SLIME_RL_TORCH_THREADS", "1")
-    from slime_rl.core.builtin_models import resolve_model_path
-    from slime_rl.core.cpu import cpu_info
+    from slime_rl.core.config.builtin_models import resolve_model_path
+    from slime_rl.core.config.cpu import cpu_info
 
     model = str(resolve_model_path(args.model))
     print(f"CPU: {cpu_info().describe()}; dp={args.dp}, {args.steps} steps per size (median of all but the first)")

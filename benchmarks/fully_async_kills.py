@@ -32,7 +32,7 @@ from pathlib import Path
 # The driver: the loop's phase timer wrapped to write the phase it is in to $KILLS_PHASE_FILE.
 TRAIN = """
 import contextlib, os, sys
-import slime_rl.core.loop as loop
+import slime_rl.core.run.loop as loop
 from slime_rl.core.config import load_config
 
 def mark(name):
@@ -79,7 +79,7 @@ def logged_since(path: Path, started: float, start_step: int) -> bool:
 
 
 def latest_step(run_dir: Path) -> int | None:
-    from slime_rl.core import checkpoint
+    from slime_rl.core.run import checkpoint
 
     found = checkpoint.latest(run_dir / "checkpoints") if (run_dir / "checkpoints" / "latest").exists() else None
     return found[1]["step"] if found else None
@@ -198,7 +198,7 @@ def main() -> int:
 
 
 def verdict(run_dir: Path, steps: int) -> int:
-    from slime_rl.core import checkpoint
+    from slime_rl.core.run import checkpoint
 
     trained = []
     for k in range(1, steps + 1):

@@ -86,8 +86,8 @@ def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[S
 
 def sample_with_engine(cfg: Config, samples: list[Sample]) -> list[Sample]:
     """The loop's rollout of each prompt (one engine call each, all at once); the engine is shut down after."""
-    from slime_rl.core.plugins import load_plugin
-    from slime_rl.core.rollout import generate_single_turn, sampling_params
+    from slime_rl.core.infra.plugins import load_plugin
+    from slime_rl.core.run.rollout import generate_single_turn, sampling_params
 
     engine = load_plugin("slime_rl.rollout_engines", cfg.rollout.engine).from_config(cfg)
     params = replace(sampling_params(cfg), ignore_eos=True)  # every response exactly --new-tokens long

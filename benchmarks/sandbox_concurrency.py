@@ -47,7 +47,7 @@ def build_engine(model: str | None, workdir: Path, threads: int, hidden: int = 2
 
         folder = tiny_model_folder(workdir / "model", hidden_size=hidden, num_layers=layers, num_heads=4)
     else:
-        from slime_rl.core.builtin_models import resolve_model_path
+        from slime_rl.core.config.builtin_models import resolve_model_path
 
         folder = resolve_model_path(model)
     return HFEngine.from_pretrained(folder, dtype="float32", device="cpu", num_threads=threads)

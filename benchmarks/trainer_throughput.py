@@ -141,7 +141,7 @@ def timed(fn, device: str) -> tuple[float, float]:
 
 def init_single_rank() -> None:
     if not torch.distributed.is_initialized():
-        from slime_rl.core.net import free_port
+        from slime_rl.core.infra.net import free_port
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 

@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
+from slime_rl.core.algorithms.lora import LoraSpec, adapter_name, peft_name
 from slime_rl.core.config import Config
-from slime_rl.core.lora import LoraSpec, adapter_name, peft_name
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.adapter_roster import AdapterRoster

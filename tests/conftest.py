@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # helpers the tests (and their Ray workers) import
 torch.set_num_threads(1)
 
 

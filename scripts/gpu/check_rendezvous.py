@@ -1,4 +1,4 @@
-"""GPU check: trainer-like ranks (one per GPU, two at most) init NCCL through slime_rl.core.distributed on 127.0.0.1,
+"""GPU check: trainer-like ranks (one per GPU, two at most) init NCCL through slime_rl.core.infra.distributed on 127.0.0.1,
 all-reduce, and print every TCP socket they listen on (all must be loopback).
 
     python3 scripts/gpu/check_rendezvous.py
@@ -38,7 +38,7 @@ def rank_main(rank: int) -> None:
 
     import torch
 
-    from slime_rl.core import distributed
+    from slime_rl.core.infra import distributed
 
     torch.cuda.set_device(rank)
     distributed.init_process_group("nccl", datetime.timedelta(minutes=2))
@@ -57,7 +57,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         rank_main(int(sys.argv[1]))
         sys.exit(0)
-    from slime_rl.core.net import free_port
+    from slime_rl.core.infra.net import free_port
 
     port = free_port()
     import torch

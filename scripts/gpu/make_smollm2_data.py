@@ -11,7 +11,7 @@ The GPU machine has no reasoning-gym and no network, so the data is generated he
 
 Both prompts end in "Answer:"; both tasks score with the CPU default's reward (the response starts with the
 label's number), which gives 1.0 exactly where reasoning-gym's own chain_sum scorer gives full credit, for numbers
-written plainly (tests/test_real_model_run.py checks it).
+written plainly (tests/e2e/test_real_model_run.py checks it).
 
     python scripts/gpu/make_smollm2_data.py --out .gpu/smol-data
 """

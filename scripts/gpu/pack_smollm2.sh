@@ -20,7 +20,7 @@ py=${PYTHON:-.venv/bin/python}
 [ -x "$py" ] || { echo "pack_smollm2.sh: $py not found: run \`make venv\` first (or set PYTHON)" >&2; exit 2; }
 here=$(cd "$(dirname "$0")" && pwd)
 if [ -z "$gguf" ]; then
-  gguf=$("$py" -c "from slime_rl.core.builtin_models import builtin_gguf; print(builtin_gguf('smollm2-135m-instruct'))")
+  gguf=$("$py" -c "from slime_rl.core.config.builtin_models import builtin_gguf; print(builtin_gguf('smollm2-135m-instruct'))")
 fi
 [ -f "$gguf" ] || { echo "pack_smollm2.sh: --gguf: $gguf is not a file" >&2; exit 2; }
 # pieces of an earlier pack: only its own part files, then its folders if nothing else is in them

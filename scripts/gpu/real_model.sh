@@ -22,7 +22,7 @@ if [ ! -f "$model/config.json" ]; then
   python3 scripts/gpu/smol_pieces.py join "$manifest" --search "${SMOL_PIECES_DIR:-/tmp/smol-pieces}" \
     $(ls -d .gpu/smol-[0-9]* 2>/dev/null) \
     --to "$gguf" || exit 1
-  python3 -c "import sys; from slime_rl.core.builtin_models import install_from_gguf as i; print('[real-model] converted:', i('smollm2-135m-instruct', sys.argv[1]))" \
+  python3 -c "import sys; from slime_rl.core.config.builtin_models import install_from_gguf as i; print('[real-model] converted:', i('smollm2-135m-instruct', sys.argv[1]))" \
     "$gguf" || exit 1
 fi
 echo "[real-model] model ready in $(( $(date +%s) - began )) s: $model"

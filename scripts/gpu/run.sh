@@ -34,16 +34,16 @@ for stage in "$@"; do
     lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -p no:cacheprovider) ;;
     megatron) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -p no:cacheprovider) ;;
     megatron-lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -k lora -p no:cacheprovider) ;;
-    e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -p no:cacheprovider) ;;
+    e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_e2e.py -p no:cacheprovider) ;;
     conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
-    moe-sync) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_moe_sync.py -p no:cacheprovider) ;;
+    moe-sync) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_moe_sync.py -p no:cacheprovider) ;;
     restore-copy) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_restore_copy.py
                        packages/rollout-sglang/tests/test_adapter_folders.py -p no:cacheprovider) ;;
     sglang-pause) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_pause.py -p no:cacheprovider) ;;
     sglang-d) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -k test_d -p no:cacheprovider) ;;
-    e2e-lora) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -k test_g_lora -p no:cacheprovider) ;;
-    e2e-lora-1.5b) cmd=(python3 -m pytest -x -q -s -m gpu tests/test_gpu_e2e.py -k "test_g_lora and 1.5b" -p no:cacheprovider) ;;
-    e2e-offload) cmd=(python3 -m pytest -x -q -s -m gpu "tests/test_gpu_e2e.py::test_f_colocated_grpo_through_slime_cli[offload]" -p no:cacheprovider) ;;
+    e2e-lora) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_e2e.py -k test_g_lora -p no:cacheprovider) ;;
+    e2e-lora-1.5b) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_e2e.py -k "test_g_lora and 1.5b" -p no:cacheprovider) ;;
+    e2e-offload) cmd=(python3 -m pytest -x -q -s -m gpu "tests/e2e/test_gpu_e2e.py::test_f_colocated_grpo_through_slime_cli[offload]" -p no:cacheprovider) ;;
     bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16
                         --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384 --profile 25) ;;
     bench-trainer-short) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape smollm2-135m --samples 128

@@ -9,7 +9,7 @@ from buffer_testdata import finished_group
 
 from slime_rl.buffer import SampleBuffer
 from slime_rl.core.config import Config
-from slime_rl.core.plugins import PluginError, load_plugin
+from slime_rl.core.infra.plugins import PluginError, load_plugin
 from slime_rl.core.sample import Sample, SampleStatus
 
 

@@ -13,8 +13,9 @@ from cli_output import step_lines, table_rows
 from typer.testing import CliRunner
 
 from slime_rl.cli.app import app
-from slime_rl.core import builtin_models, checkpoint, plugins
-from slime_rl.core.config import ConfigError, RunFailedError, load_config
+from slime_rl.core.config import ConfigError, RunFailedError, builtin_models, load_config
+from slime_rl.core.infra import plugins
+from slime_rl.core.run import checkpoint
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "grpo_math.yaml"
@@ -141,11 +142,11 @@ EVAL_KEYS = ("eval/addition/pass@1", "eval/addition/reward_mean")
 
 @pytest.fixture
 def fake_loop(monkeypatch):
-    """Stands in for slime_rl.core.loop so these tests check the CLI, not a training run.
+    """Stands in for slime_rl.core.run.loop so these tests check the CLI, not a training run.
 
     Like the real loop it calls back start, eval, step (reward k/4 at step k), eval, done; writes
     metrics.jsonl, a tensorboard folder and a checkpoint; and returns the loop's summary."""
-    module = types.ModuleType("slime_rl.core.loop")
+    module = types.ModuleType("slime_rl.core.run.loop")
     module.calls = []
     module.error = None
     module.start_step = 0
@@ -179,7 +180,7 @@ def fake_loop(monkeypatch):
         return summary
 
     module.train = train
-    monkeypatch.setitem(sys.modules, "slime_rl.core.loop", module)
+    monkeypatch.setitem(sys.modules, "slime_rl.core.run.loop", module)
     return module
 
 

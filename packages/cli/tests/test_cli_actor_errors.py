@@ -5,7 +5,7 @@ import test_cli
 from ray.exceptions import RayTaskError
 from test_cli import assert_user_error, run
 
-from slime_rl.core.checkpoint import CheckpointError
+from slime_rl.core.run.checkpoint import CheckpointError
 
 custom_config, fake_loop = test_cli.custom_config, test_cli.fake_loop  # test_cli.py's fixtures
 

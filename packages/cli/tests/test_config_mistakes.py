@@ -205,11 +205,11 @@ MISTAKES = [
 
 @pytest.fixture
 def loop_never_entered(monkeypatch):
-    """Stands in for slime_rl.core.loop, which starts Ray: a refused config never gets there."""
-    module = types.ModuleType("slime_rl.core.loop")
+    """Stands in for slime_rl.core.run.loop, which starts Ray: a refused config never gets there."""
+    module = types.ModuleType("slime_rl.core.run.loop")
     module.calls = []
     module.train = lambda cfg, callback=None: module.calls.append(cfg)
-    monkeypatch.setitem(sys.modules, "slime_rl.core.loop", module)
+    monkeypatch.setitem(sys.modules, "slime_rl.core.run.loop", module)
     return module
 
 

@@ -6,8 +6,8 @@ import statistics
 import pytest
 import torch
 
-from slime_rl.core import advantages as advantages_module
-from slime_rl.core.advantages import (
+from slime_rl.core.algorithms import advantages as advantages_module
+from slime_rl.core.algorithms.advantages import (
     discounted_returns,
     dr_grpo_advantages,
     gae,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_rl.core.advantages import compute_advantages
+from slime_rl.core.algorithms.advantages import compute_advantages
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import AlgorithmConfig
 from slime_rl.core.sample import Sample

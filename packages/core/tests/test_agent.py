@@ -12,7 +12,7 @@ import pytest
 from slime_rl.core.agent import MultiTurnGenerate, TurnTemplate, call_tool, load_tools, parse_tool_calls
 from slime_rl.core.agent.tool_calls import ToolCall
 from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams
-from slime_rl.core.plugins import PluginError
+from slime_rl.core.infra.plugins import PluginError
 from slime_rl.core.sample import Sample, SampleStatus
 from slime_rl.core.testing import chat_tokenizer
 
@@ -276,8 +276,8 @@ def test_tools_without_the_agent_loop_are_refused():
 
 
 def test_rollout_runner_builds_multi_turn_and_reports_episode_metrics(tok, monkeypatch):
-    from slime_rl.core import rollout
     from slime_rl.core.config import Config
+    from slime_rl.core.run import rollout
 
     cfg = Config.model_validate({"rollout": {"generate_fn": "multi_turn", "tools": ["agent_tools:add"],
                                              "max_turns": 3, "max_response_len": 200}})

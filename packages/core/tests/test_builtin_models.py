@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from slime_rl.core import builtin_models
-from slime_rl.core.builtin_models import (
+from slime_rl.core.config import Config, ConfigError, builtin_models
+from slime_rl.core.config.builtin_models import (
     BuiltinModel,
     default_cache_dir,
     resolve_model_path,
     resolve_model_paths,
 )
-from slime_rl.core.config import Config, ConfigError
 
 torch.set_num_threads(1)
 NAME = "smollm2-135m-instruct"
@@ -90,7 +89,7 @@ def test_the_loop_resolves_before_it_starts_anything(tmp_path):
     """A Python user's config reaches the loop unresolved; a bad name stops it before Ray starts."""
     import ray
 
-    from slime_rl.core.loop import train
+    from slime_rl.core.run.loop import train
 
     cfg = Config()
     cfg.model.path = "builtin:gpt5"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slime_rl.core import checkpoint
+from slime_rl.core.run import checkpoint
 
 
 def _save(save_dir, step, keep_last=2):
@@ -43,7 +43,7 @@ def test_a_step_folder_being_rewritten_is_not_a_checkpoint_until_committed(tmp_p
 
 def test_a_fresh_run_refuses_a_save_dir_holding_an_earlier_run(tmp_path):
     from slime_rl.core.config import ConfigError, load_config
-    from slime_rl.core.loop import train
+    from slime_rl.core.run.loop import train
 
     _save(tmp_path / "ckpt", 4)
     cfg = load_config(None, [f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'run'}"],

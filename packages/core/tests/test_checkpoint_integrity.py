@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from slime_rl.core import checkpoint
-from slime_rl.core.checkpoint import CheckpointError
+from slime_rl.core.run import checkpoint
+from slime_rl.core.run.checkpoint import CheckpointError
 
 
 def _save(save_dir: Path, step: int) -> Path:
@@ -115,7 +115,7 @@ def test_resume_without_any_checkpoint_says_to_start_again_without_it(tmp_path):
 def test_a_resumed_run_fails_before_anything_starts(tmp_path):
     """Through the loop: exit 2's error, before Ray or a backend starts (no model exists here)."""
     from slime_rl.core.config import load_config
-    from slime_rl.core.loop import train
+    from slime_rl.core.run.loop import train
 
     _save(tmp_path / "ckpt", 2)
     _flip(tmp_path / "ckpt" / "step_000002" / "rollout.json", offset=3)

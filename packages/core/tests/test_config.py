@@ -349,7 +349,7 @@ def test_a_malformed_model_config_json_names_the_file(tmp_path, prompts):
 
 def test_micro_batches_by_token_budget_unless_the_user_asks_for_a_count():
     """Issue 16: one sample per micro-batch (the old default) left a 3B model's train phase at ~1% MFU."""
-    from slime_rl.core.config_schema import DEFAULT_MAX_TOKENS_PER_GPU
+    from slime_rl.core.config.schema import DEFAULT_MAX_TOKENS_PER_GPU
 
     def trainer(**fields):
         return Config.model_validate({"trainer": fields}).trainer

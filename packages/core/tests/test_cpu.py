@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from slime_rl.core import loop
 from slime_rl.core.config import load_config
-from slime_rl.core.cpu import CpuInfo, MatmulShape, choose_cpu_dtype, cpu_info, time_matmuls
+from slime_rl.core.config.cpu import CpuInfo, MatmulShape, choose_cpu_dtype, cpu_info, time_matmuls
+from slime_rl.core.run import loop
 
 SAPPHIRE_RAPIDS = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
 EPYC = "processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\n"

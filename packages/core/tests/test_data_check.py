@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slime_rl.core.config import Config, ConfigError
-from slime_rl.core.data import DataError, check_data
+from slime_rl.core.run.data import DataError, check_data
 
 
 class CheckedSource:

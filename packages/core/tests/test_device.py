@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slime_rl.core.device import resolve_device
+from slime_rl.core.config.device import resolve_device
 
 
 def test_auto_follows_torch_and_explicit_settings_are_kept():
@@ -26,7 +26,7 @@ def test_an_unknown_setting_names_the_field_and_the_choices():
 def test_every_user_of_cluster_device_goes_through_it(monkeypatch):
     """The plan, the HF engine and the Megatron trainer all answer as core.device does."""
     from slime_rl.core.config import load_config
-    from slime_rl.core.placement import plan_placement
+    from slime_rl.core.config.placement import plan_placement
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert plan_placement(load_config(None, [], check=False)).device == "cuda"

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from slime_rl.core.filters import (
+from slime_rl.core.algorithms.filters import (
     BUFFER_FILTERS,
     DYNAMIC_SAMPLING_FILTERS,
     freshest_first,
     nonzero_std,
     oldest_first,
 )
-from slime_rl.core.plugins import load_function
+from slime_rl.core.infra.plugins import load_function
 from slime_rl.core.sample import Sample
 
 
@@ -46,12 +46,12 @@ def test_buffer_filters_choose_positions():
 
 def test_filters_load_by_name_and_module_attr():
     assert load_function("nonzero_std", DYNAMIC_SAMPLING_FILTERS, what="filter") is nonzero_std
-    assert load_function("slime_rl.core.filters:nonzero_std", {}, what="filter") is nonzero_std
+    assert load_function("slime_rl.core.algorithms.filters:nonzero_std", {}, what="filter") is nonzero_std
     assert load_function("freshest_first", BUFFER_FILTERS, what="buffer filter") is freshest_first
     assert set(BUFFER_FILTERS) == {"oldest_first", "freshest_first", "stalest_first"} and set(DYNAMIC_SAMPLING_FILTERS) == {"nonzero_std"}
 
 
 def test_importing_the_filters_leaves_torch_out():
     """A user's filter that imports these runs in a reward worker, which starts without torch."""
-    code = "import sys, slime_rl.core.filters; print('torch' in sys.modules)"
+    code = "import sys, slime_rl.core.algorithms.filters; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

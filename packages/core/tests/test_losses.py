@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from slime_rl.core.config import AlgorithmConfig
-from slime_rl.core.losses import (
+from slime_rl.core.algorithms.losses import (
     LossBatch,
     aggregate,
     compute_loss,
@@ -18,6 +17,7 @@ from slime_rl.core.losses import (
     tis_weights,
     value_loss,
 )
+from slime_rl.core.config import AlgorithmConfig
 
 torch.set_num_threads(1)
 F64 = torch.float64

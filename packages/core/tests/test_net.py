@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from slime_rl.core.net import bound_tcp_store, listening_socket
+from slime_rl.core.infra.net import bound_tcp_store, listening_socket
 
 
 def listening_on(port: int) -> list[str]:

@@ -1,7 +1,7 @@
 import pytest
 
 from slime_rl.core.config import ConfigError, load_config
-from slime_rl.core.placement import plan_placement
+from slime_rl.core.config.placement import plan_placement
 
 
 @pytest.fixture
@@ -126,7 +126,7 @@ def test_each_trainer_process_asks_ray_for_the_planned_share_of_its_gpu(prompts,
 def test_the_reservation_schedules_what_the_plan_says(prompts):
     """Trainer rank i goes to its planned bundle with the plan's GPU share; the rollout worker to engine
     0's first bundle (disaggregated: the first after the trainer's)."""
-    from slime_rl.core.ray_placement import Reservation
+    from slime_rl.core.infra.ray_placement import Reservation
 
     cfg = config(prompts, "cluster.actor_num_gpus_per_node=2", "cluster.colocate=false", "cluster.rollout_num_gpus=2")
     plan = plan_placement(cfg, device="cuda")
@@ -145,7 +145,7 @@ def test_the_reservation_schedules_what_the_plan_says(prompts):
 
 
 def test_a_cpu_plan_over_several_nodes_reserves_one_bundle_per_node(prompts):
-    from slime_rl.core.ray_placement import Reservation
+    from slime_rl.core.infra.ray_placement import Reservation
 
     cfg = config(prompts, "cluster.actor_num_gpus_per_node=2", "cluster.num_gpus_per_node=2", "cluster.colocate=false",
                  "cluster.rollout_num_gpus=2")

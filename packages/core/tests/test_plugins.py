@@ -5,8 +5,15 @@ import textwrap
 
 import pytest
 
-from slime_rl.core import plugins
-from slime_rl.core.plugins import PluginError, check_plugin, installed, load_attr, load_function, load_plugin
+from slime_rl.core.infra import plugins
+from slime_rl.core.infra.plugins import (
+    PluginError,
+    check_plugin,
+    installed,
+    load_attr,
+    load_function,
+    load_plugin,
+)
 
 GROUP = "slime_rl.rollout_engines"
 

@@ -10,9 +10,14 @@ from ray import cloudpickle
 from ray.exceptions import RayTaskError
 
 from slime_rl.core.config import ConfigError
-from slime_rl.core.data import DataError
-from slime_rl.core.plugins import PluginError
-from slime_rl.core.ray_cluster import KeepsInitMistake, keep_init_mistake, mistakes_unwrapped, users_mistake
+from slime_rl.core.infra.plugins import PluginError
+from slime_rl.core.infra.ray_cluster import (
+    KeepsInitMistake,
+    keep_init_mistake,
+    mistakes_unwrapped,
+    users_mistake,
+)
+from slime_rl.core.run.data import DataError
 
 
 def from_actor(cause: BaseException, function: str = "RolloutWorker.run_step") -> RayTaskError:

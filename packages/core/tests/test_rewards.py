@@ -13,8 +13,9 @@ import torch
 from math_verify import parse, verify
 
 from slime_rl.core.config import RolloutConfig
-from slime_rl.core.net import free_port
-from slime_rl.core.plugins import PluginError
+from slime_rl.core.infra.net import free_port
+from slime_rl.core.infra.plugins import PluginError
+from slime_rl.core.infra.workers import close_user_code_pools
 from slime_rl.core.rewards import BUILTIN_REWARDS, load_reward, score_samples
 from slime_rl.core.rewards.math_answer import (
     MathVerifier,
@@ -27,7 +28,6 @@ from slime_rl.core.rewards.math_answer import (
 from slime_rl.core.rewards.remote import RemoteReward, RemoteRewardError
 from slime_rl.core.rewards.text_match import exact_match_reward, f1_reward, token_f1
 from slime_rl.core.sample import Sample, SampleStatus
-from slime_rl.core.workers import close_user_code_pools
 
 torch.set_num_threads(1)
 

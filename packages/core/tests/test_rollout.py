@@ -13,7 +13,7 @@ import pytest
 
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import Buffer, DataSource, GenerateOutput, RolloutEngine, SamplingParams
-from slime_rl.core.rollout import RolloutRunner, generate_single_turn
+from slime_rl.core.run.rollout import RolloutRunner, generate_single_turn
 from slime_rl.core.sample import Sample, SampleStatus
 
 
@@ -299,7 +299,7 @@ USER_FILTERS = textwrap.dedent('''
 
 @pytest.fixture
 def user_filters(tmp_path, monkeypatch):
-    from slime_rl.core.workers import close_user_code_pools
+    from slime_rl.core.infra.workers import close_user_code_pools
 
     (tmp_path / "user_filters_for_test.py").write_text(USER_FILTERS)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from slime_rl.core.actors import RolloutWorker
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import Buffer, DataSource, GenerateOutput, RolloutEngine, SamplingParams
+from slime_rl.core.run.actors import RolloutWorker
 from slime_rl.core.sample import Sample
 from slime_rl.core.testing import train_tokenizer
 

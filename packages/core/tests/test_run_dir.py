@@ -3,8 +3,8 @@ run's logs set aside (never deleted, never mixed in) and given back when that ru
 
 import json
 
-from slime_rl.core.metrics import MetricsLogger
-from slime_rl.core.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
+from slime_rl.core.run.metrics import MetricsLogger
+from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
 
 
 def steps(path):

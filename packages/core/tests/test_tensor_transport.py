@@ -3,7 +3,7 @@ shared-memory files that the reader deletes."""
 
 import torch
 
-from slime_rl.core.tensor_transport import (
+from slime_rl.core.weights.transport import (
     from_host_arrays,
     read_bucket_file,
     shared_memory_dir,

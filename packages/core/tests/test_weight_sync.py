@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from slime_rl.core.config import load_config
-from slime_rl.core.placement import plan_placement
-from slime_rl.core.weight_sync import WeightSync, resolve_transport
+from slime_rl.core.config.placement import plan_placement
+from slime_rl.core.weights.sync import WeightSync, resolve_transport
 
 
 class Answer:

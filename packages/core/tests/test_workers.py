@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from slime_rl.core.workers import (
+from slime_rl.core.infra.workers import (
     UserCodeError,
     UserCodeLoadError,
     UserCodeTimeout,
@@ -164,7 +164,7 @@ def test_a_worker_hung_in_user_code_goes_when_its_parent_dies(tmp_path):
     (tmp_path / "pool_user_code.py").write_text(USER_CODE)
     script = textwrap.dedent(f"""
         import sys
-        from slime_rl.core.workers import WorkerPool
+        from slime_rl.core.infra.workers import WorkerPool
         pool = WorkerPool(1, path=[{str(tmp_path)!r}])
         print(pool.call("pool_user_code:pid", (), 30), flush=True)
         pool.call("pool_user_code:hang", (), 3600)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from slime_rl.core.builtin_models import resolve_model_path
+from slime_rl.core.config.builtin_models import resolve_model_path
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.rollout_hf.engine import HFEngine
 

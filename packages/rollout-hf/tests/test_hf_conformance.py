@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from slime_rl.core.lora import peft_name
+from slime_rl.core.algorithms.lora import peft_name
 from slime_rl.core.testing import conformance as cf
 from slime_rl.core.testing.conformance import Backend, ConformanceError, check_conformance
 from slime_rl.rollout_hf.engine import HFEngine

@@ -320,7 +320,7 @@ def test_bad_requests_get_clear_errors(tokenizer, make_model):
 
 
 def test_device_comes_from_core_device(tmp_path, tokenizer, make_model, monkeypatch):
-    """cluster.device goes through slime_rl.core.device: auto follows torch, a typo names the field."""
+    """cluster.device goes through slime_rl.core.config.device: auto follows torch, a typo names the field."""
     model = make_model("qwen2", len(tokenizer))
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -361,7 +361,7 @@ def test_from_config_loads_an_hf_folder_and_shuts_down(tmp_path, tokenizer, make
 
 
 def test_the_entry_point_names_the_engine():
-    from slime_rl.core.plugins import load_plugin
+    from slime_rl.core.infra.plugins import load_plugin
 
     assert load_plugin("slime_rl.rollout_engines", "hf") is HFEngine
 

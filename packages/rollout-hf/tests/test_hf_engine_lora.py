@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from slime_rl.core.lora import LoraSpec, peft_adapter_config, peft_name
+from slime_rl.core.algorithms.lora import LoraSpec, peft_adapter_config, peft_name
 from slime_rl.rollout_hf.engine import HFEngine
 
 SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=("q_proj", "v_proj", "down_proj"))

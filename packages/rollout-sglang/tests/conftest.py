@@ -1,18 +1,17 @@
 """Fixtures for the CPU tests: a tiny model folder (slime_rl.core.testing: tokenizer trained offline,
 config.json, small safetensors) and an interpreter wrapper that runs the stand-in SGLang server
-(standin_sglang.py, a test double) where slime-rl would run ``python -m sglang.launch_server``."""
+(slime_rl.rollout_sglang.testing, a test double) where slime-rl would run ``python -m sglang.launch_server``."""
 
 from __future__ import annotations
 
 import os
-import stat
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from slime_rl.core.testing import tiny_model_folder, train_tokenizer
+from slime_rl.rollout_sglang import testing
 
 HERE = Path(__file__).resolve().parent
 VOCAB = 300
@@ -31,19 +30,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def standin_python(tmp_path_factory) -> str:
-    """An 'interpreter' for cfg.rollout.engine_python: ``<it> -m sglang.launch_server ARGS`` starts the
-    stand-in server with the same ARGS, so tests drive the exact launch path the GPU run uses."""
-    script = tmp_path_factory.mktemp("standin-bin") / "python"
-    script.write_text(
-        "#!/bin/sh\n"
-        "# TEST DOUBLE: runs the stand-in SGLang server instead of sglang.launch_server\n"
-        'if [ "$1" = "-m" ] && [ "$2" = "sglang.launch_server" ]; then\n'
-        f'  shift 2; exec "{sys.executable}" "{HERE / "standin_sglang.py"}" "$@"\n'
-        "fi\n"
-        f'exec "{sys.executable}" "$@"\n'
-    )
-    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return str(script)
+    """An 'interpreter' for cfg.rollout.engine_python that starts the stand-in server (slime_rl.rollout_sglang.testing)."""
+    return testing.standin_python(tmp_path_factory.mktemp("standin-bin"))
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_rl.core.lora import LoraSpec
+from slime_rl.core.algorithms.lora import LoraSpec
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang.adapter_roster import AdapterRoster
 from slime_rl.rollout_sglang.weight_sync import Target, WeightSyncError

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import SamplingParams
-from slime_rl.core.plugins import load_plugin
+from slime_rl.core.infra.plugins import load_plugin
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.client import GenerateError
 from slime_rl.rollout_sglang.engine import SGLangEngine

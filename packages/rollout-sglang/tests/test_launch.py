@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slime_rl.core.config import Config, ConfigError
-from slime_rl.core.placement import plan_placement
+from slime_rl.core.config.placement import plan_placement
 from slime_rl.rollout_sglang.launch import engine_gpu_ids, server_host
 
 

@@ -1,6 +1,6 @@
 """LoRA adapter syncs into SGLang (issue 20) on CPU: `SGLangEngine` launched from a config with
 ``trainer.lora``, stand-in SGLang workers (a test double with SGLang 0.5.17's LoRA endpoints,
-standin_lora.py) behind the real sglang-router, and the real client code: launch flags, one adapter
+testing/lora.py) behind the real sglang-router, and the real client code: launch flags, one adapter
 per version on every server, requests naming the current adapter, old adapters unloaded only after
 their last request, failures naming the server and the adapter, restarts reloading the adapter."""
 
@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 from test_engine import events, make_config, state
 
+from slime_rl.core.algorithms.lora import adapter_name, peft_name
 from slime_rl.core.config import ConfigError
 from slime_rl.core.contracts import SamplingParams
-from slime_rl.core.lora import adapter_name, peft_name
 from slime_rl.rollout_sglang import launch as fleet
 from slime_rl.rollout_sglang.adapters import adapter_folder
 from slime_rl.rollout_sglang.engine import SGLangEngine
@@ -254,7 +254,7 @@ def test_attaching_needs_servers_started_for_lora(lora_engine, tiny_model, stand
 
 
 def test_attached_server_checks_read_sglangs_server_info():
-    from slime_rl.core.lora import LoraSpec
+    from slime_rl.core.algorithms.lora import LoraSpec
     from slime_rl.rollout_sglang.adapters import check_attached_server
 
     spec = LoraSpec(8, 16.0, 0.0, ("q_proj", "v_proj", "down_proj"))

@@ -232,7 +232,7 @@ def test_routing_key_keeps_an_episode_on_one_worker_and_its_prefix_cache(workers
 
 
 def test_the_stand_in_refuses_what_sglang_refuses(workers):
-    """standin_checks.py: SGLang 0.5.17's checks before it runs a request (docs/standin-fidelity.md)."""
+    """testing/checks.py: SGLang 0.5.17's checks before it runs a request (docs/standin-fidelity.md)."""
     url = workers[0].url
 
     def answer(sampling: dict, input_ids: list[int] = [1, 2]) -> httpx.Response:  # noqa: B006 (read only)

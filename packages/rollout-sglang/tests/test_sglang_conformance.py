@@ -1,5 +1,5 @@
 """SGLangEngine against the conformance suite (slime_rl.core.testing.conformance) on CPU: the real engine code
-and the real sglang-router, with stand-in SGLang servers (standin_sglang.py, a test double) behind it.
+and the real sglang-router, with stand-in SGLang servers (testing/server.py, a test double) behind it.
 
 The stand-in's "model" is a hash of the context and the weights, not a forward pass, so log-prob agreement
 with a reference is checked on the GPU only (test_sglang_gpu_conformance.py); every other guarantee is

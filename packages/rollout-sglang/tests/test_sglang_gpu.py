@@ -291,8 +291,9 @@ def test_standin_key_rules_match_this_sglang():
     import itertools
     import re
 
-    import standin_sglang
     from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    from slime_rl.rollout_sglang.testing import server as standin_sglang
 
     source = Path(importlib.util.find_spec("sglang").submodule_search_locations[0])
     text = (source / "srt" / "entrypoints" / "http_server.py").read_text()

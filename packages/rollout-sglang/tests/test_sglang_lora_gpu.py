@@ -22,8 +22,8 @@ import httpx
 import pytest
 import torch
 
+from slime_rl.core.algorithms.lora import LoraSpec, adapter_name, merged, peft_name
 from slime_rl.core.contracts import SamplingParams
-from slime_rl.core.lora import LoraSpec, adapter_name, merged, peft_name
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang.client import build_payload, parse_response
 from slime_rl.rollout_sglang.keys import EngineKeys, bearer
@@ -74,7 +74,7 @@ def generate(server_url: str, api_key: str, prompt: list[int], params: SamplingP
 
 def reference_log_probs(model_dir: Path, adapter: list[tuple[str, torch.Tensor]] | None,
                         prompts: list[list[int]], outs) -> list[torch.Tensor]:
-    """An HF forward (bf16) of the base with the adapter merged in (`slime_rl.core.lora.merged`): the log-prob
+    """An HF forward (bf16) of the base with the adapter merged in (`slime_rl.core.algorithms.lora.merged`): the log-prob
     of each sampled token (temperature 1)."""
     from transformers import AutoModelForCausalLM
 
@@ -244,7 +244,7 @@ def test_engine_adapter_sync_through_the_router(tiny_llama, tmp_path):
 
 
 def test_smoke_client_and_standin_lora_shapes_match_this_sglang():
-    """What the client sends and the CPU tests' stand-in (standin_lora.py) answers are this SGLang's LoRA
+    """What the client sends and the CPU tests' stand-in (testing/lora.py) answers are this SGLang's LoRA
     request and response fields (managers/io_struct.py), flags (server_args.py) and modules (utils/common.py)."""
     import dataclasses
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from slime_rl.core.net import free_port
+from slime_rl.core.infra.net import free_port
 from slime_rl.core.testing import save_model, tiny_config, tiny_model
 
 HERE = Path(__file__).resolve().parent

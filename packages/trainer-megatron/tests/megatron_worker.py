@@ -59,7 +59,7 @@ def local_expert_count(model: torch.nn.Module) -> int:
 def run_scenario(spec: dict) -> dict:
     from megatron_testlib import make_config, make_samples
 
-    from slime_rl.core.advantages import compute_advantages
+    from slime_rl.core.algorithms.advantages import compute_advantages
     from slime_rl.trainer_megatron.convert import SafetensorsFolder
     from slime_rl.trainer_megatron.trainer import MegatronTrainer
 

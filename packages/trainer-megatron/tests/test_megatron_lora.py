@@ -17,7 +17,7 @@ from megatron_testlib import (
     make_samples,
 )
 
-from slime_rl.core.lora import peft_name
+from slime_rl.core.algorithms.lora import peft_name
 
 LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1",
         "algorithm.entropy_coef=0.01", "trainer.lr=0.01"]
@@ -112,8 +112,8 @@ def test_lora_trains_adapters_only_and_exports_exactly(tmp_path):
 def test_lora_refuses_what_it_does_not_cover(tmp_path):
     from megatron_testlib import make_config
 
-    from slime_rl.core.config_checks import check_config
-    from slime_rl.core.config_schema import ConfigError
+    from slime_rl.core.config.checks import check_config
+    from slime_rl.core.config.schema import ConfigError
 
     model_path = make_hf_model(tmp_path / "model", "llama", vocab=256)
     with pytest.raises(ConfigError, match="model.ref_path"):

@@ -16,8 +16,8 @@ from megatron_testlib import (
     to_batch,
 )
 
-from slime_rl.core import losses
-from slime_rl.core.advantages import compute_advantages
+from slime_rl.core.algorithms import losses
+from slime_rl.core.algorithms.advantages import compute_advantages
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.sample import Sample
 from slime_rl.trainer_megatron.trainer import MegatronTrainer

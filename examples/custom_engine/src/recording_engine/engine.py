@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
-from slime_rl.core.plugins import load_plugin
+from slime_rl.core.infra.plugins import load_plugin
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config

@@ -3,7 +3,7 @@
 - :class:`PromptDataSource`: JSONL/Parquet prompts -> groups of PENDING samples, resumable.
 - :class:`SampleBuffer`: finished and partial groups between rollout and training, in SQLite.
 
-The filters (DAPO's ``nonzero_std``, the buffer filters) are in ``slime_rl.core.filters``.
+The filters (DAPO's ``nonzero_std``, the buffer filters) are in ``slime_rl.core.algorithms.filters``.
 """
 
 from slime_rl.buffer.buffer import SampleBuffer

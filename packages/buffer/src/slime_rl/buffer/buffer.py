@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from slime_rl.buffer.store import UNFINISHED, GroupStore, is_partial
+from slime_rl.core.algorithms.filters import BUFFER_FILTERS
 from slime_rl.core.contracts import Buffer, BufferFilter
-from slime_rl.core.filters import BUFFER_FILTERS
-from slime_rl.core.plugins import load_function
+from slime_rl.core.infra.plugins import load_function
 from slime_rl.core.sample import Sample
 
 if TYPE_CHECKING:

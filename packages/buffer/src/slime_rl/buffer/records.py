@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from slime_rl.core.data import DataError
+from slime_rl.core.run.data import DataError
 
 SCAN_CHUNK_BYTES = 8 << 20  # bounds the scan's transient memory
 

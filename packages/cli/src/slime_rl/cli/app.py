@@ -19,10 +19,10 @@ import typer
 from rich.console import Console
 
 from slime_rl.cli.progress import show_progress, summary_table
-from slime_rl.core.builtin_models import resolve_model_paths
 from slime_rl.core.config import Config, ConfigError, RunFailedError, check_model, load_config
-from slime_rl.core.data import DataError, check_data
-from slime_rl.core.plugins import PluginError, check_plugin, load_function
+from slime_rl.core.config.builtin_models import resolve_model_paths
+from slime_rl.core.infra.plugins import PluginError, check_plugin, load_function
+from slime_rl.core.run.data import DataError, check_data
 
 app = typer.Typer(
     name="slime-cli",
@@ -96,7 +96,7 @@ def wire(cfg: Config) -> None:
 
 def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
     """Load what ``dotted`` names as the run will, and check that it can be called as the run calls it."""
-    from slime_rl.core.filters import BUFFER_FILTERS, DYNAMIC_SAMPLING_FILTERS
+    from slime_rl.core.algorithms.filters import BUFFER_FILTERS, DYNAMIC_SAMPLING_FILTERS
     from slime_rl.core.rewards import load_reward
 
     r = cfg.rollout
@@ -107,7 +107,7 @@ def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
 
         load_tools(list(r.tools), cfg)  # each tool imports; the built-in `python` tool finds the sandbox
     elif dotted == "rollout.generate_fn":
-        from slime_rl.core.rollout import BUILTIN_GENERATE_FNS
+        from slime_rl.core.run.rollout import BUILTIN_GENERATE_FNS
 
         fn = load_function(spec, dict.fromkeys(BUILTIN_GENERATE_FNS), what="generate function")
         if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)):
@@ -150,7 +150,7 @@ def plan(
 
     The placement says which trainer ranks (with their TP, PP and DP ranks) and which rollout engines
     use which GPU of which node."""
-    from slime_rl.core.placement import plan_placement
+    from slime_rl.core.config.placement import plan_placement
 
     cfg = _load(config, overrides or [])
     try:
@@ -212,7 +212,7 @@ def train(
         if default_run.remove_earlier_run(example_dir):
             _console().print(f"slime-cli train: the built-in example starts afresh in {workdir} (the earlier run's"
                              " checkpoints, logs and rollout state there are removed; --resume continues it instead)")
-    from slime_rl.core.loop import train as run_training
+    from slime_rl.core.run.loop import train as run_training
 
     console = _console()
     try:

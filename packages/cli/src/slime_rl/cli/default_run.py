@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from slime_rl.core.run_dir import EARLIER_RUNS, LOG_ARTIFACTS, OWNER_FILE
+from slime_rl.core.run.run_dir import EARLIER_RUNS, LOG_ARTIFACTS, OWNER_FILE
 from slime_rl.core.sample import Sample
 
 PROMPT = "Question: What is {a} + {b}?\nAnswer:"

@@ -8,8 +8,8 @@ import sys
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, entry_points, version
 
-from slime_rl.core.cpu import choose_cpu_dtype, cpu_info
-from slime_rl.core.plugins import GROUPS, PluginError, installed, load_plugin
+from slime_rl.core.config.cpu import choose_cpu_dtype, cpu_info
+from slime_rl.core.infra.plugins import GROUPS, PluginError, installed, load_plugin
 
 # distribution -> module it provides
 SLIME_PACKAGES = {

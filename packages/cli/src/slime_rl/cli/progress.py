@@ -20,8 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from slime_rl.core import checkpoint
 from slime_rl.core.config import Config
+from slime_rl.core.run import checkpoint
 
 Callback = Callable[[str, dict[str, Any]], None]
 REWARD_KEY = "rollout/reward_mean"

@@ -11,7 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 # First: Ray's environment must be set before anything imports ray (ray_env says why; standard
 # library only, so a reward worker still imports neither torch nor pydantic).
-from slime_rl.core import ray_env  # noqa: F401  # isort: skip
+from slime_rl.core.infra import ray_env  # noqa: F401  # isort: skip
+from slime_rl.core import moved  # isort: skip
+
+moved.install()
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config, ConfigError, load_config

@@ -193,7 +193,7 @@ class PolicyTrainer(ABC):
         splits). Collective: every rank must iterate it to the end.
 
         Without LoRA, or with ``rollout.lora_sync: merged``: the full weights under HF names, the
-        adapters merged in (`slime_rl.core.lora.merged`). When `syncs_adapters(cfg)`: ONLY the
+        adapters merged in (`slime_rl.core.algorithms.lora.merged`). When `syncs_adapters(cfg)`: ONLY the
         adapters, each ``peft_name(hf_name, "A"|"B")``, whole (gathered over TP), in the trainer's
         dtype; a fused trainer layer (Megatron's q/k/v or gate/up) exports exact per-HF-module
         adapters (one shared A, B split by rows), and A and B of one module may fall in two buckets."""
@@ -223,7 +223,7 @@ class PolicyTrainer(ABC):
 class DataSource(ABC):
     """Prompts in, groups of PENDING samples out (``n_samples_per_prompt`` per group).
 
-    Bad data is a `slime_rl.core.data.DataError` naming ``file:line`` (or the field) and the fix,
+    Bad data is a `slime_rl.core.run.data.DataError` naming ``file:line`` (or the field) and the fix,
     whenever it is found: it reaches the user's terminal as one line, exit 2, from a Ray actor too."""
 
     @classmethod
@@ -282,7 +282,7 @@ class Buffer(ABC):
 
 # ---------------------------------------------------------------- user functions
 # Plain functions (or callables), named in the config by a built-in name or ``module:attr`` and loaded
-# with `slime_rl.core.plugins.load_function`; slime-cli loads each before the run starts. A user's
+# with `slime_rl.core.infra.plugins.load_function`; slime-cli loads each before the run starts. A user's
 # reward or filter runs in a worker process (core/workers.py): what counts is what it returns.
 
 

@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
+from slime_rl.core.config.device import resolve_device
 from slime_rl.core.contracts import FinishReason, GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
-from slime_rl.core.device import resolve_device
-from slime_rl.core.lora import lora_spec, syncs_adapters
 from slime_rl.rollout_hf.lora import AdapterSync
 from slime_rl.rollout_hf.moe import RouterRecorder, routed_experts, weight_target
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from slime_rl.core.algorithms.lora import PEFT_PREFIX, hf_name
 from slime_rl.core.contracts import NamedTensors
-from slime_rl.core.lora import PEFT_PREFIX, hf_name
 
 
 class AdapterSync:

@@ -1,6 +1,6 @@
 """Which LoRA adapter an `SGLangEngine`'s requests name, and when an old one leaves the servers.
 
-Weight version N is served as adapter ``slime-vN`` (`slime_rl.core.lora.adapter_name`); version 0 is
+Weight version N is served as adapter ``slime-vN`` (`slime_rl.core.algorithms.lora.adapter_name`); version 0 is
 the base model (no adapter). A sync loads the new adapter beside the current one; requests sent from
 then on name the new one, and the old one is unloaded from every server once the last request that
 named it has come back (counted here, per adapter name, in the client). A restarted server gets every
@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from slime_rl.core.lora import LoraSpec, adapter_name
+from slime_rl.core.algorithms.lora import LoraSpec, adapter_name
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.background_write import wait_for_folder

@@ -1,8 +1,8 @@
 """LoRA adapters into SGLang servers (SGLang 0.5.17; docs/lora-sglang.md has the endpoints' arguments).
 
-With ``trainer.lora.rank > 0`` and ``rollout.lora_sync: adapter`` (`slime_rl.core.lora.syncs_adapters`)
+With ``trainer.lora.rank > 0`` and ``rollout.lora_sync: adapter`` (`slime_rl.core.algorithms.lora.syncs_adapters`)
 the servers start with ``--enable-lora`` and a weight sync moves the adapters only, under PEFT's names;
-each version is loaded as its own adapter, named `slime_rl.core.lora.adapter_name`:
+each version is loaded as its own adapter, named `slime_rl.core.algorithms.lora.adapter_name`:
 
 - ``tensor``: ``/load_lora_adapter_from_tensors`` with the tensors as one flattened bucket per TP rank,
   CUDA tensors as CUDA-IPC handles (no copy), CPU tensors by value (the same payload as
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from slime_rl.core.algorithms.lora import LoraSpec, adapter_name, hf_name, peft_adapter_config
 from slime_rl.core.config import ConfigError
-from slime_rl.core.lora import LoraSpec, adapter_name, hf_name, peft_adapter_config
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.background_write import BackgroundWrite
 from slime_rl.rollout_sglang.server import engine_args_to_flags
@@ -81,7 +81,7 @@ def check_attached_server(name: str, server_info: dict[str, Any], spec: LoraSpec
 
 
 def check_adapter_tensors(named_tensors: ws.NamedTensors, *, version: int) -> None:
-    """An adapter sync carries PEFT LoRA names only (`slime_rl.core.lora.peft_name`); a full weight here
+    """An adapter sync carries PEFT LoRA names only (`slime_rl.core.algorithms.lora.peft_name`); a full weight here
     means the trainer and the engine disagree about ``rollout.lora_sync``."""
     for name, _ in named_tensors:
         try:

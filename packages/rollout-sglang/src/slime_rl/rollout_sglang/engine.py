@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import httpx
 import torch
 
+from slime_rl.core.algorithms.lora import LoraSpec, lora_spec, syncs_adapters
+from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams
-from slime_rl.core.lora import LoraSpec, lora_spec, syncs_adapters
-from slime_rl.core.net import LOOPBACK
-from slime_rl.core.placement import plan_placement
+from slime_rl.core.infra.net import LOOPBACK
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import launch as fleet
 from slime_rl.rollout_sglang import weight_sync as ws

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from slime_rl.core.contracts import NamedTensors
-from slime_rl.core.weight_sync import resolve_transport
+from slime_rl.core.weights.sync import resolve_transport
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import weight_sync as ws
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.config import ConfigError
-from slime_rl.core.lora import lora_spec, syncs_adapters
-from slime_rl.core.net import LOOPBACK, node_address
+from slime_rl.core.infra.net import LOOPBACK, node_address
 from slime_rl.rollout_sglang.adapters import lora_engine_args
 from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router, launch_router
@@ -20,7 +20,7 @@ from slime_rl.rollout_sglang.server import SGLangServer, attach_server, start_se
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
-    from slime_rl.core.placement import Placement
+    from slime_rl.core.config.placement import Placement
 
 
 def work_dir(cfg: Config) -> Path:

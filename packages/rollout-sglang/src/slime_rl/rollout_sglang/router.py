@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from slime_rl.core.net import free_port
+from slime_rl.core.infra.net import free_port
 from slime_rl.rollout_sglang.keys import bearer
 from slime_rl.rollout_sglang.process import ChildProcess, start_process
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from slime_rl.core.leftovers import KEYS_PREFIX, private_folder
-from slime_rl.core.net import free_port
+from slime_rl.core.infra.leftovers import KEYS_PREFIX, private_folder
+from slime_rl.core.infra.net import free_port
 from slime_rl.rollout_sglang.keys import EngineKeys, bearer
 from slime_rl.rollout_sglang.process import ChildProcess, start_process
 

@@ -12,9 +12,9 @@ import logging
 import time
 from collections.abc import Iterator
 
+from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, WeightSender
-from slime_rl.core.lora import lora_spec, syncs_adapters
 from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.launch import work_dir
@@ -39,7 +39,7 @@ def _with_last(buckets: Iterator[NamedTensors]) -> Iterator[tuple[int, NamedTens
 class SGLangWeightSender(WeightSender):
     """Rank 0 pushes each bucket by the sync's transport (`transport.BucketPusher`, as the engine does
     with buckets in its own process); the other ranks take part in the gather. With LoRA adapters
-    (`slime_rl.core.lora.syncs_adapters`) rank 0 gathers the adapter tensors and loads them into every
+    (`slime_rl.core.algorithms.lora.syncs_adapters`) rank 0 gathers the adapter tensors and loads them into every
     server as version ``version``'s adapter (`adapters.push_adapter`); the engine switches to it at
     `SGLangEngine.end_weight_sync`."""
 

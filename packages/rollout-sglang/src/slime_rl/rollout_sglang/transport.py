@@ -1,7 +1,7 @@
 """One bucket of a weight sync into every server, by the sync's transport: the one dispatch both
 sides use, the engine (buckets in the rollout process, `SGLangEngine.update_weights`) and the
 trainer's sender (buckets in trainer rank 0, `trainer_sync.SGLangWeightSender`). Which transport
-a run uses (``auto`` resolved) is decided once, by `slime_rl.core.weight_sync.resolve_transport`.
+a run uses (``auto`` resolved) is decided once, by `slime_rl.core.weights.sync.resolve_transport`.
 """
 
 from __future__ import annotations

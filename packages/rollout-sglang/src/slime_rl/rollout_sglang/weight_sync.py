@@ -37,7 +37,7 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
-from slime_rl.core.net import bound_tcp_store
+from slime_rl.core.infra.net import bound_tcp_store
 from slime_rl.rollout_sglang.keys import bearer
 
 NamedTensors = list[tuple[str, torch.Tensor]]

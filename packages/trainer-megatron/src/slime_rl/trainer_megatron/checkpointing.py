@@ -20,7 +20,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from slime_rl.core.safe_pickle import check_dcp_folder, refusals_named
+from slime_rl.core.infra.safe_pickle import check_dcp_folder, refusals_named
 from slime_rl.trainer_megatron.nonfinite import check_finite_state
 
 if TYPE_CHECKING:

@@ -20,9 +20,9 @@ import types
 
 import torch
 
-from slime_rl.core import device as core_device
-from slime_rl.core.device import Device
-from slime_rl.core.distributed import init_process_group
+from slime_rl.core.config import device as core_device
+from slime_rl.core.config.device import Device
+from slime_rl.core.infra.distributed import init_process_group
 
 # The Megatron modules that create tensors on "cuda" or call torch.cuda.* on the
 # training path we use (GPTModel, DDP, optimizer, schedules, p2p, checkpointing).
@@ -65,7 +65,7 @@ _redirected = False
 
 
 def resolve_device(setting: str) -> Device:
-    """``cluster.device`` -> the device this rank trains on (`slime_rl.core.device`'s rule; cuda must be here)."""
+    """``cluster.device`` -> the device this rank trains on (`slime_rl.core.config.device`'s rule; cuda must be here)."""
     return core_device.resolve_device(setting, here=True)
 
 

@@ -31,7 +31,7 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from safetensors.torch import save_file
 
-from slime_rl.core.lora import LoraSpec, merged, peft_adapter_config, peft_name
+from slime_rl.core.algorithms.lora import LoraSpec, merged, peft_adapter_config, peft_name
 from slime_rl.trainer_megatron import convert
 from slime_rl.trainer_megatron.model import HFModelShape, PolicyGPT
 

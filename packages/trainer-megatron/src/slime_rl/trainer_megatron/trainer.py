@@ -36,11 +36,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 
-from slime_rl.core import losses
+from slime_rl.core.algorithms import losses
+from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.batch import ROLLOUT_OPTIONAL_COLUMNS, TRAINER_COLUMNS, RolloutBatch
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
-from slime_rl.core.lora import lora_spec, syncs_adapters
 from slime_rl.trainer_megatron import batching, checkpointing, convert, lora, moe
 from slime_rl.trainer_megatron import device as dev
 from slime_rl.trainer_megatron.logprobs import token_log_probs

@@ -157,7 +157,12 @@ def load_tokenizer(spec: str) -> Any:
 
     from transformers import AutoTokenizer
 
-    from slime_rl.core.builtin_models import BUILTIN_MODELS, BUILTIN_PREFIX, _gguf_path, default_cache_dir
+    from slime_rl.core.config.builtin_models import (
+        BUILTIN_MODELS,
+        BUILTIN_PREFIX,
+        _gguf_path,
+        default_cache_dir,
+    )
 
     if spec.startswith(BUILTIN_PREFIX):
         name = spec[len(BUILTIN_PREFIX):]

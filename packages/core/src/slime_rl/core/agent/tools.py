@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from slime_rl.core.agent.tool_calls import ToolCall
-from slime_rl.core.plugins import PluginError, load_attr
+from slime_rl.core.infra.plugins import PluginError, load_attr
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config

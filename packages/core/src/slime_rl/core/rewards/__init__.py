@@ -6,7 +6,7 @@ A reward is ``async def reward(sample) -> float | dict[str, float]`` (plain
 It reads ``sample.response`` (text), ``sample.label`` and ``sample.metadata``.
 
 A user's reward (``module:attr``) runs in a pool of worker processes
-(:mod:`slime_rl.core.workers`, ``rollout.reward_workers`` of them), an ``async def``
+(:mod:`slime_rl.core.infra.workers`, ``rollout.reward_workers`` of them), an ``async def``
 one in the worker's own event loop: one that blocks (``time.sleep``, ``requests``)
 or hangs is killed at ``rollout.reward_timeout`` and its worker replaced. Changes it
 makes to a sample stay in the worker; what counts is what it returns. Built-in
@@ -31,14 +31,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from slime_rl.core.config import RolloutConfig
-from slime_rl.core.plugins import PluginError, load_function
+from slime_rl.core.infra.plugins import PluginError, load_function
+from slime_rl.core.infra.workers import UserCodeError, UserCodeLoadError, is_user_code, user_code_pool
 from slime_rl.core.rewards.code_tests import CodeTestsReward
 from slime_rl.core.rewards.math_answer import dapo_reward, deepscaler_reward, math_reward
 from slime_rl.core.rewards.remote import RemoteReward
 from slime_rl.core.rewards.text_match import exact_match_reward, f1_reward
 from slime_rl.core.sample import Reward, Sample, SampleStatus
 from slime_rl.core.sandbox import SandboxSettings
-from slime_rl.core.workers import UserCodeError, UserCodeLoadError, is_user_code, user_code_pool
 
 logger = logging.getLogger(__name__)
 

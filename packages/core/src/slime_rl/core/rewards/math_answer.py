@@ -16,14 +16,14 @@ import re
 import threading
 from pathlib import Path
 
-from slime_rl.core.sample import Sample
-from slime_rl.core.workers import (
+from slime_rl.core.infra.workers import (
     UserCodeError,
     UserCodeLoadError,
     UserCodeTimeout,
     WorkerPool,
     WorkerStartError,
 )
+from slime_rl.core.sample import Sample
 
 logger = logging.getLogger(__name__)
 

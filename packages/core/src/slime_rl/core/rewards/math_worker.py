@@ -1,6 +1,6 @@
 """math-verify's verdict, for :class:`~slime_rl.core.rewards.math_answer.MathVerifier`'s worker processes.
 
-Loaded by file path in a worker (:mod:`slime_rl.core.worker_main`), so it imports
+Loaded by file path in a worker (:mod:`slime_rl.core.infra.worker_main`), so it imports
 math-verify and nothing of slime_rl. It runs in its own process so that the parent
 can kill it when sympy hangs (``9^{9^{9^9}}`` never finishes, and no thread can be stopped).
 """

@@ -454,7 +454,7 @@ class _Suite:
         """Adapter sets one, two (B negated), one again, each in three buckets (a pair may straddle two): each
         changes the greedy response, matches the reference over base + scaling * B A, and one again gives
         exactly its first response (the adapters replace each other, never add up)."""
-        from slime_rl.core.lora import hf_name, merged
+        from slime_rl.core.algorithms.lora import hf_name, merged
 
         base, scaling = self.weights, float(self.b.adapter_scaling)
 

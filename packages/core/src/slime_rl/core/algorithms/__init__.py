@@ -1,0 +1,1 @@
+"""RL math: advantage estimators, policy/KL/entropy losses, staleness, dynamic-sampling filters, LoRA specs."""

@@ -1,0 +1,1 @@
+"""Infrastructure: Ray, sockets, torch.distributed, plugin loading, killable worker processes, host memory."""

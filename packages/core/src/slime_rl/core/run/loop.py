@@ -1,0 +1,366 @@
+"""The training loop: synchronous, colocated or not, on Ray. Reads top to bottom (`train`).
+
+    for step in range(start, num_steps):
+        rollout worker: generate, reward, filter; the batch into the object store, one shard per DP rank
+        trainer ranks, each on its shard: old/ref log-probs, values (PPO), advantages, train step
+        sync weights to the engines (version = step + 1)
+        eval every eval.interval, checkpoint every checkpoint.save_interval
+
+The driver passes object references and reads metrics: it never holds per-token data.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slime_rl.core.config import Config, ConfigError, RunFailedError
+from slime_rl.core.config.builtin_models import resolve_model_paths
+from slime_rl.core.config.cpu import MatmulShape, choose_cpu_dtype, cpu_info
+from slime_rl.core.config.device import resolve_device
+from slime_rl.core.config.placement import Placement, plan_placement
+from slime_rl.core.infra.net import LOOPBACK, free_port
+from slime_rl.core.infra.ray_cluster import check_ray_environment, local_ray
+from slime_rl.core.infra.ray_placement import Reservation, reserve
+from slime_rl.core.run import checkpoint
+from slime_rl.core.run.actors import RolloutStep, RolloutWorker, TrainerWorker
+from slime_rl.core.run.metrics import MetricsLogger, phase
+from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
+from slime_rl.core.weights.sync import WeightSync
+
+# (event, payload): "start", "step" (a failed step's payload has "failure": why), "eval", "done"
+Callback = Callable[[str, dict[str, Any]], None]
+
+
+class TrainerGroup:
+    """The trainer's ranks as Ray actors. `call` runs a method on every rank and returns rank 0's
+    answer; `start` and `each` (each rank its own arguments) return the result references unread."""
+
+    def __init__(self, cfg: Config, role: str, reservation: Reservation):
+        import ray
+
+        world = cfg.actor_num_gpus
+        master_addr, master_port = _rendezvous_address(reservation)
+        self.workers = [
+            ray.remote(**reservation.trainer_options(rank))(TrainerWorker).remote(
+                cfg.to_dict(), rank=rank, world_size=world, master_addr=master_addr, master_port=master_port,
+                role=role)
+            for rank in range(world)
+        ]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.first(self.start(method, *args, **kwargs))
+
+    def start(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method(*args)`` on every rank; the result references, unread."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def each(self, method: str, *per_rank: list[Any], num_returns: int = 1) -> list[Any]:
+        """``method(per_rank[0][r], per_rank[1][r], ...)`` on rank r; the result references, unread."""
+        return [getattr(w, method).options(num_returns=num_returns).remote(*(args[r] for args in per_rank))
+                for r, w in enumerate(self.workers)]
+
+    @staticmethod
+    def first(refs: list[Any]) -> Any:
+        """Rank 0's result, once every rank is done (the others return None: no N copies)."""
+        import ray
+
+        return ray.get(refs)[0]
+
+
+@dataclass
+class Run:
+    """The actors of a running job and the plan they were placed by."""
+
+    cfg: Config
+    plan: Placement
+    actor: TrainerGroup
+    critic: TrainerGroup | None  # PPO's value model, on the actor's GPUs
+    rollout: Any  # the RolloutWorker actor
+    weight_sync: WeightSync
+    run_id: str
+    offload: bool  # colocated on GPUs: trainer and engines take turns with the memory (slime's --offload)
+
+    def shards_for_ranks(self, rollout: RolloutStep) -> list[Any]:
+        """Each trainer rank's shard reference: the one of its data-parallel rank."""
+        return [rollout.shards[rank.dp_rank] for rank in self.plan.trainer]
+
+
+def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
+    """Run (or resume) a training job; returns a summary (steps, eval before and after, paths).
+
+    ``cluster.async_mode``: ``one_step`` runs one step off-policy (rollout k+1 overlaps training on
+    rollout k); ``fully`` generates all the time and trains on the next eligible groups
+    (core/fully_async.py), the weights landing in the engines mid-request."""
+    import ray
+
+    notify = callback or (lambda event, payload: None)
+    resolve_model_paths(cfg)  # builtin: -> HF folders before any backend sees them (done already under slime-cli)
+    resumed, run_id = _check_start(cfg)
+    summary: dict[str, Any] = {"log_dir": cfg.logging.dir, "checkpoint_dir": str(cfg.checkpoint_dir)}
+    with local_ray(cfg):
+        started = time.perf_counter()
+        run = _start(cfg, run_id, summary)
+        logger = MetricsLogger(cfg.logging.dir, tensorboard=cfg.logging.tensorboard,
+                               wandb_project=cfg.logging.wandb_project, config=cfg.to_dict(),
+                               resume_step=resumed[1]["step"] if resumed is not None else None)
+        step = summary["start_step"] = _resume(run, resumed)
+        notify("start", {"start_step": step, "num_steps": cfg.data.num_rollout, "startup_s": time.perf_counter() - started})
+        last_eval = _evaluate(run, step, logger, notify) if cfg.eval.prompt_data else None
+        if last_eval is not None:
+            summary["eval_before"] = last_eval[1]
+        last_save = step if resumed is not None else None
+        failed_steps = 0  # consecutive rollout steps with too many failed samples
+        # One-step-off async (disaggregated only): rollout k+1 runs on the engines while the
+        # trainer trains on rollout k; the weights are synced once both are done.
+        one_step, fully = cfg.cluster.async_mode == "one_step", cfg.cluster.async_mode == "fully"
+        pending = run.rollout.run_step.remote(step + 1) if one_step else None
+        if fully:
+            ray.get(run.rollout.start_fully_async.remote())
+        while cfg.data.num_rollout is None or step < cfg.data.num_rollout:
+            timings: dict[str, float] = {}
+            step_start = time.perf_counter()
+            with phase(timings, "rollout"):
+                if pending is None:
+                    pending = (run.rollout.next_batch.remote(step + 1) if fully
+                               else run.rollout.run_step.remote(step + 1))
+                rollout: RolloutStep = ray.get(pending)
+            metrics = rollout.metrics
+            pending = None
+            if rollout.failure is not None:
+                # The step trains on nothing and syncs nothing; it counts as a step (its data is
+                # used up). Enough of them in a row end the run.
+                failed_steps, step = failed_steps + 1, step + 1
+                logger.log(step, {**metrics, **timings})
+                notify("step", {"step": step, "metrics": {**metrics, **timings}, "failure": rollout.failure})
+                if failed_steps >= cfg.rollout.max_failed_steps:
+                    logger.close()
+                    ray.get(run.rollout.shutdown.remote())
+                    raise RunFailedError(
+                        f"rollout.max_failed_steps: {failed_steps} steps in a row failed (the last, step {step}: "
+                        f"{rollout.failure}); fix the reward (or filter, or generate function), or raise "
+                        "rollout.max_failed_fraction or rollout.max_failed_steps")
+            elif not rollout.shards:
+                break
+            else:
+                failed_steps = 0
+                # How many versions behind the trainer the samples' weights are (1 when one step off).
+                metrics["rollout/weight_version_lag"] = step - rollout.mean_weight_version
+            this_step = step if rollout.failure is not None else step + 1
+            if one_step and not rollout.exhausted and (
+                    cfg.data.num_rollout is None or this_step < cfg.data.num_rollout):
+                pending = run.rollout.run_step.remote(this_step + 1)
+            if rollout.failure is not None:
+                if rollout.exhausted:
+                    break
+                continue
+            metrics.update(_train_on(run, rollout, timings))
+            if pending is not None:
+                with phase(timings, "wait_rollout"):
+                    ray.wait([pending], num_returns=1)  # no weight update in the middle of a rollout
+            summary["weight_sync"] = _sync_after_train(run, step + 1, timings)
+            step += 1
+            timings["time/step"] = time.perf_counter() - step_start
+            metrics["perf/tokens_per_s"] = rollout.num_tokens / timings["time/step"]
+            if cfg.eval.prompt_data and cfg.eval.interval and step % cfg.eval.interval == 0:
+                last_eval = _evaluate(run, step, None, notify)
+                metrics.update(last_eval[1])
+            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                with phase(timings, "save"):
+                    _save(run, step)
+                last_save = step
+            logger.log(step, {**metrics, **timings})
+            notify("step", {"step": step, "metrics": {**metrics, **timings}})
+            if rollout.exhausted:
+                break
+
+        if cfg.eval.prompt_data and last_eval is not None and last_eval[0] != step:
+            last_eval = _evaluate(run, step, logger, notify)
+        if last_eval is not None:
+            summary["eval_after"] = last_eval[1]
+        if (cfg.checkpoint.save_interval or cfg.checkpoint.save_dir) and last_save != step:
+            _save(run, step)
+        logger.close()
+        ray.get(run.rollout.shutdown.remote())
+        summary.update(steps=step, elapsed_s=time.perf_counter() - started, metrics_file=str(logger.jsonl_path))
+        notify("done", summary)
+    return summary
+
+
+def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
+    """Before anything starts: a resume's checkpoint is there and verified (CheckpointError says what
+    is wrong and the way on), a fresh run overwrites nothing, Ray's network is safe, the CPU dtype
+    is chosen, and the logging folder is this run's. Returns the checkpoint to resume and the run id."""
+    save_dir = cfg.checkpoint_dir
+    resumed = checkpoint.resume_point(save_dir) if cfg.checkpoint.resume else None
+    previous = checkpoint.latest_name(save_dir)
+    if previous is not None and not cfg.checkpoint.resume:
+        raise ConfigError(
+            "checkpoint.save_dir",
+            f"{save_dir} holds the checkpoints of an earlier run (latest: {previous}); continue"
+            " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
+        )
+    check_ray_environment()  # Ray's network and authentication: refused before anything is written
+    if note := resolve_cpu_dtype(cfg, resumed[1] if resumed is not None else None):
+        print(f"slime-rl: {note}", file=sys.stderr, flush=True)
+    # A run's buffer, rollout state and logs are its own (run_dir.py): a fresh run neither
+    # consumes nor mixes with an earlier one's; a resumed run continues its own.
+    run_id = (resumed[1].get("run_id") if resumed is not None else None) or new_run_id()
+    for note in claim_logging_dir(Path(cfg.logging.dir), run_id, resuming=resumed is not None):
+        print(f"slime-rl: {note}", file=sys.stderr, flush=True)
+    return resumed, run_id
+
+
+def _start(cfg: Config, run_id: str, summary: dict[str, Any]) -> Run:
+    """Reserve the plan's bundles, start the trainer ranks (and critic) and the rollout worker, and
+    wait until every one is built: a broken backend fails here, before any rollout."""
+    import ray
+
+    plan = plan_placement(cfg)  # the plan `slime-cli plan` prints
+    reservation = reserve(plan)
+    actor = TrainerGroup(cfg, "actor", reservation)
+    critic = TrainerGroup(cfg, "critic", reservation) if cfg.algorithm.advantage_estimator == "ppo" else None
+    log_dir = Path(cfg.logging.dir)
+    rollout = ray.remote(**reservation.rollout_options())(RolloutWorker).remote(
+        cfg.to_dict(), str(rollout_state_dir(log_dir, run_id)), str(log_dir))
+    ray.get(rollout.ping.remote())
+    actor.call("ready")
+    if critic is not None:
+        critic.call("ready")
+    summary["nodes"] = {"trainer": sorted(set(ray.get([w.node_id.remote() for w in actor.workers]))),
+                        "rollout": ray.get(rollout.node_id.remote())}
+    return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout), run_id,
+               hands_memory_over(cfg, plan))
+
+
+def hands_memory_over(cfg: Config, plan: Placement) -> bool:
+    """Whether trainer and engines take turns with the device memory: colocated with offload, on GPUs
+    (on a CPU both live in host memory, so there is nothing to hand over)."""
+    return cfg.offload and plan.device == "cuda"
+
+
+def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
+    """Load the checkpoint to resume (trainer, critic, data and buffer state) and send its weights to
+    the engines; then hand the GPU memory to the engines when colocated. Returns the first step."""
+    import ray
+
+    start_step = 0
+    if resumed is not None:
+        folder, meta = resumed
+        run.actor.call("load", str(folder / "actor"))
+        if run.critic is not None:
+            run.critic.call("load", str(folder / "critic"))
+        ray.get(run.rollout.load_state_dict.remote(meta["rollout_state"]))
+        start_step = meta["step"]
+        run.weight_sync.sync(version=start_step)
+    if run.offload:
+        run.actor.call("offload")
+    return start_step
+
+
+def _train_on(run: Run, rollout: RolloutStep, timings: dict[str, float]) -> dict[str, float]:
+    """One training step on the rollout's shards: each trainer rank fetches its own shard, adds
+    log-probs, values and advantages to it, and trains. Returns the train (and critic) metrics."""
+    import ray
+
+    if run.offload:
+        with phase(timings, "offload_rollout"):
+            ray.get(run.rollout.release_memory.remote())
+        with phase(timings, "onload_train"):
+            run.actor.call("onload")
+    shards = run.shards_for_ranks(rollout)
+    metrics: dict[str, float] = {}
+    with phase(timings, "prepare"):
+        values = run.critic.each("compute_values", shards) if run.critic else [None] * len(shards)
+        prepared = run.actor.each("prepare", shards, values, num_returns=2)  # (rank 0's timings, returns)
+        timings.update(TrainerGroup.first([timing for timing, _ in prepared]))
+    with phase(timings, "train"):
+        if run.critic is not None:
+            critic_metrics = TrainerGroup.first(run.critic.each("train", [returns for _, returns in prepared]))
+            metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+        metrics.update({f"train/{k}": v for k, v in run.actor.call("train").items()})
+    return metrics
+
+
+def _sync_after_train(run: Run, version: int, timings: dict[str, float]) -> str:
+    """Send the new weights to the engines as ``version`` (the GPU memory back to them first when
+    colocated, and back to the engines after). Returns which path the weights took."""
+    import ray
+
+    # Only the engines' weights come back before the sync: their KV cache and CUDA graphs (most of
+    # their memory) wait until the trainer has offloaded, so the two never hold the GPU at once.
+    if run.offload:
+        with phase(timings, "onload_rollout_weights"):
+            ray.get(run.rollout.resume_memory.remote(["weights"]))
+    with phase(timings, "weight_sync"):
+        path = run.weight_sync.sync(version=version)
+    if run.offload:
+        with phase(timings, "offload_train"):
+            run.actor.call("offload")
+        with phase(timings, "onload_rollout"):
+            ray.get(run.rollout.resume_memory.remote())
+    return path
+
+
+def _evaluate(run: Run, step: int, logger: MetricsLogger | None, notify: Callback) -> tuple[int, dict[str, float]]:
+    """The eval sets' metrics at ``step``, logged as their own row when ``logger`` is given."""
+    import ray
+
+    metrics = ray.get(run.rollout.evaluate.remote())
+    if logger is not None:
+        logger.log(step, metrics)
+    notify("eval", {"step": step, "metrics": metrics})
+    return step, metrics
+
+
+def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
+    """Where trainer rank 0 listens for the others: loopback when every rank shares a node, else
+    rank 0's node address; the port is one found free on rank 0's node."""
+    import ray
+
+    if reservation.group is None:
+        return LOOPBACK, free_port()
+    one_node = len({r.node for r in reservation.plan.trainer}) == 1
+
+    def address() -> tuple[str, int]:
+        host = LOOPBACK if one_node else ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    options = reservation.trainer_options(0)
+    options.pop("num_gpus", None)  # a lookup: it needs the node, not the GPU
+    return ray.get(ray.remote(**options)(address).remote())
+
+
+def resolve_cpu_dtype(cfg: Config, resumed_meta: dict[str, Any] | None) -> str | None:
+    """Set ``model.dtype: auto`` of a CPU run to what this CPU trains fastest in (core.cpu), or to
+    the dtype of the checkpoint a resume continues; returns the line saying which and why. An
+    explicit dtype, or a GPU run, is left as it is (None)."""
+    if cfg.model.dtype != "auto" or resolve_device(cfg.cluster.device) != "cpu":
+        return None
+    if resumed_meta is not None:
+        # A checkpoint written before auto chose by CPU has no model_dtype: auto then meant fp32 on the CPU.
+        cfg.model.dtype = resumed_meta.get("model_dtype") or "float32"
+        return f"model.dtype=auto -> {cfg.model.dtype}, as the checkpoint this run resumes was trained"
+    info = cpu_info()
+    choice = choose_cpu_dtype(info, MatmulShape.of_model(cfg.model.path))
+    cfg.model.dtype = choice.dtype
+    return f"model.dtype=auto -> {choice.dtype} on {info.describe()}: {choice.reason}"
+
+
+def _save(run: Run, step: int) -> None:
+    import ray
+
+    folder = checkpoint.prepare(run.cfg.checkpoint_dir, step)
+    run.actor.call("save", str(folder / "actor"))
+    if run.cfg.checkpoint.save_hf:  # an HF folder beside it (with trainer.lora: a PEFT adapter folder)
+        run.actor.call("save_hf", str(folder / "hf"))
+    if run.critic is not None:
+        run.critic.call("save", str(folder / "critic"))
+    state = ray.get(run.rollout.state_dict.remote())
+    # model_dtype: what auto resolved to, for a resume
+    meta = {"rollout_state": state, "run_id": run.run_id, "model_dtype": run.cfg.model.dtype}
+    checkpoint.commit(run.cfg.checkpoint_dir, step, meta, keep_last=run.cfg.checkpoint.keep_last)

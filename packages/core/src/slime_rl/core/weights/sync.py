@@ -1,0 +1,77 @@
+"""How the trainer's weights reach the rollout engines: decided once per run, done every step.
+
+`WeightSync` is built once the trainer ranks and the rollout worker exist. It asks the rollout
+worker, once, whether its engine has a trainer-side sender, and picks one of three paths:
+
+- ``engine``: the engine names a `WeightSender` (SGLang): every trainer rank runs it and rank 0
+  pushes straight to the servers, by the run's transport (``rollout.update_weight_transport``,
+  ``auto`` resolved once by `resolve_transport`); the engine holds generation around the push;
+- ``files``: rank 0's buckets as shared-memory files the rollout process reads and deletes, when
+  both run on one node (tensor_transport says why files are preferred);
+- ``object_store``: the buckets through Ray's object store, across nodes.
+
+The driver never holds the weights on any path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Literal
+
+from slime_rl.core.infra.leftovers import weights_folder
+
+if TYPE_CHECKING:
+    from slime_rl.core.config import Config
+    from slime_rl.core.config.placement import Placement
+    from slime_rl.core.run.loop import TrainerGroup
+
+SyncPath = Literal["engine", "files", "object_store"]
+
+
+def resolve_transport(setting: str, *, colocated: bool, on_cuda: bool) -> str:
+    """``rollout.update_weight_transport`` as a sync uses it. ``auto``: an NCCL broadcast (``nccl``)
+    from the trainer's GPU to engines on other GPUs; otherwise ``tensor`` (CUDA IPC handles to
+    engines sharing the trainer's GPUs, or CPU tensors by value)."""
+    if setting != "auto":
+        return setting
+    return "nccl" if on_cuda and not colocated else "tensor"
+
+
+class WeightSync:
+    """The run's weight sync: its path and transport, and the lookups they need, fixed at construction.
+
+    ``actor`` is the trainer's ranks (``workers``, ``start``); ``rollout`` the rollout worker's
+    Ray handle. Construction asks the rollout for its engine's sender and, without one, both node ids;
+    `sync` asks nothing more."""
+
+    def __init__(self, cfg: Config, plan: Placement, actor: TrainerGroup, rollout: Any):
+        import ray
+
+        self.actor, self.rollout = actor, rollout
+        self.bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
+        self.sender: str | None = ray.get(rollout.weight_sender.remote())  # module:attr of a WeightSender
+        self.transport: str | None = None  # the engine path's transport
+        self.path: SyncPath
+        if self.sender is not None:
+            self.path = "engine"
+            self.transport = resolve_transport(cfg.rollout.update_weight_transport, colocated=plan.colocate,
+                                               on_cuda=plan.device == "cuda")
+        else:
+            rollout_node, rank0_node = ray.get([rollout.node_id.remote(), actor.workers[0].node_id.remote()])
+            self.path = "files" if rollout_node == rank0_node else "object_store"
+
+    def sync(self, *, version: int) -> SyncPath:
+        """Send the trainer's current weights to the engines as ``version``; returns the path taken."""
+        import ray
+
+        if self.path == "engine":
+            handle = ray.get(self.rollout.begin_weight_sync.remote(version, self.transport))
+            ray.get(self.actor.start("push_weights", self.sender, handle, self.bucket_bytes, version,
+                                          self.transport))
+            ray.get(self.rollout.end_weight_sync.remote(version))
+            return self.path
+        files = weights_folder() if self.path == "files" else contextlib.nullcontext()
+        with files as folder:  # None: through the object store
+            refs = self.actor.start("weight_buckets", self.bucket_bytes, folder)
+            ray.get([self.rollout.update_weights.remote(refs[0], version), *refs[1:]])
+        return self.path
