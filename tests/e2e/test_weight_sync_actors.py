@@ -54,7 +54,7 @@ def test_weight_sync_between_the_real_actors(engine, transport, path, tiny_model
         rollout = ray.remote(**reservation.rollout_options())(RolloutWorker).remote(cfg.to_dict(), str(tmp_path / "s"))
         try:
             ray.get(rollout.ping.remote())
-            actor.call("ready")
+            actor.wait_ready()
             weight_sync = WeightSync(cfg, plan, actor, rollout)
             assert (weight_sync.path, weight_sync.transport) == (path, transport if engine == "sglang" else None)
             assert [weight_sync.sync(version=v) for v in (1, 2)] == [path, path]

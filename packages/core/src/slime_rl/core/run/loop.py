@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.config.builtin_models import resolve_model_paths
@@ -32,40 +32,84 @@ from slime_rl.core.run.metrics import MetricsLogger, phase
 from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
 from slime_rl.core.weights.sync import WeightSync
 
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
 # (event, payload): "start", "step" (a failed step's payload has "failure": why), "eval", "done"
 Callback = Callable[[str, dict[str, Any]], None]
 
 
 class TrainerGroup:
-    """The trainer's ranks as Ray actors. `call` runs a method on every rank and returns rank 0's
-    answer; `start` and `each` (each rank its own arguments) return the result references unread."""
+    """The trainer's ranks as Ray actors, one method per `TrainerWorker` call the run makes. Every call
+    goes to all ranks at once (they are collective); what the driver reads comes from rank 0 (the
+    others answer None). Methods returning references leave them unread: they go to other actors."""
 
-    def __init__(self, cfg: Config, role: str, reservation: Reservation):
+    def __init__(self, cfg: Config, role: Literal["actor", "critic"], reservation: Reservation):
         import ray
 
         world = cfg.actor_num_gpus
         master_addr, master_port = _rendezvous_address(reservation)
-        self.workers = [
+        self.workers: list[ActorHandle] = [
             ray.remote(**reservation.trainer_options(rank))(TrainerWorker).remote(
                 cfg.to_dict(), rank=rank, world_size=world, master_addr=master_addr, master_port=master_port,
                 role=role)
             for rank in range(world)
         ]
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.first(self.start(method, *args, **kwargs))
+    def wait_ready(self) -> None:
+        """Once every rank is built (`TrainerWorker.ready` raises a rank's construction error)."""
+        self._rank0([w.ready.remote() for w in self.workers])
 
-    def start(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``method(*args)`` on every rank; the result references, unread."""
-        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+    def node_ids(self) -> list[str]:
+        import ray
 
-    def each(self, method: str, *per_rank: list[Any], num_returns: int = 1) -> list[Any]:
-        """``method(per_rank[0][r], per_rank[1][r], ...)`` on rank r; the result references, unread."""
-        return [getattr(w, method).options(num_returns=num_returns).remote(*(args[r] for args in per_rank))
-                for r, w in enumerate(self.workers)]
+        return ray.get([w.node_id.remote() for w in self.workers])
+
+    def compute_values(self, shards: list[ObjectRef]) -> list[ObjectRef]:
+        """Critic: each rank's values of its shard (`TrainerWorker.compute_values`), unread."""
+        return [w.compute_values.remote(shard) for w, shard in zip(self.workers, shards, strict=True)]
+
+    def prepare(self, shards: list[ObjectRef], values: list[ObjectRef] | list[None]
+                ) -> tuple[dict[str, float], list[ObjectRef]]:
+        """`TrainerWorker.prepare` of each rank's shard (with the critic's values of it). Once all are
+        done: rank 0's timings, and each rank's returns unread (the critic's targets, for its `train`)."""
+        refs = [w.prepare.options(num_returns=2).remote(shard, value)
+                for w, shard, value in zip(self.workers, shards, values, strict=True)]
+        return self._rank0([timings for timings, _ in refs]), [returns for _, returns in refs]
+
+    def train(self, returns: list[ObjectRef] | None = None) -> dict[str, float]:
+        """`TrainerWorker.train` on the prepared shards (a critic's rank r on ``returns[r]``); rank 0's metrics."""
+        per_rank = returns if returns is not None else [None] * len(self.workers)
+        return self._rank0([w.train.remote(r) for w, r in zip(self.workers, per_rank, strict=True)])
+
+    def weight_buckets(self, bucket_bytes: int, folder: str | None) -> list[ObjectRef]:
+        """`TrainerWorker.weight_buckets` on every rank, unread: rank 0's reference holds the buckets
+        (arrays, or files in ``folder``), the others' say when each rank is done with the gather."""
+        return [w.weight_buckets.remote(bucket_bytes, folder) for w in self.workers]
+
+    def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
+        """`TrainerWorker.push_weights` on every rank: the weights straight to the engine's servers."""
+        self._rank0([w.push_weights.remote(sender_spec, handle, bucket_bytes, version, transport)
+                     for w in self.workers])
+
+    def save(self, path: str) -> None:
+        self._rank0([w.save.remote(path) for w in self.workers])
+
+    def save_hf(self, path: str) -> None:
+        self._rank0([w.save_hf.remote(path) for w in self.workers])
+
+    def load(self, path: str) -> None:
+        self._rank0([w.load.remote(path) for w in self.workers])
+
+    def offload(self) -> None:
+        self._rank0([w.offload.remote() for w in self.workers])
+
+    def onload(self) -> None:
+        self._rank0([w.onload.remote() for w in self.workers])
 
     @staticmethod
-    def first(refs: list[Any]) -> Any:
+    def _rank0(refs: list[ObjectRef]) -> Any:
         """Rank 0's result, once every rank is done (the others return None: no N copies)."""
         import ray
 
@@ -228,10 +272,10 @@ def _start(cfg: Config, run_id: str, summary: dict[str, Any]) -> Run:
     rollout = ray.remote(**reservation.rollout_options())(RolloutWorker).remote(
         cfg.to_dict(), str(rollout_state_dir(log_dir, run_id)), str(log_dir))
     ray.get(rollout.ping.remote())
-    actor.call("ready")
+    actor.wait_ready()
     if critic is not None:
-        critic.call("ready")
-    summary["nodes"] = {"trainer": sorted(set(ray.get([w.node_id.remote() for w in actor.workers]))),
+        critic.wait_ready()
+    summary["nodes"] = {"trainer": sorted(set(actor.node_ids())),
                         "rollout": ray.get(rollout.node_id.remote())}
     return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout), run_id,
                hands_memory_over(cfg, plan))
@@ -251,14 +295,14 @@ def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
     start_step = 0
     if resumed is not None:
         folder, meta = resumed
-        run.actor.call("load", str(folder / "actor"))
+        run.actor.load(str(folder / "actor"))
         if run.critic is not None:
-            run.critic.call("load", str(folder / "critic"))
+            run.critic.load(str(folder / "critic"))
         ray.get(run.rollout.load_state_dict.remote(meta["rollout_state"]))
         start_step = meta["step"]
         run.weight_sync.sync(version=start_step)
     if run.offload:
-        run.actor.call("offload")
+        run.actor.offload()
     return start_step
 
 
@@ -271,18 +315,17 @@ def _train_on(run: Run, rollout: RolloutStep, timings: dict[str, float]) -> dict
         with phase(timings, "offload_rollout"):
             ray.get(run.rollout.release_memory.remote())
         with phase(timings, "onload_train"):
-            run.actor.call("onload")
+            run.actor.onload()
     shards = run.shards_for_ranks(rollout)
     metrics: dict[str, float] = {}
     with phase(timings, "prepare"):
-        values = run.critic.each("compute_values", shards) if run.critic else [None] * len(shards)
-        prepared = run.actor.each("prepare", shards, values, num_returns=2)  # (rank 0's timings, returns)
-        timings.update(TrainerGroup.first([timing for timing, _ in prepared]))
+        values = run.critic.compute_values(shards) if run.critic else [None] * len(shards)
+        prepare_timings, returns = run.actor.prepare(shards, values)
+        timings.update(prepare_timings)
     with phase(timings, "train"):
         if run.critic is not None:
-            critic_metrics = TrainerGroup.first(run.critic.each("train", [returns for _, returns in prepared]))
-            metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
-        metrics.update({f"train/{k}": v for k, v in run.actor.call("train").items()})
+            metrics.update({f"critic/{k}": v for k, v in run.critic.train(returns).items()})
+        metrics.update({f"train/{k}": v for k, v in run.actor.train().items()})
     return metrics
 
 
@@ -300,7 +343,7 @@ def _sync_after_train(run: Run, version: int, timings: dict[str, float]) -> str:
         path = run.weight_sync.sync(version=version)
     if run.offload:
         with phase(timings, "offload_train"):
-            run.actor.call("offload")
+            run.actor.offload()
         with phase(timings, "onload_rollout"):
             ray.get(run.rollout.resume_memory.remote())
     return path
@@ -355,11 +398,11 @@ def _save(run: Run, step: int) -> None:
     import ray
 
     folder = checkpoint.prepare(run.cfg.checkpoint_dir, step)
-    run.actor.call("save", str(folder / "actor"))
+    run.actor.save(str(folder / "actor"))
     if run.cfg.checkpoint.save_hf:  # an HF folder beside it (with trainer.lora: a PEFT adapter folder)
-        run.actor.call("save_hf", str(folder / "hf"))
+        run.actor.save_hf(str(folder / "hf"))
     if run.critic is not None:
-        run.critic.call("save", str(folder / "critic"))
+        run.critic.save(str(folder / "critic"))
     state = ray.get(run.rollout.state_dict.remote())
     # model_dtype: what auto resolved to, for a resume
     meta = {"rollout_state": state, "run_id": run.run_id, "model_dtype": run.cfg.model.dtype}

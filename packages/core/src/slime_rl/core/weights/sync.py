@@ -40,7 +40,7 @@ def resolve_transport(setting: str, *, colocated: bool, on_cuda: bool) -> str:
 class WeightSync:
     """The run's weight sync: its path and transport, and the lookups they need, fixed at construction.
 
-    ``actor`` is the trainer's ranks (``workers``, ``start``); ``rollout`` the rollout worker's
+    ``actor`` is the trainer's ranks (a `TrainerGroup`); ``rollout`` the rollout worker's
     Ray handle. Construction asks the rollout for its engine's sender and, without one, both node ids;
     `sync` asks nothing more."""
 
@@ -57,7 +57,7 @@ class WeightSync:
             self.transport = resolve_transport(cfg.rollout.update_weight_transport, colocated=plan.colocate,
                                                on_cuda=plan.device == "cuda")
         else:
-            rollout_node, rank0_node = ray.get([rollout.node_id.remote(), actor.workers[0].node_id.remote()])
+            rollout_node, rank0_node = ray.get(rollout.node_id.remote()), actor.node_ids()[0]
             self.path = "files" if rollout_node == rank0_node else "object_store"
 
     def sync(self, *, version: int) -> SyncPath:
@@ -66,12 +66,11 @@ class WeightSync:
 
         if self.path == "engine":
             handle = ray.get(self.rollout.begin_weight_sync.remote(version, self.transport))
-            ray.get(self.actor.start("push_weights", self.sender, handle, self.bucket_bytes, version,
-                                          self.transport))
+            self.actor.push_weights(self.sender, handle, self.bucket_bytes, version, self.transport)
             ray.get(self.rollout.end_weight_sync.remote(version))
             return self.path
         files = weights_folder() if self.path == "files" else contextlib.nullcontext()
         with files as folder:  # None: through the object store
-            refs = self.actor.start("weight_buckets", self.bucket_bytes, folder)
+            refs = self.actor.weight_buckets(self.bucket_bytes, folder)
             ray.get([self.rollout.update_weights.remote(refs[0], version), *refs[1:]])
         return self.path
