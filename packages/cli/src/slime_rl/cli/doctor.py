@@ -1,4 +1,10 @@
-"""`slime-cli doctor`: what is installed here and whether it imports."""
+"""`slime-cli doctor`: what is installed here and whether it imports.
+
+A backend adds lines of its own through the entry point group ``slime_rl.doctor_checks``: the entry
+point's name is the section, its target a function of no arguments returning ``(name, status)`` pairs
+(trainer-megatron's ``moe`` says which expert MLP its MoE layers run). The CLI imports no backend:
+a contribution that does not load, raises or returns something else is one line under its section.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ SLIME_PACKAGES = {
     "slime-rl-cli": "slime_rl.cli",
 }
 ENGINES = "slime_rl.rollout_engines"
+DOCTOR_CHECKS = "slime_rl.doctor_checks"
 LIBRARIES = ("megatron-core", "sglang", "sglang-router", "ray", "transformers", "pydantic")
 
 
@@ -119,17 +126,29 @@ def collect() -> Report:
 
     for dist in LIBRARIES:
         report.add("libraries", dist, _version(dist) or "not installed")
-    _moe_lines(report)
+    add_contributed_lines(report)
     return report
 
 
-def _moe_lines(report: Report) -> None:
-    """Which expert MLP the Megatron trainer's MoE layers use here (grouped GEMM or sequential)."""
+def add_contributed_lines(report: Report) -> None:
+    """Every installed ``slime_rl.doctor_checks`` contribution, by section name."""
+    for section, target in sorted(installed(DOCTOR_CHECKS).items()):
+        _add_contribution(report, section, target)
+
+
+def _add_contribution(report: Report, section: str, target: str) -> None:
+    """One backend's contribution as lines under ``section``; one line if it fails."""
     try:
-        from slime_rl.trainer_megatron.moe import expert_backend
-    except ImportError:  # no Megatron trainer installed (or it is broken: reported above)
+        lines = list(load_plugin(DOCTOR_CHECKS, section)())
+        if not all(isinstance(line, tuple) and len(line) == 2 and all(isinstance(part, str) for part in line)
+                   for line in lines):
+            raise TypeError(f"returned {repr(lines)[:80]}, not a list of (name, status) string pairs")
+    except Exception as err:  # a backend's broken check is reported, not raised: that is the doctor's job
+        report.add(section, section, f"{target} ({_provider(DOCTOR_CHECKS, section)}), does not run: {_cause(err)}",
+                   ok=False, what=f"{DOCTOR_CHECKS}:{section}")
         return
-    report.add("moe", "experts", expert_backend())
+    for name, status in lines:
+        report.add(section, name, status)
 
 
 def render(report: Report) -> str:

@@ -48,8 +48,13 @@ def moe_shape(hf_config, family: str) -> MoEShape:
     )
 
 
+def doctor_lines() -> list[tuple[str, str]]:
+    """``slime-cli doctor``'s ``moe`` section (entry point group ``slime_rl.doctor_checks``)."""
+    return [("experts", expert_backend())]
+
+
 def expert_backend() -> str:
-    """Which expert MLP the trainer's MoE layers run here, for ``slime-cli doctor``."""
+    """Which expert MLP the trainer's MoE layers run here: grouped GEMM or one MLP per expert."""
     from slime_rl.trainer_megatron.grouped_experts import grouped_mm_available
 
     if grouped_mm_available():
