@@ -175,8 +175,10 @@ class TrainerWorker(KeepsInitMistake):
 
 
 @dataclass
-class RolloutStep:
-    """What the driver gets of a rollout step: references and small numbers, never per-token data."""
+class BatchRefs:
+    """What the driver gets of a rollout step: object-store references to the step's `RolloutBatch`
+    shards and small numbers, never per-token data (the samples, `ScoredGroups`, stay in the rollout
+    worker)."""
 
     shards: list[Any]  # ObjectRef of each data-parallel rank's RolloutBatch shard; [] when it failed or was empty
     metrics: dict[str, float]
@@ -220,7 +222,7 @@ class RolloutWorker(KeepsInitMistake):
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     @trims_after
-    async def run_step(self, step: int) -> RolloutStep:
+    async def run_step(self, step: int) -> BatchRefs:
         """Roll out training step ``step`` (1-based) and put its batch in the object store, one shard
         per data-parallel rank, balanced by tokens; with ``logging.save_rollouts`` its samples go to
         ``rollouts/step_<step>.jsonl`` (a failed step's too, for the record)."""
@@ -229,7 +231,7 @@ class RolloutWorker(KeepsInitMistake):
         samples = [s for g in result.groups for s in g]
         if self.cfg.logging.save_rollouts and self.log_dir is not None and samples:
             _save_rollouts(self.log_dir / "rollouts" / f"step_{step:06d}.jsonl", samples)
-        out = RolloutStep([], result.metrics, result.exhausted, result.failure)
+        out = BatchRefs([], result.metrics, result.exhausted, result.failure)
         if result.failure is None and samples:
             # In a thread: a batch of millions of tokens takes a while, and requests keep being served meanwhile.
             await asyncio.to_thread(self._put_shards, samples, out, self.engine.weight_version)
@@ -241,7 +243,7 @@ class RolloutWorker(KeepsInitMistake):
         self.fully.start()
 
     @trims_after
-    async def next_batch(self, step: int, current_version: int | None = None) -> RolloutStep:
+    async def next_batch(self, step: int, current_version: int | None = None) -> BatchRefs:
         """cluster.async_mode=fully: training step ``step``'s batch, once enough groups are eligible
         for the trainer at ``current_version`` (core/fully_async.py); by default the engine's version,
         which is the trainer's: every trained step is synced before the next batch is asked for (a
@@ -249,16 +251,16 @@ class RolloutWorker(KeepsInitMistake):
         _set_threads(self.cfg)
         if current_version is None:
             current_version = self.engine.weight_version
-        batch = await self.fully.next_batch(current_version)
-        samples = [s for g in batch.groups for s in g]
+        result = await self.fully.next_batch(current_version)
+        samples = [s for g in result.groups for s in g]
         if self.cfg.logging.save_rollouts and self.log_dir is not None and samples:
             _save_rollouts(self.log_dir / "rollouts" / f"step_{step:06d}.jsonl", samples)
-        out = RolloutStep([], batch.metrics, batch.exhausted, batch.failure)
-        if batch.failure is None and samples:
+        out = BatchRefs([], result.metrics, result.exhausted, result.failure)
+        if result.failure is None and samples:
             await asyncio.to_thread(self._put_shards, samples, out, current_version)
         return out
 
-    def _put_shards(self, samples: list[Sample], out: RolloutStep, current_version: int) -> None:
+    def _put_shards(self, samples: list[Sample], out: BatchRefs, current_version: int) -> None:
         r = self.cfg.rollout
         out.metrics.update(self.engine.stats())
         # Cumulative, so a benchmark can take the engine's busy share of any stretch of steps.

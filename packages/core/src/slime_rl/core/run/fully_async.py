@@ -39,7 +39,7 @@ from slime_rl.core.algorithms.filters import BUFFER_FILTERS
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import DataSource
 from slime_rl.core.infra.plugins import load_function
-from slime_rl.core.run.rollout import RolloutRunner, sampling_params
+from slime_rl.core.run.rollout import RolloutRunner, ScoredGroups, sampling_params
 from slime_rl.core.sample import Sample, SampleStatus
 
 logger = logging.getLogger(__name__)
@@ -56,16 +56,6 @@ class Ledger:
     filtered: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     dropped_stale: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Batch:
-    """What `next_batch` hands the rollout worker."""
-
-    groups: list[Group]
-    metrics: dict[str, float]
-    exhausted: bool
-    failure: str | None = None
 
 
 class FullyAsyncRollout:
@@ -170,7 +160,7 @@ class FullyAsyncRollout:
 
     # ---------------------------------------------------------------- the trainer's side
 
-    async def next_batch(self, current_version: int) -> Batch:
+    async def next_batch(self, current_version: int) -> ScoredGroups:
         """``rollout_batch_size`` eligible groups (fewer only when the data ran out), as soon as they exist."""
         want = self.cfg.data.rollout_batch_size
         self.start()
@@ -207,7 +197,7 @@ class FullyAsyncRollout:
         for key in ("groups_seen", "samples_seen", "samples_failed"):
             self.counts[key] = 0
         self.first_error = None
-        return Batch(groups, metrics, self.finished and not self.ready, failure)
+        return ScoredGroups(groups, metrics, exhausted=self.finished and not self.ready, failure=failure)
 
     def _drop_stale(self, current_version: int) -> None:
         """Under ``drop``, groups whose oldest token is more than eta behind; under ``mask``, groups

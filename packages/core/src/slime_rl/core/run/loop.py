@@ -27,7 +27,7 @@ from slime_rl.core.infra.net import LOOPBACK, free_port
 from slime_rl.core.infra.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.infra.ray_placement import Reservation, reserve
 from slime_rl.core.run import checkpoint
-from slime_rl.core.run.actors import RolloutStep, RolloutWorker, TrainerWorker
+from slime_rl.core.run.actors import BatchRefs, RolloutWorker, TrainerWorker
 from slime_rl.core.run.metrics import MetricsLogger, phase
 from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
 from slime_rl.core.weights.sync import WeightSync
@@ -129,7 +129,7 @@ class Run:
     run_id: str
     offload: bool  # colocated on GPUs: trainer and engines take turns with the memory (slime's --offload)
 
-    def shards_for_ranks(self, rollout: RolloutStep) -> list[Any]:
+    def shards_for_ranks(self, rollout: BatchRefs) -> list[Any]:
         """Each trainer rank's shard reference: the one of its data-parallel rank."""
         return [rollout.shards[rank.dp_rank] for rank in self.plan.trainer]
 
@@ -172,7 +172,7 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
                 if pending is None:
                     pending = (run.rollout.next_batch.remote(step + 1) if fully
                                else run.rollout.run_step.remote(step + 1))
-                rollout: RolloutStep = ray.get(pending)
+                rollout: BatchRefs = ray.get(pending)
             metrics = rollout.metrics
             pending = None
             if rollout.failure is not None:
@@ -306,7 +306,7 @@ def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
     return start_step
 
 
-def _train_on(run: Run, rollout: RolloutStep, timings: dict[str, float]) -> dict[str, float]:
+def _train_on(run: Run, rollout: BatchRefs, timings: dict[str, float]) -> dict[str, float]:
     """One training step on the rollout's shards: each trainer rank fetches its own shard, adds
     log-probs, values and advantages to it, and trains. Returns the train (and critic) metrics."""
     import ray

@@ -9,7 +9,7 @@ never lost: they go back to the pending buffer, keeping their tokens when
 
 A step fails when more than ``rollout.max_failed_fraction`` of the samples it finished
 failed (reward or filter raised or timed out, generate function raised): the rollout
-stops at the end of that round of groups and says why in ``RolloutResult.failure``;
+stops at the end of that round of groups and says why in ``ScoredGroups.failure``;
 the loop then does not train on it (loop.py). A user's filter (``module:attr``) runs
 in the reward workers (rewards/__init__.py says why), under ``rollout.reward_timeout``.
 """
@@ -101,7 +101,11 @@ def load_generate_fn(cfg: Config, tokenizer: Any = None) -> GenerateFn:
 
 
 @dataclass
-class RolloutResult:
+class ScoredGroups:
+    """A rollout step's samples, scored and filtered: what `RolloutRunner` (and the fully async
+    producer) hands the rollout worker, which turns them into `RolloutBatch` shards. Per-token data:
+    it stays in the rollout process."""
+
     groups: list[Group]  # kept groups, scored, at most rollout_batch_size
     metrics: dict[str, float] = field(default_factory=dict)
     returned: int = 0  # groups put back in the pending buffer (aborted leftovers)
@@ -185,7 +189,7 @@ class RolloutRunner:
             sample.metadata["error"] = reason
         return None
 
-    async def run_step(self, data_source: DataSource, buffer: Buffer, *, current_version: int) -> RolloutResult:
+    async def run_step(self, data_source: DataSource, buffer: Buffer, *, current_version: int) -> ScoredGroups:
         """One rollout step, the only place a step takes from the buffer: generate and keep groups
         (`rollout`), store them durably, and take the step's training groups (oldest first, with
         the buffer's staleness bound against ``current_version``) into ``groups``. A failed step's
@@ -198,7 +202,7 @@ class RolloutRunner:
         result.groups = buffer.take(self.cfg.data.rollout_batch_size, current_version=current_version)
         return result
 
-    async def rollout(self, data_source: DataSource, buffer: Buffer) -> RolloutResult:
+    async def rollout(self, data_source: DataSource, buffer: Buffer) -> ScoredGroups:
         """One training rollout: ``rollout_batch_size`` kept groups (fewer only when the data ran out).
 
         Groups still needing generation come from ``buffer`` first (``take(partial=True)``),
@@ -263,7 +267,7 @@ class RolloutRunner:
             "rollout/groups_dropped_failed": dropped_failed, "rollout/groups_returned": returned,
             "rollout/samples_failed": samples_failed, "rollout/step_failed": float(failure is not None),
         })
-        return RolloutResult(kept, metrics, returned, exhausted, failure)
+        return ScoredGroups(kept, metrics, returned, exhausted, failure)
 
     def _prepare_leftover(self, group: Group) -> Group:
         """An unfinished group keeps its tokens under partial rollout, else restarts from its prompt."""
