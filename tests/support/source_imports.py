@@ -10,6 +10,7 @@ each marked with whether it runs when its module is imported (at module level, n
 from __future__ import annotations
 
 import ast
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,3 +123,12 @@ def _literal_import(call: ast.Call) -> str | None:
         return None
     first = call.args[0]
     return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    """A source tree for testing a checker: ``{relative path: text}`` (dedented) under ``root``."""
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root

@@ -7,11 +7,10 @@ pyproject.toml registers name a module of its own package and an attribute that 
 from __future__ import annotations
 
 import ast
-import textwrap
 import tomllib
 from pathlib import Path
 
-from source_imports import imports_of, modules_under, source_modules
+from source_imports import imports_of, modules_under, source_modules, write_tree
 
 REPO = Path(__file__).resolve().parents[2]
 CORE = "core"
@@ -83,14 +82,6 @@ def test_every_package_keeps_the_import_rules():
 
 def test_every_entry_point_points_into_its_own_package():
     assert stray_entry_points(REPO / "packages") == []
-
-
-def write_tree(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    return root
 
 
 def test_a_wrong_way_import_fails_wherever_it_stands(tmp_path):

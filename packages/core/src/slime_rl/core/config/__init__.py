@@ -23,6 +23,7 @@ from slime_rl.core.config.schema import (
     SELECTIVE_RECOMPUTE_MODULES,
     AlgorithmConfig,
     CheckpointConfig,
+    CheckpointError,
     ClusterConfig,
     Config,
     ConfigError,
@@ -39,7 +40,7 @@ from slime_rl.core.config.schema import (
 
 __all__ = [
     "MAX_CONFIG_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_VALUES", "SEED_MAX", "SELECTIVE_RECOMPUTE_MODULES",
-    "AlgorithmConfig", "CheckpointConfig", "ClusterConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
+    "AlgorithmConfig", "CheckpointConfig", "CheckpointError", "ClusterConfig", "Config", "ConfigError", "DataConfig", "EvalConfig",
     "LoggingConfig", "ModelConfig", "ParallelConfig", "RolloutConfig", "RunFailedError", "SandboxConfig", "TrainerConfig",
     "check_config", "check_model", "load_config", "parse_overrides", "parse_yaml", "read_model_shape",
 ]

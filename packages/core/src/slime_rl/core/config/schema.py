@@ -28,6 +28,16 @@ class ConfigError(ValueError):
         return type(self), (self.field, self.message), self.__dict__
 
 
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from. ``str(err)`` is one line: ``<file>: <what is wrong and the way on>``.
+
+    Here, below both modules that raise it: run/checkpoint.py (folders and checksums) and
+    infra/safe_pickle.py (what the pickles in them may hold), which the Megatron trainer also calls."""
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a trainer actor: Ray rebuilds it from both parts
+        return type(self), (self.field, self.message)
+
+
 class RunFailedError(RuntimeError):
     """A run stopped at run time for the reason its one-line message gives (``<field>: <what
     happened and the fix>``, e.g. too many failed rewards); not a bug, so no traceback, exit 1."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from slime_rl.core.run.checkpoint import CheckpointError
+from slime_rl.core.config import CheckpointError
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # What torch's FileSystemWriter and Megatron's planner put in ``.metadata`` (seen with torch 2.13 and

@@ -18,21 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from slime_rl.core.config import ConfigError
+from slime_rl.core.config import CheckpointError  # beside ConfigError, below this module and safe_pickle
 
 _STEP_NAME = re.compile(r"step_\d{6,}")
 _CHUNK = 8 << 20
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be resumed from. ``str(err)`` is one line: ``<file>: <what is wrong and the way on>``."""
-
-    def __init__(self, where: str, message: str):
-        super().__init__(where, message)
-        self.message = message
-
-    def __reduce__(self) -> tuple[Any, ...]:  # raised in a trainer actor: Ray rebuilds it from both parts
-        return type(self), (self.field, self.message)
 
 
 def step_dir(save_dir: str | Path, step: int) -> Path:
@@ -160,6 +149,7 @@ def latest(save_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
 def verify(folder: Path, meta: dict[str, Any]) -> None:
     """Every file of the checkpoint is there with the size and CRC-32 written at commit, no other
     file is, and every pickle in it holds only plain data and tensors; else CheckpointError."""
+    # Here, not at the top: safe_pickle imports torch, which only a resume needs (not slime-cli's progress).
     from slime_rl.core.infra import safe_pickle
 
     save_dir, broken = folder.parent, folder.name

@@ -16,16 +16,29 @@ The driver never holds the weights on any path.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from slime_rl.core.infra.leftovers import weights_folder
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
+
     from slime_rl.core.config import Config
     from slime_rl.core.config.placement import Placement
-    from slime_rl.core.run.loop import TrainerGroup
 
 SyncPath = Literal["engine", "files", "object_store"]
+
+
+class TrainerRanks(Protocol):
+    """What a sync asks of the trainer's ranks; run.loop's `TrainerGroup` has these methods. Declared
+    here so the weights layer does not import the run that uses it."""
+
+    def node_ids(self) -> list[str]: ...
+
+    def weight_buckets(self, bucket_bytes: int, folder: str | None) -> list[ObjectRef]: ...
+
+    def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
+        ...
 
 
 def resolve_transport(setting: str, *, colocated: bool, on_cuda: bool) -> str:
@@ -40,11 +53,11 @@ def resolve_transport(setting: str, *, colocated: bool, on_cuda: bool) -> str:
 class WeightSync:
     """The run's weight sync: its path and transport, and the lookups they need, fixed at construction.
 
-    ``actor`` is the trainer's ranks (a `TrainerGroup`); ``rollout`` the rollout worker's
+    ``actor`` is the trainer's ranks (`TrainerRanks`); ``rollout`` the rollout worker's
     Ray handle. Construction asks the rollout for its engine's sender and, without one, both node ids;
     `sync` asks nothing more."""
 
-    def __init__(self, cfg: Config, plan: Placement, actor: TrainerGroup, rollout: Any):
+    def __init__(self, cfg: Config, plan: Placement, actor: TrainerRanks, rollout: Any):
         import ray
 
         self.actor, self.rollout = actor, rollout
