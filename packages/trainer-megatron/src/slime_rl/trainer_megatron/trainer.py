@@ -375,7 +375,7 @@ class MegatronTrainer(PolicyTrainer):
         if self.role == "critic":
             if batch.values is None or batch.returns is None:
                 raise ValueError("train_step (critic): the batch needs values (compute_values) and returns"
-                                 " (compute_advantages with the ppo estimator)")
+                                 " (compute_advantages with an estimator that needs a critic, e.g. ppo)")
         elif self.cfg.algorithm.loss_type != "sft" and batch.advantages is None:
             raise ValueError("train_step: the batch needs advantages (one per response token; compute_advantages)")
 

@@ -1,1 +1,2 @@
-"""RL math: advantage estimators, policy/KL/entropy losses, staleness, dynamic-sampling filters, LoRA specs."""
+"""RL math: advantage estimators, policy/KL/entropy losses and their registries, staleness, dynamic-sampling filters,
+LoRA specs."""

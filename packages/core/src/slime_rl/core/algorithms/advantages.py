@@ -1,7 +1,8 @@
 """Advantage estimators.
 
 Small pure functions over padded ``[batch, response_len]`` tensors (or
-``[num_groups, n_samples_per_prompt]`` sequence rewards), and
+``[num_groups, n_samples_per_prompt]`` sequence rewards); the estimators built on them, each
+``fn(inputs: AdvantageInputs)`` and named with what it declares in registry.py; and
 :func:`compute_advantages`, which applies the configured one to a trainer rank's
 `RolloutBatch` shard. docs/algorithms.md has every formula.
 
@@ -14,10 +15,12 @@ ref_log_probs`` (k1), counted only where ``loss_mask`` is 1.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from slime_rl.core.algorithms.registry import advantage_estimator_of
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import AlgorithmConfig
 
@@ -116,12 +119,94 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, *, sum_over_dp: SumOverDP
     return (x - mean) * torch.rsqrt(var + eps)
 
 
+# ---------------------------------------------------------------- the estimators (registry.py names them)
+
+
+@dataclass
+class AdvantageInputs:
+    """What an estimator gets: one data-parallel rank's shard, padded to ``[B, T]``, in float64.
+
+    A group may span ranks: :meth:`grouped` gathers per-sample values of the whole step into
+    ``[num_groups, n]`` (an all-reduce, so every rank must call it alike) and :meth:`mine` takes
+    this shard's rows back; only an estimator that declares ``groups`` may call them."""
+
+    rewards: Tensor  # [B] sequence rewards
+    kl: Tensor  # [B, T] old - ref log-probs on trained tokens (k1); 0 without a reference model
+    loss_mask: Tensor  # [B, T] 1 on trained tokens
+    valid: Tensor  # [B, T] 1 on response tokens, 0 on padding
+    values: Tensor | None  # [B, T] the critic's values (an estimator that declares needs_critic)
+    algo: AlgorithmConfig
+    n_samples_per_prompt: int
+    step_size: int  # samples in the whole step (all ranks)
+    positions: Tensor  # [B] each sample's position in the step
+    sum_over_dp: SumOverDP = _local
+    groups_checked: bool = False  # the step holds each group as one run of n (the estimator declares groups)
+
+    def grouped(self, per_sample: Tensor) -> Tensor:
+        """This shard's ``[B]`` per-sample values -> ``[num_groups, n]`` over the whole step."""
+        if not self.groups_checked:
+            raise ValueError("AdvantageInputs.grouped: the estimator must declare groups=True to use groups")
+        full = torch.zeros(self.step_size, dtype=torch.float64)
+        full[self.positions] = per_sample.to(torch.float64)
+        return self.sum_over_dp(full).view(-1, self.n_samples_per_prompt)
+
+    def mine(self, grouped: Tensor) -> Tensor:
+        """``[num_groups, n]`` over the whole step -> this shard's ``[B]``."""
+        return grouped.reshape(-1)[self.positions]
+
+
+#: What an estimator returns: ``[B, T]`` advantages, or ``(advantages, returns)``.
+EstimatorResult = Tensor | tuple[Tensor, Tensor]
+
+
+def _penalised_groups(inputs: AdvantageInputs) -> Tensor:
+    """Sequence rewards less the summed KL penalty, ``[num_groups, n]`` over the whole step."""
+    return inputs.grouped(inputs.rewards - inputs.algo.kl_coef * inputs.kl.sum(-1))
+
+
+def _per_token(inputs: AdvantageInputs, seq_advantages: Tensor) -> Tensor:
+    return inputs.mine(seq_advantages)[:, None] * inputs.valid
+
+
+def grpo_estimator(inputs: AdvantageInputs) -> Tensor:
+    return _per_token(inputs, grpo_advantages(_penalised_groups(inputs),
+                                              normalize_std=inputs.algo.grpo_std_normalization))
+
+
+def dr_grpo_estimator(inputs: AdvantageInputs) -> Tensor:
+    return _per_token(inputs, dr_grpo_advantages(_penalised_groups(inputs)))
+
+
+def rloo_estimator(inputs: AdvantageInputs) -> Tensor:
+    return _per_token(inputs, rloo_advantages(_penalised_groups(inputs)))
+
+
+def _token_rewards(inputs: AdvantageInputs) -> Tensor:
+    """The sequence reward on the last trained token, less the per-token KL penalty."""
+    return outcome_token_rewards(inputs.rewards, inputs.loss_mask, inputs.valid) - inputs.algo.kl_coef * inputs.kl
+
+
+def reinforce_plus_plus_estimator(inputs: AdvantageInputs) -> Tensor:
+    return discounted_returns(_token_rewards(inputs), inputs.valid, inputs.algo.gamma)
+
+
+def reinforce_plus_plus_baseline_estimator(inputs: AdvantageInputs) -> Tensor:
+    centered = inputs.mine(dr_grpo_advantages(inputs.grouped(inputs.rewards)))[:, None]
+    return centered * inputs.valid - inputs.algo.kl_coef * inputs.kl
+
+
+def gae_estimator(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    assert inputs.values is not None  # the estimator declares needs_critic: compute_advantages checked
+    return gae(_token_rewards(inputs), inputs.values, inputs.valid, inputs.algo.gamma, inputs.algo.lambd)
+
+
 # ---------------------------------------------------------------- a batch's advantages
 
 
 def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig, *, n_samples_per_prompt: int,
                        sum_over_dp: SumOverDP = _local) -> None:
-    """Fill ``batch.advantages`` (and ``batch.returns`` for ppo) on one data-parallel rank's shard.
+    """Fill ``batch.advantages`` (and ``batch.returns`` when the estimator gives them: ppo) on one
+    data-parallel rank's shard, with the estimator ``algo.advantage_estimator`` names (registry.py).
 
     Groups are runs of ``n_samples_per_prompt`` consecutive step positions sharing a group id; a
     group may span ranks: per-sample values are summed over the ranks (``sum_over_dp``, the
@@ -131,61 +216,37 @@ def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig, *, n_samples_
     penalty (none when the batch has no ``ref_log_probs``). Computed in float64, stored float32."""
     if len(batch) == 0:
         return
+    estimator = advantage_estimator_of(algo)
     n = n_samples_per_prompt
     for name in ("old_log_probs", "ref_log_probs", "values"):
         column = getattr(batch, name)
         if column is not None and len(column) != batch.num_response_tokens:
             raise ValueError(f"{name} has {len(column)} entries for the batch's {batch.num_response_tokens} "
                              "response tokens; the trainer must return one per response token")
+    if estimator.needs_critic and batch.values is None:
+        raise ValueError(f"{estimator.name} needs critic values (PolicyTrainer.compute_values) on the batch")
     loss_mask = batch.padded(batch.loss_mask, dtype=torch.float64)
     valid = batch.response_mask().to(torch.float64)
-    kl = _token_kl(batch) * loss_mask
-    rewards = batch.rewards.to(torch.float64)
-    estimator = algo.advantage_estimator
-    whiten_batch = algo.normalize_advantages
-    returns = None
-
-    def whole_step(per_sample: Tensor) -> Tensor:
-        """This shard's per-sample values -> ``[num_groups, n]`` over the whole step."""
-        full = torch.zeros(batch.step_size, dtype=torch.float64)
-        full[batch.positions] = per_sample.to(torch.float64)
-        return sum_over_dp(full).view(-1, n)
-
-    def mine(grouped: Tensor) -> Tensor:
-        return grouped.reshape(-1)[batch.positions]
-
-    if estimator in ("grpo", "gspo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"):
+    inputs = AdvantageInputs(
+        rewards=batch.rewards.to(torch.float64), kl=_token_kl(batch) * loss_mask, loss_mask=loss_mask, valid=valid,
+        values=None if batch.values is None else batch.padded(batch.values, dtype=torch.float64), algo=algo,
+        n_samples_per_prompt=n, step_size=batch.step_size, positions=batch.positions, sum_over_dp=sum_over_dp)
+    if estimator.groups:
         if n < 1 or batch.step_size % n:
             raise ValueError(f"{batch.step_size} samples do not split into groups of n_samples_per_prompt={n}")
-        _check_groups(whole_step(batch.group_ids.to(torch.float64) + 1), whole_step(torch.ones(len(batch))), n)
-    if estimator in ("grpo", "gspo", "dr_grpo", "rloo"):
-        grouped = whole_step(rewards - algo.kl_coef * kl.sum(-1))
-        if estimator == "dr_grpo":
-            seq_adv = dr_grpo_advantages(grouped)
-        elif estimator == "rloo":
-            seq_adv = rloo_advantages(grouped)
-        else:
-            seq_adv = grpo_advantages(grouped, normalize_std=algo.grpo_std_normalization)
-        advantages = mine(seq_adv)[:, None] * valid
-    elif estimator == "reinforce_plus_plus":
-        token_rewards = outcome_token_rewards(rewards, loss_mask, valid) - algo.kl_coef * kl
-        advantages = discounted_returns(token_rewards, valid, algo.gamma)
-        whiten_batch = True
-    elif estimator == "reinforce_plus_plus_baseline":
-        centered = mine(dr_grpo_advantages(whole_step(rewards)))[:, None]
-        advantages = centered * valid - algo.kl_coef * kl
-        whiten_batch = True
-    elif estimator == "ppo":
-        if batch.values is None:
-            raise ValueError("ppo needs critic values (PolicyTrainer.compute_values) on the batch")
-        values = batch.padded(batch.values, dtype=torch.float64)
-        token_rewards = outcome_token_rewards(rewards, loss_mask, valid) - algo.kl_coef * kl
-        advantages, returns = gae(token_rewards, values, valid, algo.gamma, algo.lambd)
-    else:
-        raise ValueError(f"algorithm.advantage_estimator: unknown estimator {estimator!r}")
+        inputs.groups_checked = True
+        _check_groups(inputs.grouped(batch.group_ids.to(torch.float64) + 1), inputs.grouped(torch.ones(len(batch))),
+                      n)
+    result = estimator.load()(inputs)
+    advantages, returns = result if isinstance(result, tuple) else (result, None)
+    for what, tensor in (("advantages", advantages), ("returns", returns)):
+        if tensor is not None and (not isinstance(tensor, Tensor) or tensor.shape != loss_mask.shape):
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"algorithm.advantage_estimator {estimator.name!r} returned {what} of shape {got};"
+                             f" give one value per padded response token, {tuple(loss_mask.shape)}")
 
-    if whiten_batch:
-        advantages = whiten(advantages, loss_mask, sum_over_dp=sum_over_dp)
+    if estimator.whitens or algo.normalize_advantages:
+        advantages = whiten(advantages.to(torch.float64), loss_mask, sum_over_dp=sum_over_dp)
     batch.advantages = batch.unpad(advantages * loss_mask).to(torch.float32)
     if returns is not None:
         batch.returns = batch.unpad(returns).to(torch.float32)

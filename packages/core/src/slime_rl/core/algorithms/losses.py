@@ -1,5 +1,8 @@
 """Policy, KL, entropy, value and SFT losses over padded ``[batch, response_len]`` tensors.
 
+The policy surrogates are ``fn(inputs: PolicyLossInputs) -> PolicyLossTerms``, named with what
+they declare in registry.py (``algorithm.policy_loss``, or a user's ``module:attr``).
+
 Every tensor in a :class:`LossBatch` covers response tokens only; ``loss_mask``
 is 0 on padding and on tokens not trained on. A trainer that packs sequences
 turns its flat per-token tensors into rows with :func:`pad_sequences`.
@@ -15,11 +18,12 @@ docs/algorithms.md has every formula.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from slime_rl.core.algorithms.registry import policy_loss_of
 from slime_rl.core.config import AlgorithmConfig
 
 LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| beyond this is clamped so exp() stays finite
@@ -163,9 +167,50 @@ def sft_loss(log_probs: Tensor, loss_mask: Tensor, *, loss_agg: str, num_tokens:
 # ---------------------------------------------------------------- the loss a trainer calls
 
 
-def effective_policy_loss(algo: AlgorithmConfig) -> str:
-    """The surrogate in use: ``advantage_estimator=gspo`` implies GSPO's sequence-level ratio."""
-    return "gspo" if algo.advantage_estimator == "gspo" else algo.policy_loss
+@dataclass
+class PolicyLossInputs:
+    """What a policy loss gets: padded ``[B, T]`` tensors over response tokens (float32 or wider)."""
+
+    log_probs: Tensor  # current policy, requires grad
+    old_log_probs: Tensor
+    log_ratio: Tensor  # log_probs - old_log_probs, clamped to +-LOG_RATIO_LIMIT
+    advantages: Tensor
+    loss_mask: Tensor
+    algo: AlgorithmConfig
+    eps_clip_high: float  # algorithm.eps_clip_high, defaulted to eps_clip
+
+
+@dataclass
+class PolicyLossTerms:
+    """A policy loss's per-token ``[B, T]`` terms; compute_loss aggregates each (``algorithm.loss_agg``)."""
+
+    loss: Tensor  # the surrogate (TIS weights it when on)
+    clipped: Tensor  # 1 where clipped: the clip_frac metric
+    ratio: Tensor  # the ratio the loss used: the ratio_* metrics
+    token_metrics: dict[str, Tensor] = field(default_factory=dict)  # more metrics, aggregated like the loss
+
+
+def ppo_policy_loss(inputs: PolicyLossInputs) -> PolicyLossTerms:
+    return _clipped_surrogate(inputs, inputs.log_ratio)
+
+
+def gspo_policy_loss(inputs: PolicyLossInputs) -> PolicyLossTerms:
+    log_ratio = sequence_log_ratio(inputs.log_probs, inputs.old_log_probs, inputs.loss_mask)
+    return _clipped_surrogate(inputs, log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+
+
+def _clipped_surrogate(inputs: PolicyLossInputs, log_ratio: Tensor) -> PolicyLossTerms:
+    algo = inputs.algo
+    loss, clipped, dual = ppo_clip_loss(log_ratio, inputs.advantages, algo.eps_clip, inputs.eps_clip_high,
+                                        algo.eps_clip_c)
+    return PolicyLossTerms(loss, clipped, log_ratio.exp(),
+                           {"dual_clip_frac": dual} if algo.eps_clip_c is not None else {})
+
+
+def cispo_policy_loss(inputs: PolicyLossInputs) -> PolicyLossTerms:
+    loss, clipped = cispo_loss(inputs.log_probs, inputs.log_ratio, inputs.advantages, inputs.algo.eps_clip,
+                               inputs.eps_clip_high)
+    return PolicyLossTerms(loss, clipped, inputs.log_ratio.exp())
 
 
 def compute_loss(algo: AlgorithmConfig, batch: LossBatch, *, eps_clip_high: float, num_tokens: float,
@@ -189,19 +234,15 @@ def compute_loss(algo: AlgorithmConfig, batch: LossBatch, *, eps_clip_high: floa
         return sft_loss(b.log_probs, mask, loss_agg=algo.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
 
     token_log_ratio = (b.log_probs - b.old_log_probs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    policy = effective_policy_loss(algo)
-    metrics: dict[str, Tensor] = {}
-    if policy == "cispo":
-        pg, clipped = cispo_loss(b.log_probs, token_log_ratio, b.advantages, algo.eps_clip, eps_clip_high)
-        ratio = token_log_ratio.exp()
-    else:
-        log_ratio = token_log_ratio
-        if policy == "gspo":
-            log_ratio = sequence_log_ratio(b.log_probs, b.old_log_probs, mask).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-        pg, clipped, dual = ppo_clip_loss(log_ratio, b.advantages, algo.eps_clip, eps_clip_high, algo.eps_clip_c)
-        ratio = log_ratio.exp()
-        if algo.eps_clip_c is not None:
-            metrics["dual_clip_frac"] = agg(dual)
+    policy = policy_loss_of(algo)
+    terms = policy.load()(PolicyLossInputs(log_probs=b.log_probs, old_log_probs=b.old_log_probs,
+                                           log_ratio=token_log_ratio, advantages=b.advantages, loss_mask=mask,
+                                           algo=algo, eps_clip_high=eps_clip_high))
+    if not isinstance(terms, PolicyLossTerms):
+        raise ValueError(f"algorithm.policy_loss {policy.name!r} returned a {type(terms).__name__}; return"
+                         " PolicyLossTerms(loss, clipped, ratio) of [B, T] tensors")
+    pg, clipped, ratio = terms.loss, terms.clipped, terms.ratio
+    metrics = {name: agg(value) for name, value in terms.token_metrics.items()}
 
     if b.rollout_log_probs is not None:
         metrics["train_rollout_logprob_abs_diff"] = agg((b.old_log_probs - b.rollout_log_probs).abs())

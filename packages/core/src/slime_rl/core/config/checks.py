@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from slime_rl.core.algorithms.registry import POLICY_LOSSES, advantage_estimator_of
 from slime_rl.core.config.builtin_models import BUILTIN_PREFIX, MODEL_PATH_FIELDS
 from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.config.schema import Config, ConfigError
+from slime_rl.core.infra.plugins import PluginError
 
 FILE_SOURCES = ("jsonl", "parquet")  # the built-in data sources, which read prompt files; a user's may read anything
 
@@ -116,12 +118,11 @@ def check_config(cfg: Config) -> None:
         )
     if t.min_lr > t.lr:
         raise ConfigError("trainer.min_lr", f"{t.min_lr:g} is above trainer.lr = {t.lr:g}; the decay floor is at most lr")
+    check_algorithm(cfg)
     _check_lora(cfg)
     a = cfg.algorithm
     if a.eps_clip_c is not None and a.eps_clip_c <= 1:
         raise ConfigError("algorithm.eps_clip_c", f"dual-clip needs a value > 1, got {a.eps_clip_c}")
-    if a.advantage_estimator == "ppo" and a.loss_type == "sft":
-        raise ConfigError("algorithm.loss_type", "sft has no advantages; drop advantage_estimator=ppo")
     if d.source in FILE_SOURCES:
         if d.prompt_data is None:
             raise ConfigError("data.prompt_data", "set it to a JSONL or Parquet file of prompts")
@@ -151,6 +152,27 @@ def check_config(cfg: Config) -> None:
     plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)
 
 
+def check_algorithm(cfg: Config) -> None:
+    """The estimator and the policy loss load (a user's `module:attr` is imported and its signature
+    checked), and what the estimator declares fits the rest of the config."""
+    a = cfg.algorithm
+    try:
+        estimator = advantage_estimator_of(a)
+    except PluginError as err:
+        raise ConfigError("algorithm.advantage_estimator", str(err)) from None
+    try:
+        loss = POLICY_LOSSES.resolve(estimator.policy_loss or a.policy_loss)
+    except PluginError as err:  # an estimator's implied loss is its own mistake
+        raise ConfigError("algorithm.advantage_estimator" if estimator.policy_loss else "algorithm.policy_loss",
+                          str(err)) from None
+    if a.eps_clip_c is not None and not loss.dual_clip:
+        raise ConfigError("algorithm.eps_clip_c", f"policy loss {loss.name!r} has no dual-clip; drop eps_clip_c or"
+                          f" use one that has ({', '.join(e.name for e in POLICY_LOSSES if e.dual_clip)})")
+    if estimator.needs_critic and a.loss_type == "sft":
+        raise ConfigError("algorithm.loss_type", f"sft has no advantages; drop advantage_estimator="
+                                                 f"{a.advantage_estimator} (it trains a critic)")
+
+
 def _check_lora(cfg: Config) -> None:
     """trainer.lora's reference is the base model with the adapters off; a critic trains in full."""
     if cfg.trainer.lora.rank == 0:
@@ -161,9 +183,9 @@ def _check_lora(cfg: Config) -> None:
     if ref is not None and ref != cfg.model.path:
         raise ConfigError("model.ref_path", f"{ref}: with trainer.lora the reference is model.path with the adapters"
                           " off (no second model); drop model.ref_path or set trainer.lora.rank=0")
-    if cfg.algorithm.advantage_estimator == "ppo":
-        raise ConfigError("trainer.lora", "the PPO critic has no adapters; use a critic-free estimator (grpo, rloo, ...)"
-                          " or trainer.lora.rank=0")
+    if advantage_estimator_of(cfg.algorithm).needs_critic:
+        raise ConfigError("trainer.lora", f"the critic of advantage_estimator={cfg.algorithm.advantage_estimator} has"
+                          " no adapters; use a critic-free estimator (grpo, rloo, ...) or trainer.lora.rank=0")
 
 
 def plan_device(cfg: Config) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slime_rl.core.algorithms.registry import advantage_estimator_of
 from slime_rl.core.config.device import Device, resolve_device
 from slime_rl.core.config.schema import Config, ConfigError  # not .config: its checks import this module
 
@@ -138,7 +139,7 @@ def plan_placement(cfg: Config, device: Device | None = None) -> Placement:
         engines.append(EnginePlacement(index=e, bundles=tuple(b.index for b in own),
                                        gpus=tuple((b.node, b.gpu) for b in own)))
 
-    critic = cfg.algorithm.advantage_estimator == "ppo"
+    critic = advantage_estimator_of(cfg.algorithm).needs_critic
     share = COLOCATED_GPU_SHARE if c.colocate else (0.5 if critic else 1.0)
     return Placement(
         device=device or resolve_device(c.device), colocate=c.colocate, num_gpus_per_node=per_node, bundles=bundles,

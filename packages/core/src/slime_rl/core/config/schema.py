@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from slime_rl.core.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
 
 class ConfigError(ValueError):
     """A config mistake. ``str(err)`` is one line: ``<field>: <what is wrong and the fix>``."""
@@ -150,11 +152,10 @@ class RolloutConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    advantage_estimator: Literal[
-        "grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"
-    ] = "grpo"
+    # The names are core/algorithms/registry.py's; a `module:attr` is the user's, loaded by check_config.
+    advantage_estimator: Annotated[str, AfterValidator(ADVANTAGE_ESTIMATORS.check_name)] = "grpo"
     loss_type: Literal["policy", "sft"] = "policy"
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    policy_loss: Annotated[str, AfterValidator(POLICY_LOSSES.check_name)] = "ppo"
     grpo_std_normalization: bool = True  # off automatically when n_samples_per_prompt == 1
     normalize_advantages: bool = False  # batch whitening
     gamma: float = Field(1.0, ge=0.0, le=1.0)

@@ -267,7 +267,7 @@ def _start(cfg: Config, run_id: str, summary: dict[str, Any]) -> Run:
     plan = plan_placement(cfg)  # the plan `slime-cli plan` prints
     reservation = reserve(plan)
     actor = TrainerGroup(cfg, "actor", reservation)
-    critic = TrainerGroup(cfg, "critic", reservation) if cfg.algorithm.advantage_estimator == "ppo" else None
+    critic = TrainerGroup(cfg, "critic", reservation) if plan.critic else None  # the estimator needs one
     log_dir = Path(cfg.logging.dir)
     rollout = ray.remote(**reservation.rollout_options())(RolloutWorker).remote(
         cfg.to_dict(), str(rollout_state_dir(log_dir, run_id)), str(log_dir))
