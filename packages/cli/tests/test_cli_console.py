@@ -5,11 +5,12 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from cli_output import step_lines, table_rows
+
+from slime_rl.core.testing.distributions import write_distribution
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "grpo_math.yaml"
@@ -45,14 +46,8 @@ def test_a_mistake_is_one_line_and_exit_2():
 def plugin_dir(tmp_path):
     """A distribution with one good and one broken rollout engine, found through PYTHONPATH."""
     (tmp_path / "good_engine.py").write_text("class Engine:\n    pass\n")
-    info = tmp_path / "slime_rl_extra-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: slime-rl-extra\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent("""
-        [slime_rl.rollout_engines]
-        good-one = good_engine:Engine
-        broken-one = missing_engine_module:Engine
-    """))
+    write_distribution(tmp_path, "slime-rl-extra", "0.1.0", {"slime_rl.rollout_engines": {
+        "good-one": "good_engine:Engine", "broken-one": "missing_engine_module:Engine"}})
     return tmp_path
 
 

@@ -3,11 +3,10 @@ fails is one line under its section, counted as a problem."""
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 
 from slime_rl.cli.doctor import DOCTOR_CHECKS, Report, add_contributed_lines, render
+from slime_rl.core.testing.distributions import write_distribution
 
 CHECKS = '''
 def good():
@@ -25,16 +24,9 @@ def wrong_shape():
 def contributions(tmp_path, monkeypatch):
     """A distribution registering four doctor checks (one good, three broken), found on sys.path."""
     (tmp_path / "extra_checks.py").write_text(CHECKS)
-    info = tmp_path / "slime_rl_extra-0.2.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: slime-rl-extra\nVersion: 0.2.0\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent(f"""
-        [{DOCTOR_CHECKS}]
-        extra = extra_checks:good
-        raising = extra_checks:raises
-        shapeless = extra_checks:wrong_shape
-        missing = no_such_module:lines
-    """))
+    write_distribution(tmp_path, "slime-rl-extra", "0.2.0", {DOCTOR_CHECKS: {
+        "extra": "extra_checks:good", "raising": "extra_checks:raises", "shapeless": "extra_checks:wrong_shape",
+        "missing": "no_such_module:lines"}})
     monkeypatch.syspath_prepend(str(tmp_path))
 
 

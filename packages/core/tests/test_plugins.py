@@ -14,6 +14,7 @@ from slime_rl.core.infra.plugins import (
     load_function,
     load_plugin,
 )
+from slime_rl.core.testing.distributions import write_distribution
 
 GROUP = "slime_rl.rollout_engines"
 
@@ -31,16 +32,9 @@ def fake_dist(tmp_path, monkeypatch):
 
         NOT_CALLABLE = 3
     """))
-    info = tmp_path / "slime_rl_fake-0.1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: slime-rl-fake\nVersion: 0.1.0\n")
-    (info / "entry_points.txt").write_text(textwrap.dedent(f"""
-        [{GROUP}]
-        fake = fake_engines:FakeEngine
-        broken = fake_engines_gone:Engine
-        noattr = fake_engines:Missing
-        heavy = heavy_engines:Engine
-    """))
+    write_distribution(tmp_path, "slime-rl-fake", "0.1.0", {GROUP: {
+        "fake": "fake_engines:FakeEngine", "broken": "fake_engines_gone:Engine", "noattr": "fake_engines:Missing",
+        "heavy": "heavy_engines:Engine"}})
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path
 
