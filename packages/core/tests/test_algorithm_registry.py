@@ -3,6 +3,7 @@ advantage and loss computations, and unknown names and broken functions are refu
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 
@@ -216,6 +217,15 @@ def test_declarations_are_checked_against_the_config(prompts):
     with pytest.raises(ConfigError) as err:
         load_config(None, [*base, "algorithm.advantage_estimator=ppo", "algorithm.loss_type=sft"])
     assert err.value.field == "algorithm.loss_type"
+
+
+def test_the_config_checks_names_and_declarations_without_torch():
+    """`slime-cli plan` validates the config and places a critic without importing torch (2 s a process)."""
+    code = ("import sys; from slime_rl.core.config import AlgorithmConfig;"
+            " from slime_rl.core.algorithms.registry import advantage_estimator_of;"
+            " assert advantage_estimator_of(AlgorithmConfig(advantage_estimator='ppo')).needs_critic;"
+            " print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 def test_the_docs_example_runs(tmp_path, monkeypatch):
