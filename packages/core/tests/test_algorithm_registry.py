@@ -108,7 +108,8 @@ def test_a_user_module_attr_estimator_computes_the_advantages(user_module):
     batch = batch_of([1.0, 2.0, 6.0, 5.0, 4.0, 9.0], [2, 3, 1, 1, 2, 1],
                      [[1, 1], [1, 1, 0], [1], [1], [1, 1], [1]], group_size=3)
     compute_advantages(batch, algo, n_samples_per_prompt=3)
-    assert per_sample(batch, batch.advantages) == [[-1.0, -1.0], [0.0, 0.0, 0.0], [4.0], [0.0], [-1.0, -1.0], [4.0]]
+    assert per_sample(batch, batch.advantages) == [[-1.0, -1.0], [0.0, 0.0, 0.0], [4.0],
+                                                   [0.0], [-1.0, -1.0], [4.0]]
     assert batch.returns is None
     # what it declared comes with it: it groups, so the step must hold each group as one run of n
     with pytest.raises(ValueError, match="groups of n_samples_per_prompt=4"):
@@ -123,6 +124,17 @@ def test_an_undecorated_user_function_declares_nothing_and_may_give_returns(user
                        n_samples_per_prompt=1)
     assert per_sample(batch, batch.advantages) == [[2.0, 0.0], [-1.0]]
     assert per_sample(batch, batch.returns) == [[1.0, 1.0], [-0.5]]
+
+
+def test_an_estimator_returning_the_wrong_shape_is_named():
+    register_advantage_estimator("test_per_sample")(lambda inputs: inputs.rewards)
+    register_advantage_estimator("test_a_list")(lambda inputs: [0.0])
+    batch = batch_of([1.0, 2.0], [2, 1], [[1, 1], [1]], group_size=1)
+    with pytest.raises(ValueError, match=r"'test_per_sample' returned advantages of shape \(2,\); give one value per"
+                                         r" padded response token, \(2, 2\)"):
+        compute_advantages(batch, AlgorithmConfig(advantage_estimator="test_per_sample"), n_samples_per_prompt=1)
+    with pytest.raises(ValueError, match="'test_a_list' returned advantages as a list"):
+        compute_advantages(batch, AlgorithmConfig(advantage_estimator="test_a_list"), n_samples_per_prompt=1)
 
 
 def test_a_user_estimator_that_needs_a_critic_gets_one(user_module, prompts):
@@ -146,7 +158,7 @@ def test_a_decorated_entry_is_used_by_its_name_with_what_it_declares():
     batch = batch_of([1.0, 2.0, 4.0], [1, 1, 1], [[1], [1], [1]], group_size=1)
     compute_advantages(batch, algo, n_samples_per_prompt=1)
     whitened = torch.tensor([0.0, 1.0, 3.0])
-    whitened = (whitened - whitened.mean()) / whitened.std()  # declared whitens: whitened without normalize_advantages
+    whitened = (whitened - whitened.mean()) / whitened.std()  # it declares whitens: no normalize_advantages needed
     assert batch.advantages.tolist() == pytest.approx(whitened.tolist(), abs=1e-6)
     assert ADVANTAGE_ESTIMATORS.resolve("test_reward_minus_one").function is reward_minus_one
 
@@ -195,7 +207,7 @@ def test_unknown_names_are_refused_with_the_closest(prompts):
 @pytest.mark.parametrize(("field", "spec", "message"), [
     ("advantage_estimator", "no_such_module_here:fn", "cannot import module 'no_such_module_here'"),
     ("advantage_estimator", f"{USER_MODULE}:missing", f"module '{USER_MODULE}' has no attribute 'missing'"),
-    ("advantage_estimator", f"{USER_MODULE}:two_arguments", r"takes \(inputs, extra\); it is called as fn\(inputs"),
+    ("advantage_estimator", f"{USER_MODULE}:two_arguments", r"takes \(inputs, extra\); it is called as fn\("),
     ("advantage_estimator", f"{USER_MODULE}:NOT_A_FUNCTION", "is a int, not a function"),
     ("policy_loss", f"{USER_MODULE}:two_arguments", r"it is called as fn\(inputs: PolicyLossInputs\)"),
 ])
@@ -225,7 +237,8 @@ def test_the_config_checks_names_and_declarations_without_torch():
             " from slime_rl.core.algorithms.registry import advantage_estimator_of;"
             " assert advantage_estimator_of(AlgorithmConfig(advantage_estimator='ppo')).needs_critic;"
             " print('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout == "False\n"
 
 
 def test_the_docs_example_runs(tmp_path, monkeypatch):

@@ -183,7 +183,8 @@ def rloo_estimator(inputs: AdvantageInputs) -> Tensor:
 
 def _token_rewards(inputs: AdvantageInputs) -> Tensor:
     """The sequence reward on the last trained token, less the per-token KL penalty."""
-    return outcome_token_rewards(inputs.rewards, inputs.loss_mask, inputs.valid) - inputs.algo.kl_coef * inputs.kl
+    outcome = outcome_token_rewards(inputs.rewards, inputs.loss_mask, inputs.valid)
+    return outcome - inputs.algo.kl_coef * inputs.kl
 
 
 def reinforce_plus_plus_estimator(inputs: AdvantageInputs) -> Tensor:
@@ -226,23 +227,23 @@ def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig, *, n_samples_
     if estimator.needs_critic and batch.values is None:
         raise ValueError(f"{estimator.name} needs critic values (PolicyTrainer.compute_values) on the batch")
     loss_mask = batch.padded(batch.loss_mask, dtype=torch.float64)
-    valid = batch.response_mask().to(torch.float64)
     inputs = AdvantageInputs(
-        rewards=batch.rewards.to(torch.float64), kl=_token_kl(batch) * loss_mask, loss_mask=loss_mask, valid=valid,
+        rewards=batch.rewards.to(torch.float64), kl=_token_kl(batch) * loss_mask, loss_mask=loss_mask,
+        valid=batch.response_mask().to(torch.float64),
         values=None if batch.values is None else batch.padded(batch.values, dtype=torch.float64), algo=algo,
         n_samples_per_prompt=n, step_size=batch.step_size, positions=batch.positions, sum_over_dp=sum_over_dp)
     if estimator.groups:
         if n < 1 or batch.step_size % n:
             raise ValueError(f"{batch.step_size} samples do not split into groups of n_samples_per_prompt={n}")
         inputs.groups_checked = True
-        _check_groups(inputs.grouped(batch.group_ids.to(torch.float64) + 1), inputs.grouped(torch.ones(len(batch))),
-                      n)
+        group_ids, present = batch.group_ids.to(torch.float64) + 1, torch.ones(len(batch))
+        _check_groups(inputs.grouped(group_ids), inputs.grouped(present), n)
     result = estimator.load()(inputs)
     advantages, returns = result if isinstance(result, tuple) else (result, None)
     for what, tensor in (("advantages", advantages), ("returns", returns)):
         if tensor is not None and (not isinstance(tensor, Tensor) or tensor.shape != loss_mask.shape):
-            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
-            raise ValueError(f"algorithm.advantage_estimator {estimator.name!r} returned {what} of shape {got};"
+            got = f"of shape {tuple(tensor.shape)}" if isinstance(tensor, Tensor) else f"as a {type(tensor).__name__}"
+            raise ValueError(f"algorithm.advantage_estimator {estimator.name!r} returned {what} {got};"
                              f" give one value per padded response token, {tuple(loss_mask.shape)}")
 
     if estimator.whitens or algo.normalize_advantages:

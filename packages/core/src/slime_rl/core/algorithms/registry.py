@@ -30,7 +30,7 @@ class AdvantageEstimator:
     function: Callable[..., Any] | str  # the function, or its `module:attr` (built-ins: imported on first use)
     groups: bool = False  # needs its prompt's group: the step is checked to hold each group as one run of n
     needs_critic: bool = False  # needs a critic's values: the run starts a critic trainer beside the actor
-    whitens: bool = False  # whitened over the batch always (otherwise only with algorithm.normalize_advantages)
+    whitens: bool = False  # always whitened over the batch (else only with algorithm.normalize_advantages)
     policy_loss: str | None = None  # the policy loss it implies, over algorithm.policy_loss (gspo)
     summary: str = ""  # the formula, for docs/algorithms.md
 
@@ -45,7 +45,7 @@ class PolicyLoss:
 
     name: str
     function: Callable[..., Any] | str
-    dual_clip: bool = False  # honours algorithm.eps_clip_c (the config refuses eps_clip_c with one that does not)
+    dual_clip: bool = False  # honours algorithm.eps_clip_c (the config refuses eps_clip_c with one that doesn't)
     summary: str = ""
 
     def load(self) -> Callable[..., Any]:
@@ -135,7 +135,8 @@ def check_signature(function: Any, what: str, call_form: str) -> None:
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
-    "algorithm.advantage_estimator", AdvantageEstimator, "advantage estimator", "fn(inputs: AdvantageInputs) -> advantages [B, T]")
+    "algorithm.advantage_estimator", AdvantageEstimator, "advantage estimator",
+    "fn(inputs: AdvantageInputs) -> advantages [B, T]")
 POLICY_LOSSES: Registry[PolicyLoss] = Registry(
     "algorithm.policy_loss", PolicyLoss, "policy loss", "fn(inputs: PolicyLossInputs) -> PolicyLossTerms")
 
@@ -157,8 +158,9 @@ def register_advantage_estimator(name: str | None = None, *, groups: bool = Fals
     """Register ``fn(inputs: AdvantageInputs)`` under ``name`` (default: the function's name) with what it
     declares. The config names it by that name in a process that imported it, or by `module:attr`
     anywhere (the trainer ranks import the module themselves)."""
-    return _registering(ADVANTAGE_ESTIMATORS, name, dict(groups=groups, needs_critic=needs_critic,
-                                                         whitens=whitens, policy_loss=policy_loss, summary=summary))
+    declared = dict(groups=groups, needs_critic=needs_critic, whitens=whitens, policy_loss=policy_loss,
+                    summary=summary)
+    return _registering(ADVANTAGE_ESTIMATORS, name, declared)
 
 
 def register_policy_loss(name: str | None = None, *, dual_clip: bool = False, summary: str = ""
@@ -179,7 +181,7 @@ def policy_loss_of(algo: Any) -> PolicyLoss:
 
 def docs_table(registry: Registry[Entry]) -> str:
     """The markdown table of ``registry``'s entries and their declarations (docs/algorithms.md)."""
-    flags = [name for name in registry.kind.__dataclass_fields__ if name not in ("name", "function", "summary")]
+    flags = [flag for flag in registry.kind.__dataclass_fields__ if flag not in ("name", "function", "summary")]
     header = ["value", *(flag.replace("_", " ") for flag in flags), "formula"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for entry in registry:  # in registration order: the built-ins as registry.py lists them
