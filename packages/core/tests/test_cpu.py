@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from slime_rl.core.config import dtype as model_dtypes
 from slime_rl.core.config import load_config
 from slime_rl.core.config.cpu import CpuInfo, MatmulShape, choose_cpu_dtype, cpu_info, time_matmuls
-from slime_rl.core.run import loop
 
 SAPPHIRE_RAPIDS = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
 EPYC = "processor\t: 0\nmodel name\t: AMD EPYC 9654\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\n"
@@ -71,9 +71,9 @@ def cpu_config(*overrides: str):
 
 @pytest.mark.parametrize("flags,expected", [({"avx2", "amx_bf16"}, "bfloat16"), ({"avx2"}, "float32")])
 def test_auto_follows_the_cpu(flags, expected, monkeypatch):
-    monkeypatch.setattr(loop, "cpu_info", lambda: CpuInfo("test CPU", "x86_64", frozenset(flags)))
+    monkeypatch.setattr(model_dtypes, "cpu_info", lambda: CpuInfo("test CPU", "x86_64", frozenset(flags)))
     cfg = cpu_config()
-    note = loop.resolve_cpu_dtype(cfg, None)
+    note = model_dtypes.resolve_model_dtype(cfg, None)
     assert cfg.model.dtype == expected
     assert note.startswith(f"model.dtype=auto -> {expected} on test CPU")
 
@@ -81,22 +81,26 @@ def test_auto_follows_the_cpu(flags, expected, monkeypatch):
 @pytest.mark.parametrize("explicit", ["float32", "bfloat16"])
 def test_an_explicit_dtype_always_wins(explicit, monkeypatch):
     for flags in ({"amx_bf16"}, set()):
-        monkeypatch.setattr(loop, "cpu_info", lambda flags=flags: CpuInfo("test CPU", "x86_64", frozenset(flags)))
+        monkeypatch.setattr(model_dtypes, "cpu_info", lambda flags=flags: CpuInfo("test CPU", "x86_64", frozenset(flags)))
         cfg = cpu_config(f"model.dtype={explicit}")
-        assert loop.resolve_cpu_dtype(cfg, None) is None and cfg.model.dtype == explicit
+        assert model_dtypes.resolve_model_dtype(cfg, None) is None and cfg.model.dtype == explicit
         other = "float32" if explicit == "bfloat16" else "bfloat16"
-        assert loop.resolve_cpu_dtype(cfg, {"model_dtype": other}) is None and cfg.model.dtype == explicit
+        assert model_dtypes.resolve_model_dtype(cfg, {"model_dtype": other}) is None and cfg.model.dtype == explicit
 
 
 def test_a_resume_keeps_the_checkpoints_dtype_on_another_cpu(monkeypatch):
-    monkeypatch.setattr(loop, "cpu_info", lambda: CpuInfo("test CPU", "x86_64", frozenset({"avx2"})))
+    monkeypatch.setattr(model_dtypes, "cpu_info", lambda: CpuInfo("test CPU", "x86_64", frozenset({"avx2"})))
     cfg = cpu_config()
-    assert "as the checkpoint" in loop.resolve_cpu_dtype(cfg, {"step": 4, "model_dtype": "bfloat16"})
+    assert "as the checkpoint" in model_dtypes.resolve_model_dtype(cfg, {"step": 4, "model_dtype": "bfloat16"})
     assert cfg.model.dtype == "bfloat16"
     cfg = cpu_config()  # a checkpoint from before auto chose by CPU: auto meant fp32 there
-    assert "as the checkpoint" in loop.resolve_cpu_dtype(cfg, {"step": 4}) and cfg.model.dtype == "float32"
+    assert "as the checkpoint" in model_dtypes.resolve_model_dtype(cfg, {"step": 4}) and cfg.model.dtype == "float32"
 
 
-def test_a_gpu_run_leaves_auto_to_the_backends():
+def test_a_gpu_run_resolves_auto_to_bf16_without_looking_at_the_cpu(monkeypatch):
+    monkeypatch.setattr(model_dtypes, "cpu_info", lambda: pytest.fail("a GPU run needs no CPU flags"))
     cfg = cpu_config("cluster.device=cuda")
-    assert loop.resolve_cpu_dtype(cfg, None) is None and cfg.model.dtype == "auto"
+    assert "bfloat16 on the GPU" in model_dtypes.resolve_model_dtype(cfg, None) and cfg.model.dtype == "bfloat16"
+    cfg = cpu_config("cluster.device=cuda")  # a GPU checkpoint from before the driver resolved auto
+    assert "as the checkpoint" in model_dtypes.resolve_model_dtype(cfg, {"step": 4, "model_dtype": "auto"})
+    assert cfg.model.dtype == "bfloat16"

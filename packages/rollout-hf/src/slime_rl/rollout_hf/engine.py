@@ -47,6 +47,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.config.device import resolve_device
+from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.contracts import FinishReason, GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 from slime_rl.rollout_hf.lora import AdapterSync
 from slime_rl.rollout_hf.moe import RouterRecorder, routed_experts, weight_target
@@ -73,9 +74,8 @@ class _Request:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+    """``model.dtype`` as the engine loads the model: core's one rule for every backend (config/dtype.py)."""
+    return getattr(torch, model_dtype(dtype, device.type))
 
 
 class HFEngine(RolloutEngine):
@@ -141,7 +141,7 @@ class HFEngine(RolloutEngine):
         device: str = "auto",
         **engine_kwargs: Any,
     ) -> HFEngine:
-        """Load an HF folder. dtype ``auto``: fp32 on CPU, bf16 on CUDA."""
+        """Load an HF folder. dtype ``auto`` (not resolved by a run): fp32 on CPU, bf16 on CUDA."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {path} is not an HF model folder (no config.json)")

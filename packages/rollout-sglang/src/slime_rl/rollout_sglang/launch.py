@@ -12,6 +12,8 @@ import httpx
 
 from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.config import ConfigError
+from slime_rl.core.config.device import resolve_device
+from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.infra.net import LOOPBACK, node_address
 from slime_rl.rollout_sglang.adapters import lora_engine_args
 from slime_rl.rollout_sglang.keys import EngineKeys
@@ -64,8 +66,11 @@ def engine_args(cfg: Config) -> dict[str, Any]:
     args = dict(r.engine_args)
     if cfg.model.tokenizer_path:
         args.setdefault("tokenizer_path", cfg.model.tokenizer_path)
-    if cfg.model.dtype != "auto":
-        args.setdefault("dtype", cfg.model.dtype)
+    # Always a concrete dtype: SGLang's own auto (fp16 for an fp32 checkpoint) is not the trainer's.
+    dtype = model_dtype(cfg.model.dtype, resolve_device(cfg.cluster.device))
+    if args.setdefault("dtype", dtype) != dtype:
+        raise ConfigError("rollout.engine_args.dtype", f"{args['dtype']!r} is not the run's model.dtype ({dtype}):"
+                          " the trainer and the engines build in one dtype; set model.dtype instead")
     if c.colocate:  # release/resume memory needs SGLang's memory saver
         args.setdefault("enable_memory_saver", True)
     if not r.stop:  # token ids in and out; stop strings need SGLang's detokenizer

@@ -40,6 +40,7 @@ from slime_rl.core.algorithms import losses
 from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.batch import ROLLOUT_OPTIONAL_COLUMNS, TRAINER_COLUMNS, RolloutBatch
 from slime_rl.core.config import Config
+from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
 from slime_rl.trainer_megatron import batching, checkpointing, convert, lora, moe
 from slime_rl.trainer_megatron import device as dev
@@ -61,6 +62,14 @@ __all__ = ["MegatronTrainer", "NonFiniteError"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def torch_dtype(setting: str, device_type: str) -> torch.dtype:
+    """``model.dtype`` as the trainer builds in it: core's one rule for every backend (config/dtype.py)."""
+    name = model_dtype(setting, device_type)
+    if name == "float16" and device_type == "cpu":
+        raise ValueError("model.dtype: float16 on the CPU is not supported; use float32, bfloat16 or auto")
+    return _DTYPES[name]
+
+
 def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     """Megatron's grad finalisation (DP all-reduce, tied-embedding sync) minus the division by
     the token count: our losses are already normalised by the global counts."""
@@ -79,7 +88,7 @@ class MegatronTrainer(PolicyTrainer):
             raise ValueError(f"role: {role!r}; use 'actor' or 'critic'")
         self.cfg, self.role = cfg, role
         self._setup_parallel()
-        self.dtype = self._resolve_dtype(cfg.model.dtype)
+        self.dtype = torch_dtype(cfg.model.dtype, self.device_type)
         self.hf_config = read_hf_config(cfg.model.path)
         self.shape = hf_model_shape(self.hf_config)
         module = self._build_model()
@@ -177,13 +186,6 @@ class MegatronTrainer(PolicyTrainer):
         # bf16: Float16Module also casts the torch norms' fp32 weights, so every parameter has its
         # final dtype before weights are loaded or snapshotted.
         return Float16Module(self.tconfig, self.model) if self.dtype != torch.float32 else self.model
-
-    def _resolve_dtype(self, name: str) -> torch.dtype:
-        if name == "auto":
-            return torch.bfloat16 if self.device_type == "cuda" else torch.float32
-        if name == "float16" and self.device_type == "cpu":
-            raise ValueError("model.dtype: float16 on the CPU is not supported; use float32, bfloat16 or auto")
-        return _DTYPES[name]
 
     # ---------------------------------------------------------------- data parallelism
 

@@ -66,7 +66,7 @@ class ModelConfig(_Section):
     path: str = "builtin:smollm2-135m-instruct"  # an HF folder, or "builtin:smollm2-135m-instruct"
     tokenizer_path: str | None = None  # defaults to path
     ref_path: str | None = None  # reference model; defaults to path
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on GPU; on CPU per core.cpu
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: resolved once a run (config/dtype.py)
 
 
 class DataConfig(_Section):

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.config.builtin_models import resolve_model_paths
-from slime_rl.core.config.cpu import MatmulShape, choose_cpu_dtype, cpu_info
-from slime_rl.core.config.device import resolve_device
+from slime_rl.core.config.dtype import resolve_model_dtype
 from slime_rl.core.config.placement import Placement, plan_placement
 from slime_rl.core.infra.net import LOOPBACK, free_port
 from slime_rl.core.infra.ray_cluster import check_ray_environment, local_ray
@@ -237,8 +236,9 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
 
 def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
     """Before anything starts: a resume's checkpoint is there and verified (CheckpointError says what
-    is wrong and the way on), a fresh run overwrites nothing, Ray's network is safe, the CPU dtype
-    is chosen, and the logging folder is this run's. Returns the checkpoint to resume and the run id."""
+    is wrong and the way on), a fresh run overwrites nothing, Ray's network is safe, model.dtype is
+    concrete (config/dtype.py: every backend builds in it), and the logging folder is this run's.
+    Returns the checkpoint to resume and the run id."""
     save_dir = cfg.checkpoint_dir
     resumed = checkpoint.resume_point(save_dir) if cfg.checkpoint.resume else None
     previous = checkpoint.latest_name(save_dir)
@@ -249,7 +249,7 @@ def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
             " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
         )
     check_ray_environment()  # Ray's network and authentication: refused before anything is written
-    if note := resolve_cpu_dtype(cfg, resumed[1] if resumed is not None else None):
+    if note := resolve_model_dtype(cfg, resumed[1] if resumed is not None else None):
         print(f"slime-rl: {note}", file=sys.stderr, flush=True)
     # A run's buffer, rollout state and logs are its own (run_dir.py): a fresh run neither
     # consumes nor mixes with an earlier one's; a resumed run continues its own.
@@ -376,22 +376,6 @@ def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
     options = reservation.trainer_options(0)
     options.pop("num_gpus", None)  # a lookup: it needs the node, not the GPU
     return ray.get(ray.remote(**options)(address).remote())
-
-
-def resolve_cpu_dtype(cfg: Config, resumed_meta: dict[str, Any] | None) -> str | None:
-    """Set ``model.dtype: auto`` of a CPU run to what this CPU trains fastest in (core.cpu), or to
-    the dtype of the checkpoint a resume continues; returns the line saying which and why. An
-    explicit dtype, or a GPU run, is left as it is (None)."""
-    if cfg.model.dtype != "auto" or resolve_device(cfg.cluster.device) != "cpu":
-        return None
-    if resumed_meta is not None:
-        # A checkpoint written before auto chose by CPU has no model_dtype: auto then meant fp32 on the CPU.
-        cfg.model.dtype = resumed_meta.get("model_dtype") or "float32"
-        return f"model.dtype=auto -> {cfg.model.dtype}, as the checkpoint this run resumes was trained"
-    info = cpu_info()
-    choice = choose_cpu_dtype(info, MatmulShape.of_model(cfg.model.path))
-    cfg.model.dtype = choice.dtype
-    return f"model.dtype=auto -> {choice.dtype} on {info.describe()}: {choice.reason}"
 
 
 def _save(run: Run, step: int) -> None:
