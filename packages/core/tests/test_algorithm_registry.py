@@ -219,6 +219,19 @@ def test_a_broken_module_attr_is_refused_at_check_time(user_module, prompts, fie
     assert err.value.field == f"algorithm.{field}"
 
 
+def test_a_trainer_rank_that_cannot_import_the_users_estimator_fails_at_start(prompts):
+    """The driver's check imports a `module:attr` in the driver; a rank (another node, another
+    environment) imports it again when it starts, and says so before it builds its model."""
+    from slime_rl.core.run.actors import TrainerWorker
+
+    cfg = load_config(None, [f"data.prompt_data={prompts}"], check=False)
+    cfg.algorithm.advantage_estimator = "not_on_this_rank:estimator"
+    worker = TrainerWorker(cfg.to_dict(), rank=0, world_size=1, master_addr="127.0.0.1", master_port=1)
+    with pytest.raises(ConfigError, match="cannot import module 'not_on_this_rank'") as err:
+        worker.ready()
+    assert err.value.field == "algorithm.advantage_estimator"
+
+
 def test_declarations_are_checked_against_the_config(prompts):
     base = [f"data.prompt_data={prompts}"]
     with pytest.raises(ConfigError) as err:

@@ -27,6 +27,7 @@ from slime_rl.core.algorithms import staleness
 from slime_rl.core.algorithms.advantages import compute_advantages
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import Config
+from slime_rl.core.config.checks import check_algorithm
 from slime_rl.core.config.device import resolve_device
 from slime_rl.core.contracts import WeightSender
 from slime_rl.core.infra.host_memory import trims_after
@@ -73,6 +74,7 @@ class TrainerWorker(KeepsInitMistake):
     def __init__(self, cfg_dict: dict[str, Any], *, rank: int, world_size: int, master_addr: str,
                  master_port: int, role: Literal["actor", "critic"] = "actor"):
         cfg = Config.model_validate(cfg_dict)
+        check_algorithm(cfg)  # a user's estimator or loss (`module:attr`) must import on this rank too
         # Ray shows an actor only its own GPU: device 0 here, whatever the rank.
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         local_rank = 0 if len(visible) == 1 else rank % cfg.cluster.actor_num_gpus_per_node
@@ -109,8 +111,9 @@ class TrainerWorker(KeepsInitMistake):
                                                                                       torch.Tensor | None]:
         """Take this rank's shard and add what the loss needs: old log-probs (a separate pass only
         when the step's updates would move them), reference log-probs for a KL term, and advantages
-        (with ``values`` from the critic for ppo). Returns rank 0's timings and the shard's returns
-        (ppo: the critic's targets; the loop hands them to the critic rank of this shard)."""
+        (with ``values`` from the critic when the estimator needs one). Returns rank 0's timings and the
+        shard's returns (an estimator with a critic: its targets; the loop hands them to the critic rank
+        of this shard)."""
         cfg, algo = self.cfg, self.cfg.algorithm
         batch = self._take(shard)
         timings: dict[str, float] = {}

@@ -122,7 +122,7 @@ class Run:
     cfg: Config
     plan: Placement
     actor: TrainerGroup
-    critic: TrainerGroup | None  # PPO's value model, on the actor's GPUs
+    critic: TrainerGroup | None  # the value model of an estimator that needs one (ppo), on the actor's GPUs
     rollout: Any  # the RolloutWorker actor
     weight_sync: WeightSync
     run_id: str
