@@ -54,15 +54,15 @@ import torch
 
 from slime_rl.core.algorithms.lora import LoraSpec, adapter_name, peft_name
 from slime_rl.core.config import Config
-from slime_rl.rollout_sglang import adapters
-from slime_rl.rollout_sglang import weight_sync as ws
-from slime_rl.rollout_sglang.adapter_roster import AdapterRoster
-from slime_rl.rollout_sglang.adapters import SGLANG_LORA_MODULES, lora_engine_args
+from slime_rl.core.contracts import NamedTensors
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import bearer
-from slime_rl.rollout_sglang.restore_copy import RestoreCopy
-from slime_rl.rollout_sglang.trainer_sync import SGLangWeightSender
-from slime_rl.rollout_sglang.transport import BucketPusher
+from slime_rl.rollout_sglang.weights import adapters, ipc, server_api, verify
+from slime_rl.rollout_sglang.weights.adapter_roster import AdapterRoster
+from slime_rl.rollout_sglang.weights.adapters import SGLANG_LORA_MODULES, lora_engine_args
+from slime_rl.rollout_sglang.weights.pusher import BucketPusher
+from slime_rl.rollout_sglang.weights.restore_copy import RestoreCopy
+from slime_rl.rollout_sglang.weights.trainer_sender import SGLangWeightSender
 
 SHAPES = {
     # name: (family, vocab, hidden, intermediate, layers, heads, kv_heads, tied)
@@ -147,7 +147,7 @@ def weight_shapes(config) -> list[tuple[str, torch.Size]]:
     return [(name, p.shape) for name, p in model.named_parameters()]
 
 
-def trainer_weights(folder: Path, device: str, seed: int = 7) -> ws.NamedTensors:
+def trainer_weights(folder: Path, device: str, seed: int = 7) -> NamedTensors:
     """Random bf16 weights of the folder's shape on ``device`` (not the engine's: a sync must change them)."""
     from transformers import AutoConfig
 
@@ -156,7 +156,7 @@ def trainer_weights(folder: Path, device: str, seed: int = 7) -> ws.NamedTensors
             for name, shape in weight_shapes(AutoConfig.from_pretrained(folder))]
 
 
-def trainer_adapter(folder: Path, spec: LoraSpec, device: str, seed: int) -> ws.NamedTensors:
+def trainer_adapter(folder: Path, spec: LoraSpec, device: str, seed: int) -> NamedTensors:
     """Random bf16 LoRA A [rank, in] and B [out, rank] under PEFT names for every projection of the
     folder's shape that ``spec`` targets, as the trainer's `named_weights` yields them with LoRA."""
     from transformers import AutoConfig
@@ -182,7 +182,7 @@ def serving_adapter(engine: SGLangEngine, version: int) -> int:
     return count
 
 
-def bucketed(named: ws.NamedTensors, bucket_bytes: int) -> list[ws.NamedTensors]:
+def bucketed(named: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
     """Consecutive tensors up to ``bucket_bytes`` each (a larger tensor alone), as the trainer cuts them."""
     buckets, current, size = [], [], 0
     for name, tensor in named:
@@ -196,8 +196,8 @@ def bucketed(named: ws.NamedTensors, bucket_bytes: int) -> list[ws.NamedTensors]
 
 
 # The steps of a sync, timed where the code calls them (in this process, any thread): where the time goes.
-PHASES = {"pause": (ws, "pause_generation"), "flush": (ws, "flush_cache"), "continue": (ws, "continue_generation"),
-          "post bucket": (ws, "update_from_tensor"), "push bucket": (BucketPusher, "push"),
+PHASES = {"pause": (server_api, "pause_generation"), "flush": (server_api, "flush_cache"),
+          "continue": (server_api, "continue_generation"), "post bucket": (ipc, "update_from_tensor"), "push bucket": (BucketPusher, "push"),
           "restore copy": (RestoreCopy, "add"), "restore finish": (RestoreCopy, "finish"),
           "load adapter": (adapters, "load_adapter_from_tensors"), "unload adapter": (adapters, "unload_adapter"),
           "load adapter folder": (adapters, "load_adapter_from_folder"),
@@ -277,13 +277,13 @@ def sync_config(folder: Path, work: Path, transport: str, spec: LoraSpec | None 
                                   "trainer": {"lora": lora}})
 
 
-async def one_sync(path: str, engine: SGLangEngine, buckets: list[ws.NamedTensors], version: int,
+async def one_sync(path: str, engine: SGLangEngine, buckets: list[NamedTensors], version: int,
                    senders: dict[str, SGLangWeightSender], transport: str) -> None:
     if path == "direct":
         for target in engine.targets():
             for i, bucket in enumerate(buckets):
-                ws.update_from_tensor(target, bucket, version=version if i == len(buckets) - 1 else None,
-                                      timeout=engine.sync_timeout, step=f"direct bucket {i}")
+                ipc.update_from_tensor(target, bucket, version=version if i == len(buckets) - 1 else None,
+                                       timeout=engine.sync_timeout, step=f"direct bucket {i}")
     elif path in ("trainer", "disk", "adapter", "adapter-disk"):
         targets = await engine.begin_weight_sync(version, transport=transport)
         senders[path].send(iter(buckets), targets, version=version, transport=transport)
@@ -353,8 +353,8 @@ async def run_shape(args, shape: str, work: Path) -> list[Row]:
                 if adapter_path:
                     checked = serving_adapter(engine, version)
                 else:
-                    checked = sum(ws.check_weights(t, ws.check_sample(weights, tp_size=t.tp_size, every=True),
-                                                   timeout=engine.sync_timeout, step=f"{path} check")
+                    checked = sum(verify.check_weights(t, verify.check_sample(weights, tp_size=t.tp_size, every=True),
+                                                       timeout=engine.sync_timeout, step=f"{path} check")
                                   for t in engine.targets())
                 row = Row(shape, path, bucket_mib, len(buckets), seconds[args.warmup:], lora_gb if adapter_path else gb,
                           peak_process, peak_device, checked, {k: v / args.syncs for k, v in phases.items()},

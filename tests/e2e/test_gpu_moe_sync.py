@@ -59,7 +59,7 @@ def new_weights(trainer, seed: int) -> None:
 def test_moe_weights_reach_sglang_by_every_transport(family, tmp_path, monkeypatch):
     from slime_rl.core.testing import tiny_model_folder
     from slime_rl.rollout_sglang.engine import SGLangEngine
-    from slime_rl.rollout_sglang.trainer_sync import SGLangWeightSender
+    from slime_rl.rollout_sglang.weights.trainer_sender import SGLangWeightSender
     from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
     shape = dict(MOE_SHAPE, **({"shared_expert_intermediate_size": 256} if family == "qwen2_moe" else {}))

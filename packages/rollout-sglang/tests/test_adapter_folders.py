@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from slime_rl.core.algorithms.lora import LoraSpec
-from slime_rl.rollout_sglang import adapters
-from slime_rl.rollout_sglang.adapter_roster import AdapterRoster
-from slime_rl.rollout_sglang.weight_sync import Target, WeightSyncError
+from slime_rl.rollout_sglang.weights import adapters
+from slime_rl.rollout_sglang.weights.adapter_roster import AdapterRoster
+from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError
 
 SPEC = LoraSpec(2, 4.0, 0.0, ("q_proj",))
 NAMES = ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",

@@ -18,23 +18,27 @@ from safetensors.torch import load_file
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.infra.plugins import load_plugin
-from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.client import GenerateError
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import bearer
-from slime_rl.rollout_sglang.trainer_sync import SGLangWeightSender
-from slime_rl.rollout_sglang.weight_sync import WeightSyncError
+from slime_rl.rollout_sglang.settings import SGLangSettings
+from slime_rl.rollout_sglang.weights import ipc, server_api, verify
+from slime_rl.rollout_sglang.weights.server_api import WeightSyncError
+from slime_rl.rollout_sglang.weights.trainer_sender import SGLangWeightSender
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
 
 def make_config(tiny_model, standin_python, tmp_path, num_engines: int = 2, trainer: dict | None = None,
                 **rollout) -> Config:
-    engine_args = {"standin_token_delay": 0.002, **rollout.pop("engine_args", {})}
+    """``rollout`` holds core's rollout keys and rollout.sglang's (SGLangSettings), ``engine_args`` its server_args."""
+    server_args = {"standin_token_delay": 0.002, **rollout.pop("engine_args", {})}
+    sglang = {key: rollout.pop(key) for key in list(rollout) if key in SGLangSettings.model_fields}
     return Config.model_validate({
         "model": {"path": str(tiny_model)},
         "trainer": trainer or {},
-        "rollout": {"engine": "sglang", "engine_python": standin_python, "engine_args": engine_args, **rollout},
+        "rollout": {"engine": "sglang", **rollout,
+                    "sglang": {"engine_python": standin_python, "server_args": server_args, **sglang}},
         "cluster": {"device": "cpu", "colocate": True, "actor_num_gpus_per_node": 2, "rollout_num_gpus": num_engines,
                     "rollout_num_gpus_per_engine": 1},
         "logging": {"dir": str(tmp_path)},
@@ -103,7 +107,7 @@ def test_generate_token_in_token_out_through_the_router(shared_engine):
 
 
 def test_turns_of_one_session_go_to_one_engine_with_the_manual_policy(make_engine):
-    """A request id ``<session>/<turn>`` is the router's routing key: under rollout.router_policy=manual every
+    """A request id ``<session>/<turn>`` is the router's routing key: under rollout.sglang.router_policy=manual every
     turn of an episode reaches the engine holding its prefix, and the cached tokens come back."""
     engine = make_engine(router_policy="manual")
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -222,23 +226,23 @@ def test_weight_sync_changes_generations_and_reports_the_version(make_engine, ti
 
 
 def test_weight_check_compares_checksums_and_names_what_differs(make_engine, tiny_model):
-    """rollout.check_weight_update compares the engines' checksums (/weights_checker, which serves every
+    """rollout.sglang.check_weight_update compares the engines' checksums (/weights_checker, which serves every
     model family; /get_weights_by_name refused Qwen2 on SGLang 0.5.17): a tensor that differs is named,
     and a sample the engine holds under none of its names fails rather than passes."""
     engine = make_engine(num_engines=1)
     weights = new_weights(tiny_model, 2.0)
     asyncio.run(engine.update_weights(weights, version=1, last=True))
     target = engine.targets()[0]
-    sample = ws.check_sample(weights, every=True)
+    sample = verify.check_sample(weights, every=True)
     assert "lm_head.weight" in sample and not any(".q_proj." in n or ".up_proj." in n for n in sample)
-    assert ws.check_weights(target, sample, timeout=30, step="check") == len(sample)
-    wrong = dict(sample, **{"lm_head.weight": ws.tensor_checksum(dict(weights)["lm_head.weight"] + 1)})
+    assert verify.check_weights(target, sample, timeout=30, step="check") == len(sample)
+    wrong = dict(sample, **{"lm_head.weight": verify.tensor_checksum(dict(weights)["lm_head.weight"] + 1)})
     with pytest.raises(WeightSyncError, match="lm_head.weight"):
-        ws.check_weights(target, wrong, timeout=30, step="check")
+        verify.check_weights(target, wrong, timeout=30, step="check")
     with pytest.raises(WeightSyncError, match="none of the 1 sampled"):
-        ws.check_weights(target, {"model.layers.0.self_attn.qkv_proj.weight": "0"}, timeout=30, step="check")
+        verify.check_weights(target, {"model.layers.0.self_attn.qkv_proj.weight": "0"}, timeout=30, step="check")
     # with tensor parallelism only the norms, which every TP rank holds whole, are compared
-    sharded = ws.check_sample(weights, tp_size=2, every=True)
+    sharded = verify.check_sample(weights, tp_size=2, every=True)
     assert sharded and all("norm" in n for n in sharded)
 
 
@@ -318,7 +322,7 @@ def test_a_request_that_reaches_a_server_as_a_sync_pauses_it_is_sent_again(make_
     params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 
     async def run():
-        ws.pause_generation(engine.targets(), timeout=10, step="test", mode="in_place")  # the pause got there first
+        server_api.pause_generation(engine.targets(), timeout=10, step="test", mode="in_place")  # the pause got there first
         task = asyncio.create_task(engine.generate([2, 3], params, request_id="late"))
         deadline = time.monotonic() + 30
         while not state(url)["running"] and time.monotonic() < deadline:
@@ -348,8 +352,8 @@ def test_trainer_side_sync_with_the_weight_sync_functions(make_engine, tiny_mode
         targets = await engine.begin_weight_sync(1)
         waiting = asyncio.create_task(engine.generate([5, 6], GREEDY, request_id="during"))
         # ... these calls run in the trainer process, given `targets` ...
-        ws.push_tensor_bucket(targets, weights[:2], version=None, timeout=60, step="v1 bucket 0")
-        ws.push_tensor_bucket(targets, weights[2:], version=1, timeout=60, step="v1 bucket 1")
+        ipc.push_tensor_bucket(targets, weights[:2], version=None, timeout=60, step="v1 bucket 0")
+        ipc.push_tensor_bucket(targets, weights[2:], version=1, timeout=60, step="v1 bucket 1")
         await engine.end_weight_sync(1)
         return await asyncio.wait_for(waiting, 20), task and await asyncio.wait_for(task, 20)
 

@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import SamplingParams
-from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import ENV_ADMIN_KEY, ENV_API_KEY, EngineKeys, bearer
 from slime_rl.rollout_sglang.server import ServerStartError, start_server, wait_healthy
+from slime_rl.rollout_sglang.weights import server_api
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
@@ -31,7 +31,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 def make_config(tiny_model, standin_python, tmp_path, **rollout) -> Config:
     return Config.model_validate({
         "model": {"path": str(tiny_model)},
-        "rollout": {"engine": "sglang", "engine_python": standin_python, **rollout},
+        "rollout": {"engine": "sglang", "sglang": {"engine_python": standin_python, **rollout}},
         "cluster": {"device": "cpu", "colocate": True, "actor_num_gpus_per_node": 1, "rollout_num_gpus": 1,
                     "rollout_num_gpus_per_engine": 1},
         "logging": {"dir": str(tmp_path)},
@@ -61,7 +61,7 @@ def stranger_bodies(model_dir: Path) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def engine(tiny_model, standin_python, tmp_path_factory):
     cfg = make_config(tiny_model, standin_python, tmp_path_factory.mktemp("keys"),
-                      engine_args={"standin_token_delay": 0.002})
+                      server_args={"standin_token_delay": 0.002})
     engine = SGLangEngine.from_config(cfg)
     yield engine
     asyncio.run(engine.shutdown())
@@ -163,7 +163,7 @@ def test_weight_update_group_store_listens_on_loopback_only(engine, tiny_model):
         assert mine and all(ip.startswith("127.") for ip in mine), mine
     finally:
         engine.transport = "auto"
-        engine._pusher.drop_group(engine.targets())
+        engine.weights.pusher.drop_group(engine.targets())
 
 
 def test_attached_servers_take_their_keys_from_the_environment(tiny_model, standin_python, tmp_path, monkeypatch):
@@ -193,11 +193,11 @@ def test_attached_servers_take_their_keys_from_the_environment(tiny_model, stand
                                                 ({"grpc_port": 30100}, "grpc_port"),
                                                 ({"api_key": "mine"}, "api_key")])
 def test_engine_args_that_would_open_or_override_the_keys_are_refused(engine_args, field, tiny_model, tmp_path):
-    with pytest.raises(ValueError, match=f"rollout.engine_args.{field}: "):
+    with pytest.raises(ValueError, match=f"rollout.sglang.server_args.{field}: "):
         start_server(0, str(tiny_model), log_dir=tmp_path, engine_args=engine_args, keys=EngineKeys.generate())
 
 
 def test_a_target_without_the_admin_key_is_told_so(engine):
-    stranger = ws.Target("sglang engine 0", engine.engine_urls[0])
-    with pytest.raises(ws.WeightSyncError, match="release memory: /release_memory_occupation answered HTTP 401"):
-        ws.release_memory([stranger], None, timeout=10)
+    stranger = server_api.Target("sglang engine 0", engine.engine_urls[0])
+    with pytest.raises(server_api.WeightSyncError, match="release memory: /release_memory_occupation answered HTTP 401"):
+        server_api.release_memory([stranger], None, timeout=10)

@@ -22,11 +22,11 @@ from slime_rl.core.algorithms.lora import adapter_name, peft_name
 from slime_rl.core.config import ConfigError
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.rollout_sglang import launch as fleet
-from slime_rl.rollout_sglang.adapters import adapter_folder
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import bearer
-from slime_rl.rollout_sglang.trainer_sync import SGLangWeightSender
-from slime_rl.rollout_sglang.weight_sync import WeightSyncError
+from slime_rl.rollout_sglang.weights.adapters import adapter_folder
+from slime_rl.rollout_sglang.weights.server_api import WeightSyncError
+from slime_rl.rollout_sglang.weights.trainer_sender import SGLangWeightSender
 
 RANK = 4
 LORA = {"lora": {"rank": RANK, "alpha": 8.0}}
@@ -102,7 +102,7 @@ def test_each_version_is_an_adapter_and_the_old_one_goes_after_its_last_request(
         short = await engine.generate([5, 6, 7], GREEDY)
         assert not any(t.done() for t in long)  # the sync did not wait for them, nor cut them
         outs = await asyncio.gather(*long)
-        while engine._unloads:  # the unload runs once the last v1 request is back
+        while engine.weights.unloads:  # the unload runs once the last v1 request is back
             await asyncio.sleep(0.05)
         return synced_at, short, outs
 
@@ -168,7 +168,7 @@ def test_a_failed_load_fails_the_sync_naming_the_server_and_the_adapter(lora_eng
     engine = lora_engine()
     stale = engine.servers[1]
     folder = adapter_folder(engine.work_dir, 99)
-    from slime_rl.rollout_sglang.adapters import load_adapter_from_folder, save_adapter_folder
+    from slime_rl.rollout_sglang.weights.adapters import load_adapter_from_folder, save_adapter_folder
 
     save_adapter_folder(adapter(tiny_model, 7), folder, engine.roster.spec, str(tiny_model))
     load_adapter_from_folder(engine.targets()[1], adapter_name(1), folder, timeout=30, step="test set-up")
@@ -231,14 +231,14 @@ def test_a_restarted_engine_gets_the_current_adapter_again(lora_engine, tiny_mod
 
 
 def test_attaching_needs_servers_started_for_lora(lora_engine, tiny_model, standin_python, tmp_path, monkeypatch):
-    """rollout.engine_urls: servers someone else started must have LoRA on with room for this run's adapters;
+    """rollout.sglang.engine_urls: servers someone else started must have LoRA on with room for this run's adapters;
     otherwise a config error names the field, the server, what is missing and the flags to start it with."""
     launched = lora_engine(num_engines=1)
     monkeypatch.setenv("SLIME_RL_ENGINE_API_KEY", launched.keys.api_key)
     monkeypatch.setenv("SLIME_RL_ENGINE_ADMIN_API_KEY", launched.keys.admin_key)
     bigger = make_config(tiny_model, standin_python, tmp_path / "a", trainer={"lora": {"rank": 2 * RANK}},
                          engine_urls=launched.engine_urls)
-    with pytest.raises(ConfigError, match=r"rollout.engine_urls.*sglang engine 0 .* its --max-lora-rank 4 is below "
+    with pytest.raises(ConfigError, match=r"rollout.sglang.engine_urls.*sglang engine 0 .* its --max-lora-rank 4 is below "
                                           r"trainer.lora.rank 8\. Start it with --enable-lora --max-lora-rank 8 "
                                           r"--lora-target-modules q_proj k_proj v_proj o_proj gate_proj up_proj "
                                           r"down_proj --max-loras-per-batch 3"):
@@ -255,7 +255,7 @@ def test_attaching_needs_servers_started_for_lora(lora_engine, tiny_model, stand
 
 def test_attached_server_checks_read_sglangs_server_info():
     from slime_rl.core.algorithms.lora import LoraSpec
-    from slime_rl.rollout_sglang.adapters import check_attached_server
+    from slime_rl.rollout_sglang.weights.adapters import check_attached_server
 
     spec = LoraSpec(8, 16.0, 0.0, ("q_proj", "v_proj", "down_proj"))
     check_attached_server("s", {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["all"]}, spec)

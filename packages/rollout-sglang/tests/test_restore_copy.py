@@ -1,4 +1,4 @@
-"""The trainer-side copy a restarted SGLang server is restored from (restore_copy.py)."""
+"""The trainer-side copy a restarted SGLang server is restored from (weights/restore_copy.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_rl.rollout_sglang.restore_copy import RestoreCopy, version_folder, wait_for_version
+from slime_rl.rollout_sglang.weights.restore_copy import RestoreCopy, version_folder, wait_for_version
 
 
 def test_each_version_is_written_whole_and_replaces_the_one_before(tiny_model, tmp_path):

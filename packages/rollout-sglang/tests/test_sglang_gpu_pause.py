@@ -91,13 +91,13 @@ def test_a_request_aborted_at_a_pause_answers_499_and_the_engine_sends_it_again(
     engine must send it again rather than fail (docs/standin-fidelity.md)."""
     import httpx
 
-    from slime_rl.rollout_sglang import weight_sync as ws
+    from slime_rl.rollout_sglang.weights import server_api
 
     model = make_tiny_llama(tmp_path / "model")
     engine = SGLangEngine.from_config(gpu_config(model, tmp_path / "run"))
     target = engine.targets()[0]
     try:
-        ws.pause_generation([target], timeout=30, step="test", mode="in_place")
+        server_api.pause_generation([target], timeout=30, step="test", mode="in_place")
         body = {"input_ids": PROMPTS[0], "rid": "held-at-pause", "sampling_params": {"max_new_tokens": 4}}
         headers = {"Authorization": f"Bearer {engine.keys.api_key}"} if engine.keys.api_key else {}
 
@@ -106,14 +106,14 @@ def test_a_request_aborted_at_a_pause_answers_499_and_the_engine_sends_it_again(
                 answer = asyncio.create_task(http.post(f"{target.url}/generate", json=body, headers=headers))
                 await asyncio.sleep(1.0)
                 await http.post(f"{target.url}/abort_request", json={"rid": "held-at-pause"}, headers=target.headers)
-                ws.continue_generation([target], timeout=30, step="test")
+                server_api.continue_generation([target], timeout=30, step="test")
                 return await answer
 
         resp = asyncio.run(raw())
         assert resp.status_code == 499 and "was aborted" in resp.text, (resp.status_code, resp.text)
 
         async def race():
-            ws.pause_generation([target], timeout=30, step="test", mode="in_place")  # the pause got there first
+            server_api.pause_generation([target], timeout=30, step="test", mode="in_place")  # the pause got there first
             task = asyncio.create_task(engine.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=20)))
             await asyncio.sleep(1.0)
             zero_head = [(n, torch.zeros_like(t) if n == "lm_head.weight" else t) for n, t in hf_weights(model, "cuda:0")]

@@ -24,11 +24,11 @@ import torch
 
 from slime_rl.core.algorithms.lora import LoraSpec, adapter_name, merged, peft_name
 from slime_rl.core.contracts import SamplingParams
-from slime_rl.rollout_sglang import adapters
 from slime_rl.rollout_sglang.client import build_payload, parse_response
 from slime_rl.rollout_sglang.keys import EngineKeys, bearer
 from slime_rl.rollout_sglang.server import start_server, wait_healthy
-from slime_rl.rollout_sglang.weight_sync import Target
+from slime_rl.rollout_sglang.weights import adapters
+from slime_rl.rollout_sglang.weights.server_api import Target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
@@ -190,7 +190,7 @@ def check_kernels(server, target: Target, tiny_llama: Path, tmp_path: Path) -> N
 
 def test_smoke_failed_load_names_server_and_adapter(lora_server, tiny_llama):
     """A rank above --max-lora-rank is refused by SGLang; the error names the server and the adapter."""
-    from slime_rl.rollout_sglang.weight_sync import WeightSyncError
+    from slime_rl.rollout_sglang.weights.server_api import WeightSyncError
 
     _, target = lora_server
     big = LoraSpec(rank=2 * SPEC.rank, alpha=16.0, dropout=0.0, target_modules=SPEC.target_modules)
@@ -213,7 +213,7 @@ def test_engine_adapter_sync_through_the_router(tiny_llama, tmp_path):
 
     cfg = Config.model_validate({
         "model": {"path": str(tiny_llama)},
-        "rollout": {"engine": "sglang", "engine_args": dict(ENGINE_ARGS), "max_concurrency": 64},
+        "rollout": {"engine": "sglang", "max_concurrency": 64, "sglang": {"server_args": dict(ENGINE_ARGS)}},
         "trainer": {"lora": {"rank": SPEC.rank, "alpha": SPEC.alpha}},
         "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1, "rollout_num_gpus": 1,
                     "rollout_num_gpus_per_engine": 1},

@@ -15,10 +15,10 @@ from slime_rl.core.config import ConfigError
 from slime_rl.core.config.device import resolve_device
 from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.infra.net import LOOPBACK, node_address
-from slime_rl.rollout_sglang.adapters import lora_engine_args
 from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router, launch_router
 from slime_rl.rollout_sglang.server import SGLangServer, attach_server, start_server, wait_healthy
+from slime_rl.rollout_sglang.weights.adapters import lora_engine_args
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slime_rl.core.algorithms.lora import LoraSpec, adapter_name
-from slime_rl.rollout_sglang import adapters
-from slime_rl.rollout_sglang import weight_sync as ws
-from slime_rl.rollout_sglang.background_write import wait_for_folder
+from slime_rl.core.contracts import NamedTensors
+from slime_rl.rollout_sglang.weights import adapters
+from slime_rl.rollout_sglang.weights.background_write import wait_for_folder
+from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class AdapterRoster:
     retired: set[str] = field(default_factory=set)  # loaded, no longer current, waiting for in_flight 0
     unloading: set[str] = field(default_factory=set)  # retired ones whose unload is under way
     folders: dict[str, Path] = field(default_factory=dict)  # every loaded adapter's PEFT folder
-    pending: list[ws.NamedTensors] = field(default_factory=list)  # buckets of the sync in progress
+    pending: list[NamedTensors] = field(default_factory=list)  # buckets of the sync in progress
     writer: adapters.FolderWriter = field(default_factory=adapters.FolderWriter)  # folders of engine-side pushes
 
     def acquire(self) -> tuple[str | None, int]:
@@ -79,7 +80,7 @@ class AdapterRoster:
 
     # ------------------------------------------------------------------ blocking calls (control threads)
 
-    def push(self, transport: str, targets: list[ws.Target], version: int, *, base_model: str,
+    def push(self, transport: str, targets: list[Target], version: int, *, base_model: str,
              timeout: float) -> None:
         """The buckets gathered for ``version`` into every server (`adapters.push_adapter`; on a failure
         the new adapter is taken off the servers again and the current one stays)."""
@@ -89,13 +90,13 @@ class AdapterRoster:
                               folder=adapters.adapter_folder(self.work_dir, version), timeout=timeout,
                               writer=self.writer)
 
-    def unload(self, targets: list[ws.Target], name: str, *, timeout: float) -> None:
+    def unload(self, targets: list[Target], name: str, *, timeout: float) -> None:
         """``name`` off every server (a control thread; `forget` it after, on the loop). A server that
         refuses is logged (a dead one has nothing to unload; a restarted one is given only the adapters in use)."""
         for target in targets:
             try:
                 adapters.unload_adapter(target, name, timeout=timeout, step=f"retire adapter {name}")
-            except ws.WeightSyncError as err:
+            except WeightSyncError as err:
                 logger.warning("%s", err)
 
     def forget(self, name: str) -> None:
@@ -106,13 +107,13 @@ class AdapterRoster:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def reload(self, target: ws.Target, in_use: list[tuple[str, Path]], *, timeout: float) -> None:
+    def reload(self, target: Target, in_use: list[tuple[str, Path]], *, timeout: float) -> None:
         """A restarted server gets every adapter still in use (`loaded`, taken on the loop), from its folder
         (written in the background after each sync, by this engine or the trainer's sender: waited for up to
         ``timeout``)."""
         for name, folder in in_use:
             if wait_for_folder(folder, timeout) is None:
-                raise ws.WeightSyncError(f"restore adapters: the folder of adapter {name} ({folder}) was not "
+                raise WeightSyncError(f"restore adapters: the folder of adapter {name} ({folder}) was not "
                                          f"written within {timeout:.0f} s; the log of the process that synced it "
                                          "says why")
             adapters.load_adapter_from_folder(target, name, folder, timeout=timeout, step="restore adapters")

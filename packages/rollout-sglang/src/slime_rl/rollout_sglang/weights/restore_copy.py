@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from slime_rl.core.contracts import NamedTensors
-from slime_rl.rollout_sglang import weight_sync as ws
-from slime_rl.rollout_sglang.background_write import BackgroundWrite, wait_for_folder
+from slime_rl.rollout_sglang.weights.background_write import BackgroundWrite, wait_for_folder
+from slime_rl.rollout_sglang.weights.disk import save_hf_folder
 
 
 def restore_dir(weights_dir: str | Path) -> Path:
@@ -64,7 +64,7 @@ class RestoreCopy:
         final = version_folder(self.weights_dir, version)
         partial = final.with_name(f"{final.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
-        ws.save_hf_folder(named, partial, self.model_path)
+        save_hf_folder(named, partial, self.model_path)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         for old in restore_dir(self.weights_dir).glob("v*"):

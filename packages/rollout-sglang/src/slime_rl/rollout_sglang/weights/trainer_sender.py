@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, WeightSender
-from slime_rl.rollout_sglang import adapters
-from slime_rl.rollout_sglang import weight_sync as ws
 from slime_rl.rollout_sglang.launch import work_dir
-from slime_rl.rollout_sglang.restore_copy import RestoreCopy
-from slime_rl.rollout_sglang.transport import BucketPusher
+from slime_rl.rollout_sglang.settings import sglang_settings
+from slime_rl.rollout_sglang.weights import adapters, verify
+from slime_rl.rollout_sglang.weights.pusher import BucketPusher
+from slime_rl.rollout_sglang.weights.restore_copy import RestoreCopy
+from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError, reachable
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def _with_last(buckets: Iterator[NamedTensors]) -> Iterator[tuple[int, NamedTens
 
 
 class SGLangWeightSender(WeightSender):
-    """Rank 0 pushes each bucket by the sync's transport (`transport.BucketPusher`, as the engine does
+    """Rank 0 pushes each bucket by the sync's transport (`pusher.BucketPusher`, as the engine does
     with buckets in its own process); the other ranks take part in the gather. With LoRA adapters
     (`slime_rl.core.algorithms.lora.syncs_adapters`) rank 0 gathers the adapter tensors and loads them into every
     server as version ``version``'s adapter (`adapters.push_adapter`); the engine switches to it at
@@ -46,13 +47,13 @@ class SGLangWeightSender(WeightSender):
     def __init__(self, cfg: Config, *, rank: int):
         super().__init__(cfg, rank=rank)
         self.pusher = BucketPusher(weights_dir=work_dir(cfg) / "weights", model_path=cfg.model.path,
-                                   timeout=cfg.rollout.weight_sync_timeout)
+                                   timeout=sglang_settings(cfg).weight_sync_timeout)
         # What a restarted server is restored from (restore_copy.py); a disk sync leaves its own folder.
         self.restore = (RestoreCopy(self.pusher.weights_dir, cfg.model.path)
-                        if rank == 0 and cfg.rollout.max_engine_restarts > 0 else None)
+                        if rank == 0 and sglang_settings(cfg).max_engine_restarts > 0 else None)
         self.adapter_folders = adapters.FolderWriter()
 
-    def send(self, buckets: Iterator[NamedTensors], handle: list[ws.Target], *, version: int,
+    def send(self, buckets: Iterator[NamedTensors], handle: list[Target], *, version: int,
              transport: str) -> None:
         if self.rank != 0:
             for _ in buckets:  # the gather across TP/PP needs every rank
@@ -68,19 +69,19 @@ class SGLangWeightSender(WeightSender):
             return
         expected: dict[str, str] = {}  # checksums of each bucket's first and last tensor, for check_weight_update
         for index, bucket, last in _with_last(buckets):
-            if self.cfg.rollout.check_weight_update:
-                expected.update(ws.check_sample(bucket, tp_size=ws.widest_tp(targets)))
+            if sglang_settings(self.cfg).check_weight_update:
+                expected.update(verify.check_sample(bucket, tp_size=verify.widest_tp(targets)))
             targets = self._push(transport, targets, bucket, version=version, index=index, last=last)
             if self.restore is not None and transport != "disk":
                 self.restore.add(bucket, first=index == 0)
                 if last:
                     self.restore.finish(version)
         for target in targets if expected else []:
-            ws.check_weights(target, expected, timeout=self.pusher.timeout,
+            verify.check_weights(target, expected, timeout=self.pusher.timeout,
                              step=f"weight sync v{version} ({transport})")
 
-    def _push(self, transport: str, targets: list[ws.Target], bucket: NamedTensors, *, version: int, index: int,
-              last: bool) -> list[ws.Target]:
+    def _push(self, transport: str, targets: list[Target], bucket: NamedTensors, *, version: int, index: int,
+              last: bool) -> list[Target]:
         """The bucket into every target. A server that died meanwhile (it takes no connections) is left out
         and the others get the bucket again: the engine's recovery restarts it and restores this version
         (restore_copy.py). An NCCL group with a dead member cannot go on: that error is raised."""
@@ -89,15 +90,15 @@ class SGLangWeightSender(WeightSender):
             try:
                 self.pusher.push(transport, targets, bucket, version=version, index=index, last=last, step=step)
                 return targets
-            except ws.WeightSyncError as err:
+            except WeightSyncError as err:
                 if transport == "nccl":
                     raise
-                alive = [t for t in targets if ws.reachable(t)]
+                alive = [t for t in targets if reachable(t)]
                 for _ in range(20):  # a killed server resets its connections a moment before it stops listening
                     if len(alive) < len(targets):
                         break
                     time.sleep(0.1)
-                    alive = [t for t in targets if ws.reachable(t)]
+                    alive = [t for t in targets if reachable(t)]
                 else:
                     raise
                 logger.warning("%s: %s no longer take connections (%s); going on without them", step,

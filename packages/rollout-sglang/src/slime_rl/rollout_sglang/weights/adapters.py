@@ -6,7 +6,7 @@ each version is loaded as its own adapter, named `slime_rl.core.algorithms.lora.
 
 - ``tensor``: ``/load_lora_adapter_from_tensors`` with the tensors as one flattened bucket per TP rank,
   CUDA tensors as CUDA-IPC handles (no copy), CPU tensors by value (the same payload as
-  ``/update_weights_from_tensor``, `weight_sync.serialize_bucket`);
+  ``/update_weights_from_tensor``, `ipc.serialize_bucket`);
 - ``nccl``: SGLang has no broadcast path for adapters, so the tensors go by value through the same
   endpoint (an adapter is megabytes; a host copy is cheap);
 - ``disk``: a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``) loaded with
@@ -14,7 +14,7 @@ each version is loaded as its own adapter, named `slime_rl.core.algorithms.lora.
 
 Every version is also written as a PEFT folder (`adapter_folder`), which a restarted server loads
 (`load_adapter_from_folder`); after a tensor or NCCL load it is written in the background (`FolderWriter`).
-Plain blocking functions, like `weight_sync`.
+Plain blocking functions, like the transports'.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ import torch
 
 from slime_rl.core.algorithms.lora import LoraSpec, adapter_name, hf_name, peft_adapter_config
 from slime_rl.core.config import ConfigError
-from slime_rl.rollout_sglang import weight_sync as ws
-from slime_rl.rollout_sglang.background_write import BackgroundWrite
+from slime_rl.core.contracts import NamedTensors
 from slime_rl.rollout_sglang.server import engine_args_to_flags
+from slime_rl.rollout_sglang.weights.background_write import BackgroundWrite
+from slime_rl.rollout_sglang.weights.buckets import flatten_bucket
+from slime_rl.rollout_sglang.weights.ipc import serialize_bucket
+from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError, post
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 
 def check_attached_server(name: str, server_info: dict[str, Any], spec: LoraSpec) -> None:
-    """A server someone else started (``rollout.engine_urls``) must serve ``spec``'s adapters: LoRA on, the
+    """A server someone else started (``rollout.sglang.engine_urls``) must serve ``spec``'s adapters: LoRA on, the
     rank within its ``--max-lora-rank``, the modules within its ``--lora-target-modules`` (its
     ``/server_info``)."""
     modules = server_info.get("lora_target_modules") or []
@@ -76,18 +79,18 @@ def check_attached_server(name: str, server_info: dict[str, Any], spec: LoraSpec
         problems.append(f"its --lora-target-modules {sorted(modules)} lack {missing}")
     if problems:
         flags = " ".join(engine_args_to_flags(lora_engine_args(spec)))
-        raise ConfigError("rollout.engine_urls", f"{name} cannot load this run's LoRA adapters: "
+        raise ConfigError("rollout.sglang.engine_urls", f"{name} cannot load this run's LoRA adapters: "
                           f"{'; '.join(problems)}. Start it with {flags}, or set rollout.lora_sync=merged")
 
 
-def check_adapter_tensors(named_tensors: ws.NamedTensors, *, version: int) -> None:
+def check_adapter_tensors(named_tensors: NamedTensors, *, version: int) -> None:
     """An adapter sync carries PEFT LoRA names only (`slime_rl.core.algorithms.lora.peft_name`); a full weight here
     means the trainer and the engine disagree about ``rollout.lora_sync``."""
     for name, _ in named_tensors:
         try:
             hf_name(name)
         except ValueError:
-            raise ws.WeightSyncError(
+            raise WeightSyncError(
                 f"weight sync v{version}: {name!r} is not a LoRA adapter tensor, but the engine loads adapters "
                 "(trainer.lora.rank > 0, rollout.lora_sync=adapter): the trainer must yield only "
                 "base_model.model.<module>.lora_A|B.weight tensors (or set rollout.lora_sync=merged)") from None
@@ -98,7 +101,7 @@ def adapter_folder(work_dir: str | Path, version: int) -> Path:
     return Path(work_dir) / "adapters" / f"v{version}"
 
 
-def save_adapter_folder(named_tensors: ws.NamedTensors, folder: str | Path, spec: LoraSpec,
+def save_adapter_folder(named_tensors: NamedTensors, folder: str | Path, spec: LoraSpec,
                         base_model: str) -> Path:
     """A PEFT adapter folder, as transformers/PEFT and SGLang's ``/load_lora_adapter`` read it."""
     from safetensors.torch import save_file
@@ -115,44 +118,44 @@ def save_adapter_folder(named_tensors: ws.NamedTensors, folder: str | Path, spec
     return folder
 
 
-def _check_loaded(answer: Any, target: ws.Target, name: str, step: str) -> None:
+def _check_loaded(answer: Any, target: Target, name: str, step: str) -> None:
     """SGLang answers ``{"success", "error_message", "loaded_adapters"}`` (HTTP 400 on failure, which
-    `weight_sync.post` already raised on); a 200 without the adapter listed is a failure too."""
+    `server_api.post` already raised on); a 200 without the adapter listed is a failure too."""
     loaded = answer.get("loaded_adapters") if isinstance(answer, dict) else None
     if not isinstance(loaded, dict) or name not in loaded:
-        raise ws.WeightSyncError(f"{target.name}: {step}: adapter {name} is not among the loaded adapters "
+        raise WeightSyncError(f"{target.name}: {step}: adapter {name} is not among the loaded adapters "
                                  f"after the load: {str(answer)[:300]}")
 
 
-def load_adapter_from_tensors(target: ws.Target, name: str, named_tensors: ws.NamedTensors, spec: LoraSpec, *,
+def load_adapter_from_tensors(target: Target, name: str, named_tensors: NamedTensors, spec: LoraSpec, *,
                               base_model: str, timeout: float, step: str) -> None:
     """Load adapter ``name`` into one server from tensors (CUDA: IPC handles, kept alive by the caller
     until this returns; CPU: by value). One payload per TP rank; each rank takes its own shard."""
-    payloads = [ws.serialize_bucket(named_tensors) for _ in range(target.tp_size)]
+    payloads = [serialize_bucket(named_tensors) for _ in range(target.tp_size)]
     body = {"lora_name": name, "config_dict": peft_adapter_config(spec, base_model),
             "serialized_named_tensors": payloads, "load_format": "flattened_bucket"}
-    answer = ws.post(target, "/load_lora_adapter_from_tensors", body, timeout=timeout,
+    answer = post(target, "/load_lora_adapter_from_tensors", body, timeout=timeout,
                      step=f"{step}: load adapter {name}", api_key=True)
     _check_loaded(answer, target, name, step)
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()  # the server copied the adapter: release the shared blocks
 
 
-def load_adapter_from_folder(target: ws.Target, name: str, folder: str | Path, *, timeout: float,
+def load_adapter_from_folder(target: Target, name: str, folder: str | Path, *, timeout: float,
                              step: str) -> None:
     """Load adapter ``name`` into one server from a PEFT folder it can read."""
-    answer = ws.post(target, "/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
+    answer = post(target, "/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)},
                      timeout=timeout, step=f"{step}: load adapter {name} from {folder}")
     _check_loaded(answer, target, name, step)
 
 
-def unload_adapter(target: ws.Target, name: str, *, timeout: float, step: str) -> None:
+def unload_adapter(target: Target, name: str, *, timeout: float, step: str) -> None:
     """Unload adapter ``name`` from one server (SGLang waits for its own requests that use it)."""
-    ws.post(target, "/unload_lora_adapter", {"lora_name": name}, timeout=timeout,
+    post(target, "/unload_lora_adapter", {"lora_name": name}, timeout=timeout,
             step=f"{step}: unload adapter {name}")
 
 
-def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.NamedTensors, spec: LoraSpec, *,
+def push_adapter(transport: str, targets: list[Target], named_tensors: NamedTensors, spec: LoraSpec, *,
                  version: int, folder: Path, base_model: str, timeout: float, writer: FolderWriter) -> None:
     """Version ``version``'s whole adapter into every server under `adapter_name` by ``transport`` (see
     the module docstring); then ``writer`` writes it to ``folder`` (the copy a restarted server is given),
@@ -167,7 +170,7 @@ def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.Nam
     if transport == "disk":  # the servers load the folder: written first, in this thread
         writer.wait()
         save_adapter_folder(named_tensors, folder, spec, base_model)
-    loaded: list[ws.Target] = []
+    loaded: list[Target] = []
     try:
         for target in targets:
             if transport == "disk":
@@ -181,7 +184,7 @@ def push_adapter(transport: str, targets: list[ws.Target], named_tensors: ws.Nam
         for target in loaded:
             try:
                 unload_adapter(target, name, timeout=min(timeout, 30.0), step=f"{step}: clean-up")
-            except ws.WeightSyncError as err:
+            except WeightSyncError as err:
                 logger.warning("%s", err)
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -197,20 +200,20 @@ class FolderWriter(BackgroundWrite):
         super().__init__("an adapter folder", "a server restarted now cannot load that adapter until the next "
                                               "sync writes one")
 
-    def write(self, named_tensors: ws.NamedTensors, folder: Path, spec: LoraSpec, base_model: str) -> None:
+    def write(self, named_tensors: NamedTensors, folder: Path, spec: LoraSpec, base_model: str) -> None:
         snapshot = _snapshot(named_tensors)
         self.start(lambda: save_adapter_folder(_on_host(*snapshot), folder, spec, base_model),
                    name=f"adapter-folder-{folder.name}")
 
 
-def _snapshot(named_tensors: ws.NamedTensors) -> tuple[torch.Tensor | None, list[Any]]:
+def _snapshot(named_tensors: NamedTensors) -> tuple[torch.Tensor | None, list[Any]]:
     """One copy of all the tensors on their device (an adapter is hundreds of small tensors), in the bucket
-    layout of `weight_sync.flatten_bucket`: bytes of any dtype. A CUDA copy is queued on the current stream
+    layout of `buckets.flatten_bucket`: bytes of any dtype. A CUDA copy is queued on the current stream
     before anything the trainer does next, so the transfer to the host can wait for the background thread."""
-    return ws.flatten_bucket(named_tensors) if named_tensors else (None, [])
+    return flatten_bucket(named_tensors) if named_tensors else (None, [])
 
 
-def _on_host(flat: torch.Tensor | None, metadata: list[Any]) -> ws.NamedTensors:
+def _on_host(flat: torch.Tensor | None, metadata: list[Any]) -> NamedTensors:
     """The snapshot moved to the host (one transfer) and cut back into separate tensors."""
     host = flat.to("cpu") if flat is not None else None
     return [(m.name, host[m.start_idx:m.end_idx].clone().view(m.dtype).view(m.shape)) for m in metadata]

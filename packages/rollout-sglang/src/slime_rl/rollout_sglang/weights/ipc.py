@@ -1,0 +1,76 @@
+"""The ``tensor`` transport (colocated engines): a bucket serialised with torch's multiprocessing
+pickler, so CUDA tensors travel as CUDA-IPC handles (no copy), through ``/update_weights_from_tensor``;
+CPU tensors go by value.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from slime_rl.core.contracts import NamedTensors
+from slime_rl.rollout_sglang.weights.buckets import flatten_bucket
+from slime_rl.rollout_sglang.weights.server_api import Target, post
+
+
+def serialize_bucket(named_tensors: NamedTensors) -> str:
+    """One bucket as base64 text for ``/update_weights_from_tensor`` (load_format
+    ``flattened_bucket``). CUDA tensors go as CUDA-IPC handles (SGLang's MultiprocessingSerializer
+    format, the GPU named by UUID so an engine that numbers its GPUs differently maps the right
+    one): the engine maps them without a copy, and the caller must keep them alive until the
+    POST returns. CPU tensors go by value (another process cannot map them)."""
+    flat, metadata = flatten_bucket(named_tensors)
+    payload = {"flattened_tensor": flat, "metadata": metadata}
+    if not flat.is_cuda:
+        return base64.b64encode(pickle.dumps(payload)).decode("ascii")
+    try:  # the engine's own serializer and device-UUID patch, when SGLang is importable here
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:
+        return base64.b64encode(_dumps_cuda_ipc(payload)).decode("ascii")
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer.serialize(payload, output_str=True)
+
+
+def _dumps_cuda_ipc(obj: Any) -> bytes:
+    """torch's ForkingPickler, with each CUDA tensor's device index replaced by its GPU's UUID,
+    which SGLang's patched ``rebuild_cuda_tensor`` maps back to its own index."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    def reduce_with_uuid(tensor: torch.Tensor):
+        rebuild, args = reductions.reduce_tensor(tensor)
+        if tensor.is_cuda and isinstance(args[6], int):  # args[6]: the device (torch's reduce_tensor layout)
+            args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+        return rebuild, args
+
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table[torch.Tensor] = reduce_with_uuid
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+def update_from_tensor(target: Target, named_tensors: NamedTensors, *, version: int | None, timeout: float,
+                       step: str) -> None:
+    """Load one bucket into one engine; one payload per TP rank (each rank maps its own handles)."""
+    payloads = [serialize_bucket(named_tensors) for _ in range(target.tp_size)]
+    body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False}
+    if version is not None:
+        body["weight_version"] = str(version)
+    post(target, "/update_weights_from_tensor", body, timeout=timeout, step=step)
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # the engine has loaded the bucket: release the shared blocks
+
+
+def push_tensor_bucket(targets: list[Target], named_tensors: NamedTensors, *, version: int | None,
+                       timeout: float, step: str) -> None:
+    """Trainer side of a colocated sync: one bucket into every engine. Pass ``version`` with the
+    last bucket only, so an engine reports the new version once it has all of it."""
+    for target in targets:
+        update_from_tensor(target, named_tensors, version=version, timeout=timeout, step=step)

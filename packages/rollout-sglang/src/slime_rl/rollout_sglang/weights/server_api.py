@@ -1,0 +1,124 @@
+"""SGLang's server control API as a weight sync and the engine's memory calls use it: `Target` (a server
+as a control call sees it, with its admin key), `post` (one call, checked, raising `WeightSyncError`
+that names the server and the step), and pause / continue / flush / release / resume memory.
+
+The transports (ipc.py, nccl.py, disk.py) and the checks (verify.py) post through this module. Plain
+blocking functions: the trainer process calls them directly; the async engine runs them in a thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from slime_rl.rollout_sglang.keys import bearer
+
+
+class WeightSyncError(RuntimeError):
+    """A step of a weight sync or a control call failed; the message names the server and the step."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """An engine as a sync sees it."""
+
+    name: str  # for messages, e.g. "sglang engine 0 (http://127.0.0.1:30001)"
+    url: str
+    tp_size: int = 1
+    admin_key: str | None = field(default=None, repr=False)  # the server's --admin-api-key (keys.py)
+    api_key: str | None = field(default=None, repr=False)  # its --api-key, for the endpoints SGLang marks NORMAL
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return bearer(self.admin_key)
+
+
+def post(target: Target, path: str, body: dict[str, Any] | None, *, timeout: float, step: str,
+         ok_status: tuple[int, ...] = (200,), api_key: bool = False) -> Any:
+    """POST and check SGLang's answer (HTTP 200 and, where present, ``success: true``). The admin key goes
+    with it, or with ``api_key`` the API key (SGLang takes only that one on its NORMAL endpoints, such
+    as ``/load_lora_adapter_from_tensors``, when both are set)."""
+    headers = bearer(target.api_key) if api_key else target.headers
+    try:
+        resp = httpx.post(f"{target.url}{path}", json=body if body is not None else {}, headers=headers,
+                          timeout=timeout)
+    except httpx.TimeoutException:
+        raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
+    except httpx.HTTPError as err:
+        raise WeightSyncError(f"{target.name}: {step}: {path} failed: {type(err).__name__}: {err}") from None
+    if resp.status_code not in ok_status:
+        raise WeightSyncError(f"{target.name}: {step}: {path} answered HTTP {resp.status_code}: {resp.text[:500]}")
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text
+    if isinstance(data, dict) and data.get("success") is False:
+        raise WeightSyncError(f"{target.name}: {step}: {path} failed: "
+                              f"{data.get('message') or data.get('error_message')}")
+    return data
+
+
+def reachable(target: Target, timeout: float = 5.0) -> bool:
+    """Whether the server accepts connections at all (any answer to ``/health``, even 503, counts)."""
+    try:
+        httpx.get(f"{target.url}/health", timeout=timeout)
+    except httpx.TransportError:
+        return False
+    return True
+
+
+def post_all(targets: list[Target], path: str, body: Callable[[int, Target], dict] | dict | None, *,
+             timeout: float, step: str) -> list[Any]:
+    """The same call on every engine at once; the first failure is raised after all returned."""
+    if not targets:
+        return []
+    with ThreadPoolExecutor(len(targets)) as pool:
+        futures = [pool.submit(post, t, path, body(i, t) if callable(body) else body, timeout=timeout, step=step)
+                   for i, t in enumerate(targets)]
+        return [f.result() for f in futures]
+
+
+def pause_generation(targets: list[Target], *, timeout: float, step: str, mode: str = "abort") -> None:
+    """Stop generating until `continue_generation`: ``abort`` (SGLang's default) aborts in-flight requests
+    (they return what they have); ``in_place`` (fully async) holds them where they are, KV cache and all,
+    and they go on with the new weights, without a re-prefill. New requests wait either way."""
+    post_all(targets, "/pause_generation", {"mode": mode}, timeout=timeout, step=step)
+
+
+def continue_generation(targets: list[Target], *, timeout: float, step: str) -> None:
+    post_all(targets, "/continue_generation", {}, timeout=timeout, step=step)
+
+
+def flush_cache(targets: list[Target], *, timeout: float, step: str) -> None:
+    """Drop the prefix cache (its KV came from the old weights). SGLang refuses (HTTP 400)
+    while requests are pending, so poll until it succeeds. A server that refuses the connection is
+    gone (no retry brings it back; its restart flushes anyway): that fails at once."""
+    for target in targets:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                resp = httpx.post(f"{target.url}/flush_cache", headers=target.headers, timeout=timeout)
+                if resp.status_code == 200:
+                    break
+                problem = f"HTTP {resp.status_code}: {resp.text.strip()[:200]}"
+            except httpx.ConnectError as err:
+                raise WeightSyncError(f"{target.name}: {step}: /flush_cache failed: {type(err).__name__}: {err}") from None
+            except httpx.HTTPError as err:
+                problem = f"{type(err).__name__}: {err}"
+            if time.monotonic() >= deadline:
+                raise WeightSyncError(f"{target.name}: {step}: /flush_cache did not succeed within "
+                                      f"{timeout:.0f} s; last: {problem}")
+            time.sleep(0.1)
+
+
+def release_memory(targets: list[Target], tags: list[str] | None, *, timeout: float) -> None:
+    post_all(targets, "/release_memory_occupation", {"tags": tags}, timeout=timeout, step="release memory")
+
+
+def resume_memory(targets: list[Target], tags: list[str] | None, *, timeout: float) -> None:
+    post_all(targets, "/resume_memory_occupation", {"tags": tags}, timeout=timeout, step="resume memory")

@@ -1,0 +1,80 @@
+"""After a sync, whether the engines hold the trainer's weights (``rollout.sglang.check_weight_update``,
+`SGLangEngine.verify_weights`): checksums of a sample of each bucket's tensors (`check_sample`) against
+what SGLang's ``/weights_checker`` reports for its parameters (`check_weights`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from slime_rl.core.contracts import NamedTensors
+from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError, post
+
+# SGLang loads these into fused parameters (qkv_proj, gate_up_proj), whose checksum no single
+# trainer tensor has; the check compares the parameters both sides hold under one name.
+_FUSED_IN_SGLANG = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """A tensor's checksum as SGLang's ``/weights_checker`` reports it (``weight_checker._hash_tensor``:
+    its GPU hash kernel for CUDA tensors, the first 8 bytes of SHA-256 over the raw bytes otherwise)."""
+    flat = tensor.detach().contiguous()
+    if flat.is_cuda:
+        try:
+            from sglang.kernels.ops.memory.gpu_tensor_hash import gpu_tensor_hash
+        except ImportError as err:
+            raise WeightSyncError("rollout.sglang.check_weight_update: checksums of CUDA weights use SGLang's GPU hash "
+                                  "kernel, and sglang is not importable in this process; install it here or "
+                                  "set rollout.sglang.check_weight_update=false") from err
+        return f"{gpu_tensor_hash(flat):016x}"
+    digest = hashlib.sha256(flat.reshape(-1).view(torch.uint8).numpy()).digest()[:8]
+    return f"{int.from_bytes(digest, byteorder='big', signed=False):016x}"
+
+
+def widest_tp(targets: list[Target]) -> int:
+    return max((t.tp_size for t in targets), default=1)
+
+
+def _comparable(name: str, tensor: torch.Tensor, tp_size: int) -> bool:
+    """Whether an engine holds this tensor whole under the same name: not fused by SGLang and, with
+    tensor parallelism, replicated on every rank (the norms; the other weights are sharded)."""
+    if any(part in name for part in _FUSED_IN_SGLANG):
+        return False
+    return tp_size == 1 or (tensor.dim() == 1 and "norm" in name)
+
+
+def check_sample(named_tensors: NamedTensors, *, tp_size: int = 1, every: bool = False) -> dict[str, str]:
+    """What `check_weights` compares after a sync: the checksums of a bucket's first and last tensors
+    that an engine of ``tp_size`` holds whole (``every``: all of them)."""
+    candidates = [(n, t) for n, t in named_tensors if _comparable(n, t, tp_size)]
+    picked = candidates if every else candidates[:1] + candidates[-1:]
+    return {name: tensor_checksum(tensor) for name, tensor in picked}
+
+
+def check_weights(target: Target, expected: dict[str, str], *, timeout: float, step: str) -> int:
+    """Compare the engine's parameters with the trainer's by checksum (SGLang's ``/weights_checker``,
+    which hashes every parameter on every TP rank; ``/get_weights_by_name`` does not serve Qwen2/Qwen3).
+    Returns how many tensors were compared; raises when one differs or none could be compared."""
+    answer = post(target, "/weights_checker", {"action": "checksum"}, timeout=timeout, step=f"{step}: checksums")
+    ranks = answer.get("ranks") if isinstance(answer, dict) else None
+    if not ranks:
+        raise WeightSyncError(f"{target.name}: {step}: /weights_checker returned no checksums: {str(answer)[:300]}")
+    problems, compared = [], 0
+    for rank in ranks:
+        held = rank.get("checksums", {})
+        for name, want in expected.items():
+            if name not in held:
+                continue  # a tied or renamed parameter: the engine holds it under another name
+            compared += 1
+            if held[name] != want:
+                problems.append(f"{name} (TP rank {rank.get('parallelism_info', {}).get('tp_rank', '?')}): "
+                                f"engine checksum {held[name]} != trainer's {want}")
+    if problems:
+        raise WeightSyncError(f"{target.name}: {step}: engine weights differ from the trainer's: "
+                              + "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
+    if expected and not compared:
+        raise WeightSyncError(f"{target.name}: {step}: none of the {len(expected)} sampled tensors "
+                              f"({', '.join(sorted(expected)[:3])}...) is a parameter of the engine under that name")
+    return compared
