@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from slime_rl.core.contracts import NamedTensors
 from slime_rl.trainer_megatron.model import HFModelShape, PolicyGPT
-
-NamedTensors = list[tuple[str, torch.Tensor]]
 
 ADAPTER_SUFFIX = "_lora"  # a LoRA adapter beside linear X is the module X_lora (lora.py)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
