@@ -10,7 +10,7 @@ The trainer side is random bf16 weights of the shape, on the GPU, cut into bucke
 with SGLang's dummy weights (``--load-format dummy``) for shapes too large to write to disk (unless
 ``--paths`` has ``disk``). Each path is timed over ``--syncs`` syncs of the whole model:
 
-- ``direct``: each bucket serialised (`weight_sync.serialize_bucket`) and posted straight to
+- ``direct``: each bucket serialised (`weights.ipc.serialize_bucket`) and posted straight to
   ``/update_weights_from_tensor``: what SGLang itself costs;
 - ``trainer``: the training loop's path: `SGLangEngine.begin_weight_sync`, trainer rank 0's
   `SGLangWeightSender.send`, `end_weight_sync` (pause, push, flush, continue);

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 def work_dir(cfg: Config) -> Path:
     """The engine's folder in the run: server logs, and ``weights/v{N}`` of disk syncs (both sides of a
-    sync write there: the engine and the trainer's sender, `transport.BucketPusher`)."""
+    sync write there: the engine and the trainer's sender, `weights.pusher.BucketPusher`)."""
     return Path(cfg.logging.dir) / "sglang"
 
 
