@@ -197,7 +197,8 @@ def bucketed(named: NamedTensors, bucket_bytes: int) -> list[NamedTensors]:
 
 # The steps of a sync, timed where the code calls them (in this process, any thread): where the time goes.
 PHASES = {"pause": (server_api, "pause_generation"), "flush": (server_api, "flush_cache"),
-          "continue": (server_api, "continue_generation"), "post bucket": (ipc, "update_from_tensor"), "push bucket": (BucketPusher, "push"),
+          "continue": (server_api, "continue_generation"), "post bucket": (ipc, "update_from_tensor"),
+          "push bucket": (BucketPusher, "push"),
           "restore copy": (RestoreCopy, "add"), "restore finish": (RestoreCopy, "finish"),
           "load adapter": (adapters, "load_adapter_from_tensors"), "unload adapter": (adapters, "unload_adapter"),
           "load adapter folder": (adapters, "load_adapter_from_folder"),
