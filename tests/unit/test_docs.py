@@ -3,9 +3,9 @@
 import re
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from slime_rl.core.config import Config
+from slime_rl.core.config import BackendSettings, Config, docs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,3 +49,23 @@ def test_readme_opens_with_make_demo_and_make_test():
     first_block = text.split("```bash", 1)[1].split("```", 1)[0]
     commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
     assert commands == ["make demo", "make test"]
+
+
+def test_backend_settings_tables_are_current():
+    """docs/config.md's tables of backend settings are what the models generate (config/docs.py)."""
+    text = (REPO / "docs" / "config.md").read_text()
+    assert docs.updated(text) == text, "docs/config.md: run `python -m slime_rl.core.config.docs docs/config.md`"
+    for section in ("rollout.sglang", "rollout.hf", "trainer.megatron"):
+        assert f"## {section}\n" in text
+
+
+def test_a_new_backend_key_shows_in_the_generated_table():
+    class Knobs(BackendSettings):
+        """A backend's keys."""
+        chunk: int | None = Field(None, description="tokens | per chunk")
+        names: list[str] = Field(default_factory=list, description="some names")
+
+    assert docs.settings_table(Knobs)[2:] == ["| `chunk` | `null` | tokens \\| per chunk |",
+                                              "| `names` | `[]` | some names |"]
+    stale = docs.updated("# title\n").replace("`chunked_prefill_size`", "`chunk_size`")
+    assert docs.updated(stale) != stale and docs.main([str(REPO / "docs" / "config.md"), "--check"]) == 0

@@ -197,9 +197,16 @@ MISTAKES = [
      "does not exist"),
     ("prompt data is a directory", with_prompt_dir, [], "data.prompt_data", "is a directory"),
     ("logging.dir is a file", with_file_as_logging_dir, [], "logging.dir", "give a directory"),
-    ("engine url not a URL", {"rollout.engine_urls": ["10.0.0.1:30000"]}, [], "rollout.engine_urls", "http://"),
-    ("engine_python missing", {"rollout.engine_python": "{tmp}/venv/bin/python"}, [], "rollout.engine_python",
-     "not an executable interpreter"),
+    # a backend's own keys (rollout.sglang, SGLangSettings): the same one line, naming the full field
+    ("engine url not a URL", {"rollout.engine": "sglang"}, ["rollout.sglang.engine_urls=[10.0.0.1:30000]"],
+     "rollout.sglang.engine_urls", "http://"),
+    ("engine_python missing", {"rollout.engine": "sglang", "rollout.sglang": {"engine_python": "{tmp}/venv/bin/python"}},
+     [], "rollout.sglang.engine_python", "not an executable interpreter"),
+    ("backend key mistyped", {"rollout.engine": "sglang"}, ["rollout.sglang.chunk_prefill_size=512"],
+     "rollout.sglang.chunk_prefill_size", "did you mean `rollout.sglang.chunked_prefill_size`?"),
+    ("chunked prefill size 0", {"rollout.engine": "sglang"}, ["rollout.sglang.chunked_prefill_size=0"],
+     "rollout.sglang.chunked_prefill_size", "or -1 to turn chunked prefill off (got 0)"),
+
 ]
 
 
@@ -245,6 +252,17 @@ def test_the_base_config_plans(workspace):
         "trainer.lr": 1, "trainer.clip_grad": 0, "algorithm.gamma": 0.99, "data.shuffle": True,
         "rollout.generate_fn": "multi_turn", "rollout.tools": [f"{MODULE}:sync_generate"]}))])
     assert result.exit_code == 0, result.output
+
+
+def test_an_old_key_name_plans_with_a_one_line_notice(workspace):
+    """A key that moved into a backend's section still works for a release; one stderr line names the new key."""
+    result = runner.invoke(app, ["plan", str(write_config(workspace, {})), "rollout.engine_args={max_batch_size: 4}",
+                                 "trainer.recompute=true"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "notice: rollout.engine_args is now rollout.hf; the old name works until the next release",
+        "notice: trainer.recompute is now trainer.megatron.recompute; the old name works until the next release"]
+    assert "  hf:\n    max_batch_size: 4\n" in result.stdout and "  megatron:\n    recompute: true\n" in result.stdout
 
 
 # slime-cli, then (on stdout) how many of Ray's modules it imported

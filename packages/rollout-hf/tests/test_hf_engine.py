@@ -10,6 +10,7 @@ import torch
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.rollout_hf.engine import HFEngine
+from slime_rl.rollout_hf.settings import HFSettings
 
 PROMPTS = [
     "Question: What is 3 + 4?\nAnswer:",
@@ -338,11 +339,9 @@ def test_from_config_loads_an_hf_folder_and_shuts_down(tmp_path, tokenizer, make
     model = make_model("qwen2", len(tokenizer))
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
-    cfg = Config()
-    cfg.model.path = str(tmp_path / "model")
-    cfg.cluster.device = "cpu"
-    cfg.rollout.engine_args = {"max_batch_size": 4, "seed": 5, "num_threads": 1}
-    engine = HFEngine.from_config(cfg)
+    tree = {"model": {"path": str(tmp_path / "model")}, "cluster": {"device": "cpu"},
+            "rollout": {"engine": "hf", "hf": {"max_batch_size": 4, "seed": 5, "num_threads": 1}}}
+    engine = HFEngine.from_config(Config.model_validate(tree))
     assert engine.max_batch_size == 4 and engine.num_threads == 1 and engine.model.dtype == torch.float32 and engine.device.type == "cpu"
     prompt = encode(tokenizer, PROMPTS[:1])[0]
     out = asyncio.run(engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)))
@@ -355,15 +354,21 @@ def test_from_config_loads_an_hf_folder_and_shuts_down(tmp_path, tokenizer, make
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(engine.generate(prompt, SamplingParams()))
 
-    cfg.rollout.engine_args = {"max_batch": 4}
-    with pytest.raises(ValueError, match="rollout.engine_args.max_batch: not an hf engine option"):
-        HFEngine.from_config(cfg)
+    # rollout.hf is HFSettings, checked with the config (it was a hand check of rollout.engine_args here)
+    tree["rollout"]["hf"] = {"max_batch": 4}
+    with pytest.raises(ValueError, match=r"rollout.hf.max_batch: unknown key; did you mean `rollout.hf.max_batch_size`"):
+        Config.model_validate(tree)
+    tree["rollout"]["hf"] = {"max_batch_size": 0}
+    with pytest.raises(ValueError, match=r"rollout.hf.max_batch_size: "):
+        Config.model_validate(tree)
 
 
 def test_the_entry_point_names_the_engine():
     from slime_rl.core.infra.plugins import load_plugin
 
     assert load_plugin("slime_rl.rollout_engines", "hf") is HFEngine
+    # and its settings entry point the model the class declares (the config loader reads that one)
+    assert load_plugin("slime_rl.rollout_engines.settings", "hf") is HFEngine.settings is HFSettings
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ from slime_rl.core.infra.plugins import load_plugin
 from slime_rl.rollout_sglang.client import GenerateError
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import bearer
+from slime_rl.rollout_sglang.settings import SGLangSettings
 from slime_rl.rollout_sglang.weights import ipc, server_api, verify
 from slime_rl.rollout_sglang.weights.server_api import WeightSyncError
 from slime_rl.rollout_sglang.weights.trainer_sender import SGLangWeightSender
@@ -30,11 +31,14 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
 def make_config(tiny_model, standin_python, tmp_path, num_engines: int = 2, trainer: dict | None = None,
                 **rollout) -> Config:
-    engine_args = {"standin_token_delay": 0.002, **rollout.pop("engine_args", {})}
+    """``rollout`` holds core's rollout keys and rollout.sglang's (SGLangSettings), ``engine_args`` its server_args."""
+    server_args = {"standin_token_delay": 0.002, **rollout.pop("engine_args", {})}
+    sglang = {key: rollout.pop(key) for key in list(rollout) if key in SGLangSettings.model_fields}
     return Config.model_validate({
         "model": {"path": str(tiny_model)},
         "trainer": trainer or {},
-        "rollout": {"engine": "sglang", "engine_python": standin_python, "engine_args": engine_args, **rollout},
+        "rollout": {"engine": "sglang", **rollout,
+                    "sglang": {"engine_python": standin_python, "server_args": server_args, **sglang}},
         "cluster": {"device": "cpu", "colocate": True, "actor_num_gpus_per_node": 2, "rollout_num_gpus": num_engines,
                     "rollout_num_gpus_per_engine": 1},
         "logging": {"dir": str(tmp_path)},
@@ -103,7 +107,7 @@ def test_generate_token_in_token_out_through_the_router(shared_engine):
 
 
 def test_turns_of_one_session_go_to_one_engine_with_the_manual_policy(make_engine):
-    """A request id ``<session>/<turn>`` is the router's routing key: under rollout.router_policy=manual every
+    """A request id ``<session>/<turn>`` is the router's routing key: under rollout.sglang.router_policy=manual every
     turn of an episode reaches the engine holding its prefix, and the cached tokens come back."""
     engine = make_engine(router_policy="manual")
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -222,7 +226,7 @@ def test_weight_sync_changes_generations_and_reports_the_version(make_engine, ti
 
 
 def test_weight_check_compares_checksums_and_names_what_differs(make_engine, tiny_model):
-    """rollout.check_weight_update compares the engines' checksums (/weights_checker, which serves every
+    """rollout.sglang.check_weight_update compares the engines' checksums (/weights_checker, which serves every
     model family; /get_weights_by_name refused Qwen2 on SGLang 0.5.17): a tensor that differs is named,
     and a sample the engine holds under none of its names fails rather than passes."""
     engine = make_engine(num_engines=1)

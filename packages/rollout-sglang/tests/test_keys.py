@@ -31,7 +31,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 def make_config(tiny_model, standin_python, tmp_path, **rollout) -> Config:
     return Config.model_validate({
         "model": {"path": str(tiny_model)},
-        "rollout": {"engine": "sglang", "engine_python": standin_python, **rollout},
+        "rollout": {"engine": "sglang", "sglang": {"engine_python": standin_python, **rollout}},
         "cluster": {"device": "cpu", "colocate": True, "actor_num_gpus_per_node": 1, "rollout_num_gpus": 1,
                     "rollout_num_gpus_per_engine": 1},
         "logging": {"dir": str(tmp_path)},
@@ -61,7 +61,7 @@ def stranger_bodies(model_dir: Path) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def engine(tiny_model, standin_python, tmp_path_factory):
     cfg = make_config(tiny_model, standin_python, tmp_path_factory.mktemp("keys"),
-                      engine_args={"standin_token_delay": 0.002})
+                      server_args={"standin_token_delay": 0.002})
     engine = SGLangEngine.from_config(cfg)
     yield engine
     asyncio.run(engine.shutdown())
@@ -193,7 +193,7 @@ def test_attached_servers_take_their_keys_from_the_environment(tiny_model, stand
                                                 ({"grpc_port": 30100}, "grpc_port"),
                                                 ({"api_key": "mine"}, "api_key")])
 def test_engine_args_that_would_open_or_override_the_keys_are_refused(engine_args, field, tiny_model, tmp_path):
-    with pytest.raises(ValueError, match=f"rollout.engine_args.{field}: "):
+    with pytest.raises(ValueError, match=f"rollout.sglang.server_args.{field}: "):
         start_server(0, str(tiny_model), log_dir=tmp_path, engine_args=engine_args, keys=EngineKeys.generate())
 
 

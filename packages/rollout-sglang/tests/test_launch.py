@@ -44,7 +44,7 @@ def test_engines_planned_on_several_nodes_are_refused_with_the_way_out():
     p = plan(actor_num_gpus_per_node=4, num_gpus_per_node=4, actor_num_nodes=2, rollout_num_gpus_per_engine=2)
     assert {node for e in p.engines for node, _ in e.gpus} == {0, 1}
     with pytest.raises(ConfigError, match=r"cluster.rollout_num_gpus: the plan puts the SGLang engines on nodes"
-                                          r" \[0, 1\].*rollout.engine_urls"):
+                                          r" \[0, 1\].*rollout.sglang.engine_urls"):
         engine_gpu_ids(p, visible="")
 
 

@@ -231,14 +231,14 @@ def test_a_restarted_engine_gets_the_current_adapter_again(lora_engine, tiny_mod
 
 
 def test_attaching_needs_servers_started_for_lora(lora_engine, tiny_model, standin_python, tmp_path, monkeypatch):
-    """rollout.engine_urls: servers someone else started must have LoRA on with room for this run's adapters;
+    """rollout.sglang.engine_urls: servers someone else started must have LoRA on with room for this run's adapters;
     otherwise a config error names the field, the server, what is missing and the flags to start it with."""
     launched = lora_engine(num_engines=1)
     monkeypatch.setenv("SLIME_RL_ENGINE_API_KEY", launched.keys.api_key)
     monkeypatch.setenv("SLIME_RL_ENGINE_ADMIN_API_KEY", launched.keys.admin_key)
     bigger = make_config(tiny_model, standin_python, tmp_path / "a", trainer={"lora": {"rank": 2 * RANK}},
                          engine_urls=launched.engine_urls)
-    with pytest.raises(ConfigError, match=r"rollout.engine_urls.*sglang engine 0 .* its --max-lora-rank 4 is below "
+    with pytest.raises(ConfigError, match=r"rollout.sglang.engine_urls.*sglang engine 0 .* its --max-lora-rank 4 is below "
                                           r"trainer.lora.rank 8\. Start it with --enable-lora --max-lora-rank 8 "
                                           r"--lora-target-modules q_proj k_proj v_proj o_proj gate_proj up_proj "
                                           r"down_proj --max-loras-per-batch 3"):

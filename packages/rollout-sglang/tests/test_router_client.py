@@ -142,7 +142,7 @@ def test_transient_failures_have_a_bound_of_their_own_unless_an_engine_is_restar
     started = time.monotonic()
     with pytest.raises(GenerateError, match=r"request flaky: gave up after 4 attempts through the router at "
                                             r"http://127.0.0.1:\d+ \(4 failed while no engine was restarting; "
-                                            r"rollout.generate_max_retries=3\); last: HTTP 503"):
+                                            r"rollout.sglang.generate_max_retries=3\); last: HTTP 503"):
         asyncio.run(client.generate([1], SamplingParams(max_new_tokens=2), "flaky"))
     assert time.monotonic() - started < 10 and client.retries == 3
 

@@ -31,7 +31,7 @@ def test_engine_args_become_sglang_flags():
 
 
 def test_engine_args_may_not_override_what_slime_rl_sets():
-    with pytest.raises(ValueError, match=r"rollout.engine_args.port: slime-rl sets --port itself"):
+    with pytest.raises(ValueError, match=r"rollout.sglang.server_args.port: slime-rl sets --port itself"):
         engine_args_to_flags({"port": 1234})
 
 
@@ -76,8 +76,8 @@ def test_a_server_that_crashes_at_start_fails_fast_with_exit_code_and_log(tiny_m
 def test_from_config_reports_a_crashing_server(tiny_model, standin_python, tmp_path):
     cfg = Config.model_validate({
         "model": {"path": str(tiny_model)},
-        "rollout": {"engine": "sglang", "engine_python": standin_python,
-                    "engine_args": {"standin_crash_on_start": True}},
+        "rollout": {"engine": "sglang", "sglang": {"engine_python": standin_python,
+                                                   "server_args": {"standin_crash_on_start": True}}},
         "cluster": {"device": "cpu", "actor_num_gpus_per_node": 2},
         "logging": {"dir": str(tmp_path)}})
     with pytest.raises(ServerStartError, match="sglang engine 0 .* exited with code 1"):
@@ -108,5 +108,5 @@ def _processes_with(marker: str) -> list[int]:
 
 
 def test_engine_python_must_be_an_executable(tiny_model, tmp_path):
-    with pytest.raises(ValueError, match=r"rollout.engine_python: .* is not an executable interpreter"):
+    with pytest.raises(ValueError, match=r"rollout.sglang.engine_python: .* is not an executable interpreter"):
         start_server(0, str(tiny_model), log_dir=tmp_path, python=str(tmp_path / "no-such-python"))

@@ -25,6 +25,7 @@ from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.testing import save_model, stdlib_text, tiny_config, tiny_model, train_tokenizer
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.keys import bearer
+from slime_rl.rollout_sglang.settings import SGLangSettings
 from slime_rl.rollout_sglang.weights import ipc, server_api
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -55,10 +56,14 @@ def make_tiny_llama(out: Path) -> Path:
     return save_model(out, tiny_model(config, seed=0), tok, dtype=torch.bfloat16)
 
 
-def gpu_config(model: Path, work: Path, *, colocate: bool = True, **rollout) -> Config:
+def gpu_config(model: Path, work: Path, *, colocate: bool = True, engine_args: dict | None = None,
+               **rollout) -> Config:
+    """``rollout`` holds core's rollout keys and rollout.sglang's; ``engine_args`` its server_args."""
+    sglang = {key: rollout.pop(key) for key in list(rollout) if key in SGLangSettings.model_fields}
     return Config.model_validate({
         "model": {"path": str(model)},
-        "rollout": {"engine": "sglang", "engine_args": dict(ENGINE_ARGS), "max_concurrency": 64, **rollout},
+        "rollout": {"engine": "sglang", "max_concurrency": 64, **rollout,
+                    "sglang": {"server_args": dict(engine_args or ENGINE_ARGS), **sglang}},
         "cluster": {"device": "cuda", "colocate": colocate, "actor_num_gpus_per_node": 1,
                     "rollout_num_gpus": 1, "rollout_num_gpus_per_engine": 1},
         "logging": {"dir": str(work)},

@@ -213,7 +213,7 @@ def test_engine_adapter_sync_through_the_router(tiny_llama, tmp_path):
 
     cfg = Config.model_validate({
         "model": {"path": str(tiny_llama)},
-        "rollout": {"engine": "sglang", "engine_args": dict(ENGINE_ARGS), "max_concurrency": 64},
+        "rollout": {"engine": "sglang", "max_concurrency": 64, "sglang": {"server_args": dict(ENGINE_ARGS)}},
         "trainer": {"lora": {"rank": SPEC.rank, "alpha": SPEC.alpha}},
         "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1, "rollout_num_gpus": 1,
                     "rollout_num_gpus_per_engine": 1},

@@ -112,7 +112,7 @@ def test_trainer_with_grouped_experts_matches_sequential(family, tmp_path):
     model = make_hf_model(tmp_path / "model", family, vocab=VOCAB)
     spec = dict(model=str(model), num_samples=6, vocab=VOCAB, steps=3)
     ensure_single_rank_group()
-    sequential = run_scenario({**spec, "overrides": COMMON + ["trainer.moe_grouped_gemm=false"]})
+    sequential = run_scenario({**spec, "overrides": COMMON + ["trainer.megatron.moe_grouped_gemm=false"]})
     grouped = run_scenario({**spec, "overrides": COMMON})
     assert (sequential["experts_modules"], grouped["experts_modules"]) == (["SequentialMLP"], ["GroupedExperts"])
     assert grouped["roundtrip_exact"] and grouped["exported_names"] == sequential["exported_names"]
@@ -133,7 +133,7 @@ def test_checkpoints_read_across_sequential_and_grouped(tmp_path):
     from megatron_testlib import make_samples, to_batch
 
     batch = to_batch(make_samples(4, VOCAB))
-    trainers = {grouped: MegatronTrainer.from_config(make_config(model, COMMON + [f"trainer.moe_grouped_gemm={grouped}"]))
+    trainers = {grouped: MegatronTrainer.from_config(make_config(model, COMMON + [f"trainer.megatron.moe_grouped_gemm={grouped}"]))
                 for grouped in (False, True)}
     for source, target in ((False, True), (True, False)):
         batch.old_log_probs = trainers[source].compute_log_probs(batch)

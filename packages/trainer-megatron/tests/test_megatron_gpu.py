@@ -69,7 +69,7 @@ def test_offload_frees_the_gpu_and_onload_resumes_training(qwen_05b, tmp_path):
 def test_bf16_lora_tp2_matches_tp1_and_keeps_the_base(qwen_05b, tmp_path):
     spec = dict(scenario="lora", model=str(qwen_05b), num_samples=16, vocab=QWEN25_05B["vocab"], steps=3)
     common = CUDA + ["trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=1e-4", "algorithm.use_kl_loss=true",
-                     "algorithm.kl_loss_coef=0.01", "trainer.recompute=true"]
+                     "algorithm.kl_loss_coef=0.01", "trainer.megatron.recompute=true"]
     one = launch(1, {**spec, "overrides": common}, tmp_path)
     two = launch(2, {**spec, "overrides": common + ["parallel.tensor_model_parallel_size=2",
                                                       "cluster.actor_num_gpus_per_node=2"],

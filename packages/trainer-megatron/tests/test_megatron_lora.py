@@ -35,7 +35,7 @@ def test_lora_two_ranks_match_one(layout, tmp_path):
     # q,v,o,up,down: fused layers partly targeted (k and gate rows held at zero)
     targets = ["trainer.lora.target_modules=[q_proj,v_proj,o_proj,up_proj,down_proj]"]
     # tp2 recomputes its layers in backward: the adapters must get their gradients all the same
-    family, parallel = {"tp2": ("qwen2", "parallel.tensor_model_parallel_size=2 trainer.recompute=true"),
+    family, parallel = {"tp2": ("qwen2", "parallel.tensor_model_parallel_size=2 trainer.megatron.recompute=true"),
                         "pp2": ("llama", "parallel.pipeline_model_parallel_size=2"),
                         "dp2": ("qwen3", "trainer.max_tokens_per_gpu=48")}[layout]  # DP: adapter grads summed
     model = make_hf_model(tmp_path / "model", family, tie=True, vocab=256)

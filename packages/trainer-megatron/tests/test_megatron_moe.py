@@ -71,7 +71,7 @@ def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
     spec = dict(model=str(model), num_samples=6, vocab=VOCAB, steps=3, ref=True)
     batching = batching + ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"]
     ensure_single_rank_group()
-    single = run_scenario({**spec, "overrides": COMMON + batching + ["trainer.moe_grouped_gemm=false"]})
+    single = run_scenario({**spec, "overrides": COMMON + batching + ["trainer.megatron.moe_grouped_gemm=false"]})
     multi = launch(2, {**spec, "overrides": COMMON + batching + ["parallel.expert_model_parallel_size=2",
                                                                 "cluster.actor_num_gpus_per_node=2"],
                        "save_after": 1, "ckpt": str(tmp_path / "ckpt")}, tmp_path)
@@ -195,7 +195,7 @@ def test_four_rank_expert_layouts_match_one_rank(layout, tmp_path):
     # eps a gradient of ~1e-9 summed in another order (four ranks) flips one weight by 1.3e-5.
     batching = batching + ["trainer.adam_eps=1e-6"]
     ensure_single_rank_group()
-    single = run_scenario({**spec, "overrides": COMMON + batching + ["trainer.moe_grouped_gemm=false"]})
+    single = run_scenario({**spec, "overrides": COMMON + batching + ["trainer.megatron.moe_grouped_gemm=false"]})
     multi = launch(4, {**spec, "overrides": COMMON + batching + parallel + ["cluster.actor_num_gpus_per_node=4"]},
                    tmp_path)
     assert multi["roundtrip_exact"] and multi["local_experts"] == local_experts  # rank 0's layers x experts

@@ -93,8 +93,8 @@ def test_micro_batching_and_recompute_do_not_change_the_update(model_dir):
     samples = make_samples(6, VOCAB)
     results = []
     for overrides in (["trainer.micro_batch_size=1"], ["trainer.micro_batch_size=6"],
-                      ["trainer.max_tokens_per_gpu=25"], ["trainer.micro_batch_size=2", "trainer.recompute=true"],
-                      ["trainer.micro_batch_size=3", "trainer.recompute=[mlp, core_attn]"]):
+                      ["trainer.max_tokens_per_gpu=25"], ["trainer.micro_batch_size=2", "trainer.megatron.recompute=true"],
+                      ["trainer.micro_batch_size=3", "trainer.megatron.recompute=[mlp, core_attn]"]):
         trainer = trainer_for(model_dir, overrides)
         results.append([trainer.train_step(to_batch(samples)) for _ in range(2)])
     for other in results[1:]:

@@ -11,6 +11,7 @@ import inspect
 import os
 import time
 import traceback
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -19,7 +20,14 @@ import typer
 from rich.console import Console
 
 from slime_rl.cli.progress import show_progress, summary_table
-from slime_rl.core.config import Config, ConfigError, RunFailedError, check_model, load_config
+from slime_rl.core.config import (
+    Config,
+    ConfigError,
+    RenamedKeyWarning,
+    RunFailedError,
+    check_model,
+    load_config,
+)
 from slime_rl.core.config.builtin_models import resolve_model_paths
 from slime_rl.core.infra.plugins import PluginError, check_plugin, load_function
 from slime_rl.core.run.data import DataError, check_data
@@ -120,10 +128,19 @@ def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
 
 
 def _load(config: Path | None, overrides: list[str]) -> Config:
+    """The config, or one error line and exit 2; an old key name's notice is one stderr line too."""
     try:
-        return load_config(config, overrides)
+        with warnings.catch_warnings(record=True) as notices:
+            warnings.simplefilter("always", RenamedKeyWarning)
+            cfg = load_config(config, overrides)
     except ConfigError as err:
         fail(str(err), 2)
+    for notice in notices:
+        if issubclass(notice.category, RenamedKeyWarning):
+            typer.echo(f"notice: {notice.message}", err=True)
+        else:
+            warnings.warn_explicit(notice.message, notice.category, notice.filename, notice.lineno)
+    return cfg
 
 
 def _version_callback(value: bool) -> None:

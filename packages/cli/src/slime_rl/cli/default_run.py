@@ -60,7 +60,8 @@ def default_config(workdir: Path) -> dict:
                     "reward": "slime_rl.cli.default_run:addition_reward"},
         "algorithm": {"advantage_estimator": "grpo", "eps_clip": 0.2},
         "trainer": {"backend": "megatron", "lr": 2e-5, "adam_beta2": 0.999, "clip_grad": 1.0,
-                    "max_tokens_per_gpu": 4096, "recompute": True},  # the whole 32-sample batch in one micro-batch
+                    "max_tokens_per_gpu": 4096,  # the whole 32-sample batch in one micro-batch
+                    "megatron": {"recompute": True}},
         "cluster": {"device": "cpu"},
         "eval": {"prompt_data": {"addition": str(workdir / "eval.jsonl")}, "temperature": 0.0, "interval": 10},
         "checkpoint": {"save_dir": str(workdir / "checkpoints"), "save_interval": 10, "keep_last": 2},

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
+from pydantic import BaseModel
 
+from slime_rl.core.config.backends import NoSettings
 from slime_rl.core.sample import Reward, Sample
 
 if TYPE_CHECKING:
@@ -71,6 +73,13 @@ class RolloutEngine(ABC):
     #: The conformance suite checks exactly these; ``slime-cli doctor`` lists the class's. An engine whose
     #: capabilities depend on what it serves (routed experts only for a MoE model) sets its own in ``__init__``.
     capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    #: This backend's typed config keys: a pydantic model (`slime_rl.core.config.BackendSettings` is a strict
+    #: base), read from the config section named after the backend (``rollout.sglang``) and checked at load time
+    #: like core's keys; `from_config` reads it as ``cfg.rollout.settings``. Register the same model under the entry-point
+    #: group ``slime_rl.rollout_engines.settings`` too, in a module that imports no torch: then the config is checked without
+    #: importing the backend (config/backends.py).
+    settings: ClassVar[type[BaseModel]] = NoSettings
 
     @classmethod
     def from_config(cls, cfg: Config) -> RolloutEngine:
@@ -158,6 +167,13 @@ class PolicyTrainer(ABC):
     back as float32 tensors over the shard's response tokens (``[batch.num_response_tokens]``),
     identical on every rank of the shard."""
 
+    #: This backend's typed config keys: a pydantic model (`slime_rl.core.config.BackendSettings` is a strict
+    #: base), read from the config section named after the backend (``trainer.megatron``) and checked at load time
+    #: like core's keys; `from_config` reads it as ``cfg.trainer.settings``. Register the same model under the entry-point
+    #: group ``slime_rl.trainers.settings`` too, in a module that imports no torch: then the config is checked without
+    #: importing the backend (config/backends.py).
+    settings: ClassVar[type[BaseModel]] = NoSettings
+
     @classmethod
     def from_config(cls, cfg: Config, *, role: Literal["actor", "critic"] = "actor") -> PolicyTrainer:
         """Build this rank's trainer. Called in each rank's process with the torch.distributed
@@ -225,6 +241,13 @@ class DataSource(ABC):
 
     Bad data is a `slime_rl.core.run.data.DataError` naming ``file:line`` (or the field) and the fix,
     whenever it is found: it reaches the user's terminal as one line, exit 2, from a Ray actor too."""
+
+    #: This backend's typed config keys: a pydantic model (`slime_rl.core.config.BackendSettings` is a strict
+    #: base), read from the config section named after the backend (``data.jsonl``) and checked at load time
+    #: like core's keys; `from_config` reads it as ``cfg.data.settings``. Register the same model under the entry-point
+    #: group ``slime_rl.data_sources.settings`` too, in a module that imports no torch: then the config is checked without
+    #: importing the backend (config/backends.py).
+    settings: ClassVar[type[BaseModel]] = NoSettings
 
     @classmethod
     def check(cls, cfg: Config) -> None:

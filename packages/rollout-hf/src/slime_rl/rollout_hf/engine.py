@@ -51,12 +51,10 @@ from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.contracts import FinishReason, GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 from slime_rl.rollout_hf.lora import AdapterSync
 from slime_rl.rollout_hf.moe import RouterRecorder, routed_experts, weight_target
+from slime_rl.rollout_hf.settings import HFSettings, hf_settings
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
-
-ENGINE_ARGS = {"max_batch_size", "seed", "gather_window_s", "num_threads"}  # rollout.engine_args keys we take
-
 
 @dataclass
 class _Request:
@@ -84,6 +82,7 @@ class HFEngine(RolloutEngine):
     # release_memory on CPU has nothing to free and keeps the engine correct; an instance drops routed_experts
     # over a dense model and adapters when built without lora_scaling
     capabilities = frozenset({"pause", "release_memory", "routed_experts", "adapters"})
+    settings = HFSettings  # rollout.hf (settings.py, also the entry point the config loader reads)
 
     def __init__(
         self,
@@ -152,14 +151,12 @@ class HFEngine(RolloutEngine):
     @classmethod
     def from_config(cls, cfg: Config) -> HFEngine:
         """Reads model.path / tokenizer_path / dtype, cluster.device, rollout.max_concurrency
-        (the default batch cap) and rollout.engine_args (max_batch_size, seed, gather_window_s, num_threads)."""
-        args = dict(cfg.rollout.engine_args)
-        unknown = sorted(set(args) - ENGINE_ARGS)
-        if unknown:
-            raise ValueError(f"rollout.engine_args.{unknown[0]}: not an hf engine option "
-                             f"(it takes {', '.join(sorted(ENGINE_ARGS))})")
-        args.setdefault("max_batch_size", cfg.rollout.max_concurrency)
-        args.setdefault("seed", cfg.trainer.seed)
+        (the default batch cap), trainer.seed (the default seed) and rollout.hf (settings.py)."""
+        settings = hf_settings(cfg)
+        args: dict[str, Any] = {
+            "max_batch_size": settings.max_batch_size or cfg.rollout.max_concurrency,
+            "seed": cfg.trainer.seed if settings.seed is None else settings.seed,
+            "gather_window_s": settings.gather_window_s, "num_threads": settings.num_threads}
         if syncs_adapters(cfg):
             args["lora_scaling"] = lora_spec(cfg).scaling
         return cls.from_pretrained(

@@ -2,6 +2,7 @@
 
 - `engine.SGLangEngine`: generate, abort, memory; it holds `weights.engine_sync.EngineWeightSync` (its weight
   syncs) and `recovery.EngineRecovery` (dead servers restarted), over `control.ServerControl` and `hold.GenerationHold`
+- `settings`: ``rollout.sglang``, the engine's own config keys (light: the config loader imports it)
 - `launch`: where the servers start (the placement plan's GPUs), launching or attaching them with the router
 - `server`: SGLang server subprocesses and the health wait
 - `router`: sglang-router on loopback, worker registration
@@ -11,13 +12,21 @@
   (`pusher.BucketPusher`), the trainer ranks' sender (`trainer_sender`), `restore_copy`, `adapters`
 """
 
-from slime_rl.rollout_sglang.client import GenerateClient, GenerateError
-from slime_rl.rollout_sglang.engine import SGLangEngine
-from slime_rl.rollout_sglang.router import Router, RouterError, launch_router
-from slime_rl.rollout_sglang.server import ServerStartError, SGLangServer
-from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError
 
-__all__ = [
-    "GenerateClient", "GenerateError", "Router", "RouterError", "SGLangEngine", "SGLangServer", "ServerStartError",
-    "Target", "WeightSyncError", "launch_router",
-]
+import importlib
+from typing import Any
+
+# Imported when first used, so that the config loader's import of `settings` (rollout.sglang's model) stays
+# light: the engine's modules import torch.
+_HOMES = {
+    "GenerateClient": "client", "GenerateError": "client", "SGLangEngine": "engine", "Router": "router",
+    "RouterError": "router", "launch_router": "router", "ServerStartError": "server", "SGLangServer": "server",
+    "Target": "weights.server_api", "WeightSyncError": "weights.server_api",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

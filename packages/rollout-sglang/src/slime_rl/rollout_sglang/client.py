@@ -147,7 +147,7 @@ class GenerateClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # the router's --api-key
         self.request_timeout = request_timeout  # one generation, start to end
         self.retry_timeout = retry_timeout  # how long to keep retrying a request no worker can take
-        # Failed attempts of one request retried while no engine is being restarted (rollout.generate_max_retries):
+        # Failed attempts of one request retried while no engine is being restarted (rollout.sglang.generate_max_retries):
         # a transient router error gives up after these; while ``recovering()`` says an engine is coming back,
         # attempts wait for it instead, up to retry_timeout.
         self.max_retries = max_retries
@@ -217,7 +217,7 @@ class GenerateClient:
                 if counted > self.max_retries:
                     raise GenerateError(f"request {rid_prefix}: gave up after {attempt + 1} attempts through the "
                                         f"router at {self.router_url} ({counted} failed while no engine was "
-                                        f"restarting; rollout.generate_max_retries={self.max_retries}); last: {problem}")
+                                        f"restarting; rollout.sglang.generate_max_retries={self.max_retries}); last: {problem}")
                 if time.monotonic() + backoff > deadline:
                     raise GenerateError(f"request {rid_prefix}: gave up after {attempt + 1} attempts over "
                                         f"{self.retry_timeout:g} s through the router at {self.router_url}; "
@@ -241,7 +241,7 @@ def _fix_for(refusal: str) -> str:
     """What the user changes for a refusal they can fix in the config."""
     if "skip_tokenizer_init" in refusal:  # stop strings sent to a server started without its tokenizer
         return ("; stop strings need SGLang's tokenizer: list them in rollout.stop (the launch then keeps it) "
-                "or set rollout.engine_args.skip_tokenizer_init: false")
+                "or set rollout.sglang.server_args.skip_tokenizer_init: false")
     return ""
 
 

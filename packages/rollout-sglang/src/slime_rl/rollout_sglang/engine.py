@@ -42,6 +42,7 @@ from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.recovery import EngineRecovery
 from slime_rl.rollout_sglang.router import Router
 from slime_rl.rollout_sglang.server import SGLangServer
+from slime_rl.rollout_sglang.settings import SGLangSettings, sglang_settings
 from slime_rl.rollout_sglang.weights import adapters, server_api
 from slime_rl.rollout_sglang.weights.adapter_roster import AdapterRoster
 from slime_rl.rollout_sglang.weights.engine_sync import EngineWeightSync
@@ -80,8 +81,9 @@ class SGLangEngine(RolloutEngine):
     weight_sender = "slime_rl.rollout_sglang.weights.trainer_sender:SGLangWeightSender"
     # No "pause": a weight sync holds requests itself (SGLang's pause_generation, then they continue), but
     # pause_generation/continue_generation are not offered to the loop. routed_experts needs a MoE model and
-    # the server flag --enable-return-routed-experts (rollout.engine_args.enable_return_routed_experts).
+    # the server flag --enable-return-routed-experts (rollout.sglang.server_args.enable_return_routed_experts).
     capabilities = frozenset({"release_memory", "routed_experts"})
+    settings = SGLangSettings  # rollout.sglang (settings.py, also the entry point the config loader reads)
 
     def __init__(self, servers: list[SGLangServer], router: Router, *, model_path: str, work_dir: str | Path,
                  max_concurrency: int = 512, transport: Transport = "auto", colocated: bool = True,
@@ -116,22 +118,22 @@ class SGLangEngine(RolloutEngine):
     @classmethod
     def from_config(cls, cfg: Config) -> SGLangEngine:
         """Launch one server per engine of the placement plan (`plan_placement`, what ``slime-cli plan``
-        prints), each on the GPUs the plan gives it, or attach to ``rollout.engine_urls``; start the
+        prints), each on the GPUs the plan gives it, or attach to ``rollout.sglang.engine_urls``; start the
         router and register them."""
-        r, c = cfg.rollout, cfg.cluster
-        common = dict(work_dir=fleet.work_dir(cfg), policy=r.router_policy, max_concurrency=r.max_concurrency,
+        r, c, s = cfg.rollout, cfg.cluster, sglang_settings(cfg)
+        common = dict(work_dir=fleet.work_dir(cfg), policy=s.router_policy, max_concurrency=r.max_concurrency,
                       transport=r.update_weight_transport, colocated=c.colocate,
-                      startup_timeout=r.engine_startup_timeout, sync_timeout=r.weight_sync_timeout,
+                      startup_timeout=s.engine_startup_timeout, sync_timeout=s.weight_sync_timeout,
                       lora=lora_spec(cfg) if syncs_adapters(cfg) else None)
-        if r.engine_urls:
-            engine = cls.attach(r.engine_urls, **common)
+        if s.engine_urls:
+            engine = cls.attach(s.engine_urls, **common)
         else:
             plan = plan_placement(cfg)
             engine = cls.launch(cfg.model.path, num_engines=len(plan.engines), tp_size=c.rollout_num_gpus_per_engine,
-                                engine_args=fleet.engine_args(cfg), python=r.engine_python,
+                                engine_args=fleet.engine_args(cfg), python=s.engine_python,
                                 gpu_ids=fleet.engine_gpu_ids(plan), host=fleet.server_host(plan), **common)
-        engine.max_recovery_attempts = r.max_engine_restarts
-        engine.client.max_retries = r.generate_max_retries
+        engine.max_recovery_attempts = s.max_engine_restarts
+        engine.client.max_retries = s.generate_max_retries
         engine.pause_mode = "in_place" if c.async_mode == "fully" else "abort"
         return engine
 
@@ -186,7 +188,7 @@ class SGLangEngine(RolloutEngine):
     pause_mode = _delegated("weights", "pause_mode", "abort, or in_place under cluster.async_mode=fully.")
     sync_timeout = _delegated("weights", "timeout", "One transfer step (one bucket into one engine, a pause, a flush).")
     health_interval = _delegated("recovery", "health_interval", "Seconds between health checks (0: no monitor).")
-    max_recovery_attempts = _delegated("recovery", "max_recovery_attempts", "rollout.max_engine_restarts.")
+    max_recovery_attempts = _delegated("recovery", "max_recovery_attempts", "rollout.sglang.max_engine_restarts.")
     restarts = _delegated("recovery", "restarts", "Engines restarted after a failure (a metric).")
 
     @property

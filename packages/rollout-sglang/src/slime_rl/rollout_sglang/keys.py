@@ -26,7 +26,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 
-# Attaching to servers someone else runs (rollout.engine_urls): their keys come from here.
+# Attaching to servers someone else runs (rollout.sglang.engine_urls): their keys come from here.
 ENV_API_KEY = "SLIME_RL_ENGINE_API_KEY"
 ENV_ADMIN_KEY = "SLIME_RL_ENGINE_ADMIN_API_KEY"  # defaults to SLIME_RL_ENGINE_API_KEY
 

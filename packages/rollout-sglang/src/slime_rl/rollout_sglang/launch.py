@@ -18,6 +18,7 @@ from slime_rl.core.infra.net import LOOPBACK, node_address
 from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router, launch_router
 from slime_rl.rollout_sglang.server import SGLangServer, attach_server, start_server, wait_healthy
+from slime_rl.rollout_sglang.settings import sglang_settings
 from slime_rl.rollout_sglang.weights.adapters import lora_engine_args
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def engine_gpu_ids(plan: Placement, visible: str | None = None) -> list[list[int
         raise ConfigError("cluster.rollout_num_gpus", f"the plan puts the SGLang engines on nodes {nodes}, but"
                           " slime-rl starts the servers on one node (the rollout process's): give the engines"
                           " GPUs that fit on one node (cluster.num_gpus_per_node), or start servers on each node"
-                          " yourself and list them in rollout.engine_urls")
+                          " yourself and list them in rollout.sglang.engine_urls")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "") if visible is None else visible
     devices = [int(d) for d in visible.split(",") if d.strip().isdigit()]
     used = 1 + max(gpu for engine in plan.engines for _, gpu in engine.gpus)
@@ -61,15 +62,16 @@ def server_host(plan: Placement) -> str:
 
 
 def engine_args(cfg: Config) -> dict[str, Any]:
-    """``rollout.engine_args`` with the flags the rest of the config implies (the user's win)."""
-    r, c = cfg.rollout, cfg.cluster
-    args = dict(r.engine_args)
+    """``rollout.sglang``'s server flags (``server_args`` and the typed ones) with the flags the rest of the
+    config implies (the user's win)."""
+    r, c, settings = cfg.rollout, cfg.cluster, sglang_settings(cfg)
+    args = {**settings.server_args, **settings.server_flags()}
     if cfg.model.tokenizer_path:
         args.setdefault("tokenizer_path", cfg.model.tokenizer_path)
     # Always a concrete dtype: SGLang's own auto (fp16 for an fp32 checkpoint) is not the trainer's.
     dtype = model_dtype(cfg.model.dtype, resolve_device(cfg.cluster.device))
     if args.setdefault("dtype", dtype) != dtype:
-        raise ConfigError("rollout.engine_args.dtype", f"{args['dtype']!r} is not the run's model.dtype ({dtype}):"
+        raise ConfigError("rollout.sglang.server_args.dtype", f"{args['dtype']!r} is not the run's model.dtype ({dtype}):"
                           " the trainer and the engines build in one dtype; set model.dtype instead")
     if c.colocate:  # release/resume memory needs SGLang's memory saver
         args.setdefault("enable_memory_saver", True)

@@ -1,6 +1,6 @@
 """A dying SGLang server does not end the run: the monitor health-checks the servers; a dead one is
 taken out of the router, restarted (or, when attached, waited for), given the current weights and
-registered again (`rollout.max_engine_restarts` times in a row at most), with its LoRA adapters when the run
+registered again (`rollout.sglang.max_engine_restarts` times in a row at most), with its LoRA adapters when the run
 syncs adapters. `EngineRecovery`, which `SGLangEngine` holds and delegates to."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class EngineRecovery:
     """The monitor (every ``health_interval`` s; 0: none) and the restart of a dead server: ``control``'s servers
     (a restarted one takes its dead one's place there), taken out of ``router`` and back, up to
     ``startup_timeout`` for ``/health``, the current weights from ``weights``, the hold re-applied from ``hold``.
-    ``max_recovery_attempts`` (rollout.max_engine_restarts) failed restarts in a row give an engine up."""
+    ``max_recovery_attempts`` (rollout.sglang.max_engine_restarts) failed restarts in a row give an engine up."""
 
     def __init__(self, *, control: ServerControl, router: Router, weights: EngineWeightSync, hold: GenerationHold,
                  startup_timeout: float, health_interval: float, max_recovery_attempts: int = 3):
@@ -61,7 +61,7 @@ class EngineRecovery:
 
     def restarting(self) -> bool:
         """An engine is down and coming back (being restarted, or its process gone and not noticed yet):
-        requests wait for it rather than count against rollout.generate_max_retries."""
+        requests wait for it rather than count against rollout.sglang.generate_max_retries."""
         return bool(self.control.recovering) or any(s.process is not None and not s.process.alive()
                                                     for s in self.control.servers)
 

@@ -19,11 +19,10 @@ from slime_rl.core.infra.leftovers import KEYS_PREFIX, private_folder
 from slime_rl.core.infra.net import free_port
 from slime_rl.rollout_sglang.keys import EngineKeys, bearer
 from slime_rl.rollout_sglang.process import ChildProcess, start_process
+from slime_rl.rollout_sglang.settings import OWN_FLAGS, flag_name
 
 logger = logging.getLogger(__name__)
 
-# Flags slime-rl sets itself; giving them in rollout.engine_args would be silently overridden.
-_OWN_FLAGS = {"model-path", "host", "port", "tp-size", "tp", "tensor-parallel-size", "api-key", "admin-api-key"}
 
 
 class ServerStartError(RuntimeError):
@@ -58,9 +57,10 @@ def engine_args_to_flags(engine_args: dict[str, Any]) -> list[str]:
     --enable-memory-saver``. False and None drop the flag; lists become several values."""
     flags: list[str] = []
     for key, value in engine_args.items():
-        flag = str(key).lstrip("-").replace("_", "-")
-        if flag in _OWN_FLAGS:
-            raise ValueError(f"rollout.engine_args.{key}: slime-rl sets --{flag} itself; remove it from engine_args")
+        flag = flag_name(key)
+        if flag in OWN_FLAGS:
+            raise ValueError(f"rollout.sglang.server_args.{key}: slime-rl sets --{flag} itself; remove it from"
+                             " server_args")
         if value is None or value is False:
             continue
         if value is True:
@@ -95,9 +95,9 @@ def write_key_config(keys: EngineKeys, engine_args: dict[str, Any]) -> tuple[Pat
         try:
             merged = yaml.safe_load(Path(user_config).read_text()) or {}
         except (OSError, yaml.YAMLError) as err:
-            raise ValueError(f"rollout.engine_args.config: cannot read {user_config}: {err}") from None
+            raise ValueError(f"rollout.sglang.server_args.config: cannot read {user_config}: {err}") from None
         if not isinstance(merged, dict) or {"api-key", "api_key", "admin-api-key", "admin_api_key"} & set(merged):
-            raise ValueError(f"rollout.engine_args.config: {user_config} must be a mapping without api-key or "
+            raise ValueError(f"rollout.sglang.server_args.config: {user_config} must be a mapping without api-key or "
                              "admin-api-key (slime-rl sets the run's keys itself)")
     merged.update(keys.server_config())
     folder = private_folder(KEYS_PREFIX)  # 0700, owner-tagged: a killed run's is removed by the next (leftovers)
@@ -113,10 +113,10 @@ def check_engine_args_with_keys(engine_args: dict[str, Any]) -> None:
     server_args.py of 0.5.17): refused here, before a server starts."""
     flags = {str(k).lstrip("-").replace("_", "-"): v for k, v in engine_args.items()}
     if int(flags.get("tokenizer-worker-num") or 1) > 1:
-        raise ValueError("rollout.engine_args.tokenizer_worker_num: SGLang checks no API key with more than one "
+        raise ValueError("rollout.sglang.server_args.tokenizer_worker_num: SGLang checks no API key with more than one "
                          "tokenizer worker, so the weight and memory endpoints would be open; remove it")
     if flags.get("grpc-port"):
-        raise ValueError("rollout.engine_args.grpc_port: SGLang's gRPC listener bypasses the API keys "
+        raise ValueError("rollout.sglang.server_args.grpc_port: SGLang's gRPC listener bypasses the API keys "
                          "(it refuses to start with them); remove it")
 
 
@@ -128,7 +128,7 @@ def start_server(index: int, model_path: str, *, log_dir: str | Path, python: st
     refuses every request but ``/health`` that lacks them."""
     python = python or sys.executable
     if os.sep in python and not os.access(python, os.X_OK):
-        raise ValueError(f"rollout.engine_python: {python} is not an executable interpreter")
+        raise ValueError(f"rollout.sglang.engine_python: {python} is not an executable interpreter")
     keys = keys or EngineKeys()
     engine_args = dict(engine_args or {})
     cmd_args, key_file = engine_args, None
@@ -210,7 +210,7 @@ def _wait_healthy(server: SGLangServer, timeout: float, interval: float) -> None
         if time.monotonic() >= deadline:
             if server.process is None:
                 raise ServerStartError(f"{server.name}: no healthy SGLang server at this URL after {timeout:.0f} s "
-                                       "(rollout.engine_urls); check that it runs and is reachable")
+                                       "(rollout.sglang.engine_urls); check that it runs and is reachable")
             tail = server.process.log_tail()
             server.process.stop()
             raise ServerStartError(

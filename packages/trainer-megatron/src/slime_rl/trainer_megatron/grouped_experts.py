@@ -47,7 +47,7 @@ class GroupedExperts(MegatronModule):
         super().__init__(config=config)
         if not config.gated_linear_unit or config.activation_func is not F.silu or config.add_bias_linear:
             raise ValueError("model.path: the grouped experts implement SwiGLU experts without biases only;"
-                             " set trainer.moe_grouped_gemm=false for other expert MLPs")
+                             " set trainer.megatron.moe_grouped_gemm=false for other expert MLPs")
         self.num_local_experts = num_local_experts
         self.ep_group = pg_collection.ep
         self.tp_group = pg_collection.expt_tp  # expert-TP: fc1 column-parallel, fc2 row-parallel

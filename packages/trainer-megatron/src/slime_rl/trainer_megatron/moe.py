@@ -2,7 +2,7 @@
 MoE layer (local spec, no TransformerEngine).
 
 Experts run as ``GroupedExperts`` (grouped_experts.py: all local experts in one ``torch._grouped_mm``
-per projection), or with ``trainer.moe_grouped_gemm: false`` as megatron's SequentialMLP (one MLP
+per projection), or with ``trainer.megatron.moe_grouped_gemm: false`` as megatron's SequentialMLP (one MLP
 per local expert): megatron's own grouped-GEMM experts need TransformerEngine (TEGroupedMLP) or the
 ``grouped_gemm`` package (legacy GroupedMLP), neither of which is installed. Tokens reach the
 experts through the alltoall dispatcher, which runs over gloo on the CPU and NCCL on CUDA. Routing replay uses megatron's own ``RouterReplay`` hook on the
@@ -59,7 +59,7 @@ def expert_backend() -> str:
 
     if grouped_mm_available():
         return ("grouped: torch._grouped_mm, one GEMM per projection for all local experts (CUTLASS on sm90+"
-                " in bf16); trainer.moe_grouped_gemm=false for megatron's SequentialMLP")
+                " in bf16); trainer.megatron.moe_grouped_gemm=false for megatron's SequentialMLP")
     return ("sequential: this torch has no torch._grouped_mm, so the grouped experts loop over the experts"
             " (megatron's grouped GEMM needs TransformerEngine or grouped_gemm)")
 

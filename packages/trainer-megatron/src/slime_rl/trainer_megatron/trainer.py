@@ -56,6 +56,7 @@ from slime_rl.trainer_megatron.nonfinite import NonFiniteError, nonfinite_update
 from slime_rl.trainer_megatron.offload import OffloadedStorage, offload_storages, onload_storages
 from slime_rl.trainer_megatron.optimizer import build_optimizer, optimizer_tensors
 from slime_rl.trainer_megatron.reference import ReferenceWeights, load_policy_and_reference
+from slime_rl.trainer_megatron.settings import MegatronSettings, megatron_settings
 
 __all__ = ["MegatronTrainer", "NonFiniteError"]
 
@@ -78,6 +79,8 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
 
 class MegatronTrainer(PolicyTrainer):
     """See the module docstring. Build with ``MegatronTrainer.from_config(cfg, role=...)``."""
+
+    settings = MegatronSettings  # trainer.megatron (settings.py, also the entry point the config loader reads)
 
     @classmethod
     def from_config(cls, cfg: Config, *, role: Literal["actor", "critic"] = "actor") -> MegatronTrainer:
@@ -156,20 +159,20 @@ class MegatronTrainer(PolicyTrainer):
         if self.cfg.algorithm.routing_replay == "rollout" and self.shape.moe is None:
             raise ValueError(f"algorithm.routing_replay: rollout needs a mixture-of-experts model; {self.cfg.model.path}"
                              f" is {self.shape.architecture} (set routing_replay to off)")
-        t = self.cfg.trainer
+        t, mt = self.cfg.trainer, megatron_settings(self.cfg)
         moe_fields = None
         if self.shape.moe is not None:
             moe.patch_megatron_without_te()
             moe_fields = moe.transformer_config_fields(
-                self.shape.moe, ep=ep, etp=etp, aux_loss_coeff=t.moe_aux_loss_coeff, z_loss_coeff=t.moe_z_loss_coeff,
-                load_balancing_type=t.moe_router_load_balancing_type,
+                self.shape.moe, ep=ep, etp=etp, aux_loss_coeff=mt.moe_aux_loss_coeff, z_loss_coeff=mt.moe_z_loss_coeff,
+                load_balancing_type=mt.moe_router_load_balancing_type,
                 routing_replay=self.cfg.algorithm.routing_replay == "rollout")
         self.tconfig = transformer_config(
-            self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=t.recompute,
+            self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=mt.recompute,
             sequence_parallel=p.sequence_parallel, compiled_fusions=self.device_type == "cuda", moe_fields=moe_fields,
         )
         self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic",
-                                 grouped_experts=t.moe_grouped_gemm)
+                                 grouped_experts=mt.moe_grouped_gemm)
         self.adapters: lora.Adapters | None = None
         if (spec := lora_spec(self.cfg)) is not None:  # before DDP: it wraps the trainable parameters only
             lora.check_supported(spec, self.shape, self.role)
@@ -177,8 +180,8 @@ class MegatronTrainer(PolicyTrainer):
         self.router_stats = moe.RouterStats(self.model) if self.shape.moe is not None else None
         self.routing_replay = None
         if moe_fields is not None and moe_fields["moe_enable_routing_replay"]:
-            if t.recompute:
-                raise ValueError("algorithm.routing_replay: rollout does not support trainer.recompute yet (the"
+            if mt.recompute:
+                raise ValueError("algorithm.routing_replay: rollout does not support trainer.megatron.recompute yet (the"
                                  " recomputed forward would need the replayed experts again); set recompute to false")
             self.routing_replay = moe.RoutingReplay(self.model, convert.layer_offset(self.model))
         if self.device_type == "cuda":

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from slime_rl.core.algorithms.registry import POLICY_LOSSES, advantage_estimator_of
+from slime_rl.core.config.backends import BACKEND_SECTIONS, section_key
 from slime_rl.core.config.builtin_models import BUILTIN_PREFIX, MODEL_PATH_FIELDS
 from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.config.schema import Config, ConfigError
@@ -137,14 +137,10 @@ def check_config(cfg: Config) -> None:
     for dotted, folder in (("logging.dir", cfg.logging.dir), ("checkpoint.save_dir", cfg.checkpoint.save_dir)):
         if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
             raise ConfigError(dotted, f"{folder} is a file; give a directory (it is created when missing)")
-    for dotted, url in [("rollout.reward_url", r.reward_url)] + [("rollout.engine_urls", u) for u in r.engine_urls]:
-        if url is not None and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).netloc):
-            raise ConfigError(dotted, f"{url!r} is not an http(s) URL; give http://host:port/...")
-    if r.engine_python is not None and not (os.access(r.engine_python, os.X_OK) if os.sep in r.engine_python
-                                            else shutil.which(r.engine_python)):
-        raise ConfigError("rollout.engine_python", f"{r.engine_python} is not an executable interpreter;"
-                                                   " give the python of SGLang's environment")
+    if r.reward_url is not None and not is_http_url(r.reward_url):
+        raise ConfigError("rollout.reward_url", f"{r.reward_url!r} is not an http(s) URL; give http://host:port/...")
     check_sandbox(cfg)
+    check_backend_settings(cfg)
     if r.tools and r.generate_fn != "multi_turn":
         raise ConfigError("rollout.tools", "only the built-in agent loop calls tools; set rollout.generate_fn="
                                            "multi_turn, or drop rollout.tools")
@@ -171,6 +167,21 @@ def check_algorithm(cfg: Config) -> None:
     if estimator.needs_critic and a.loss_type == "sft":
         raise ConfigError("algorithm.loss_type", f"sft has no advantages; drop advantage_estimator="
                                                  f"{a.advantage_estimator} (it trains a critic)")
+
+
+def check_backend_settings(cfg: Config) -> None:
+    """Each chosen backend's own checks (`BackendSettings.check`) on its section, when the config has one."""
+    for name, (field, _) in BACKEND_SECTIONS.items():
+        section = getattr(cfg, name)
+        key = section_key(getattr(section, field))
+        settings = (section.__pydantic_extra__ or {}).get(key)
+        if callable(getattr(settings, "check", None)):
+            settings.check(cfg, f"{name}.{key}")
+
+
+def is_http_url(url: str) -> bool:
+    """``url`` is http(s)://host..."""
+    return urlsplit(url).scheme in ("http", "https") and bool(urlsplit(url).netloc)
 
 
 def _check_lora(cfg: Config) -> None:

@@ -5,18 +5,26 @@
 
 from __future__ import annotations
 
-import difflib
 import re
-import reprlib
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from slime_rl.core.config.backends import (
+    BACKEND_SECTIONS,
+    registered_settings,
+    section_key,
+    section_models,
+    settings_model,
+)
 from slime_rl.core.config.builtin_models import BUILTIN_PREFIX
 from slime_rl.core.config.checks import check_config
-from slime_rl.core.config.schema import RENAMED_KEYS, Config, ConfigError
+from slime_rl.core.config.errors import field_error, unknown_key_error
+from slime_rl.core.config.renamed import move_renamed_keys
+from slime_rl.core.config.schema import Config, ConfigError
+from slime_rl.core.infra.plugins import PluginError
 
 
 def _section_fields(model: type[BaseModel]) -> dict[str, Any]:
@@ -28,20 +36,31 @@ def _section_fields(model: type[BaseModel]) -> dict[str, Any]:
     return out
 
 
+def _backend_section_models(data: dict[str, Any], model: type[BaseModel], prefix: str) -> dict[str, str]:
+    """The backend sections section ``prefix`` may hold (config/backends.py) -> their backends; none when it
+    names no backend, or when it holds no key besides its own fields."""
+    if prefix not in BACKEND_SECTIONS or not set(data) - set(_section_fields(model)):
+        return {}
+    field = BACKEND_SECTIONS[prefix][0]
+    return section_models(prefix, str(data.get(field, model.model_fields[field].default)))
+
+
 def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
-    """Refuse unknown keys, naming the nearest valid one."""
+    """Refuse unknown keys, naming the nearest valid one; backend sections against their backend's settings."""
     if not isinstance(data, dict):
         raise ConfigError(prefix or "config", f"expected a mapping, got {type(data).__name__}")
     fields = _section_fields(model)
+    backends = _backend_section_models(data, model, prefix)
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
-        if dotted in RENAMED_KEYS:
-            raise ConfigError(dotted, RENAMED_KEYS[dotted])
+        if key in backends and key not in fields:
+            try:
+                _check_keys(value, settings_model(BACKEND_SECTIONS[prefix][1], backends[key]), dotted)
+            except PluginError as err:
+                raise ConfigError(dotted, f"its backend does not load: {err}") from None
+            continue
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"did you mean `{prefix + '.' if prefix else ''}{close[0]}`?" if close else (
-                f"valid keys here: {', '.join(sorted(set(fields)))}")
-            raise ConfigError(dotted, f"unknown key; {hint}")
+            raise unknown_key_error(prefix, key, [*fields, *backends])
         annotation = fields[key].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             _check_keys(value, annotation, dotted)
@@ -168,42 +187,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         data = _read_config_file(path)
         base_dir = path.parent
-    data = _merge(data, parse_overrides(overrides or []))
+    data = move_renamed_keys(_merge(data, parse_overrides(overrides or [])))
     _check_keys(data, Config, "")
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
-        raise _field_error(err) from None
+        raise field_error(err) from None
+    _add_chosen_sections(cfg)
     _resolve_paths(cfg, base_dir)
     if check:
         check_config(cfg)
     return cfg
 
 
-# pydantic's type errors, said as what to give instead
-_TYPE_ERRORS = {
-    "int_type": "must be a whole number",
-    "float_type": "must be a number",
-    "bool_type": "must be true or false",
-    "string_type": "must be a string (quote it)",
-    "finite_number": "must be a finite number (not .inf or .nan)",
-    "list_type": "must be a list",
-    "dict_type": "must be a mapping",
-}
-_UNION_TAG = re.compile(r"int|float|bool|str|none|(list|dict|literal)\[.*\]|function-.*|\[key\]")
-
-
-def _field_error(err: ValidationError) -> ConfigError:
-    """pydantic's first error as one line: the dotted field, what is wrong, what it got (shortened)."""
-    first = err.errors(include_url=False)[0]
-    # drop the union-member tags pydantic puts in the location (`bool`, `list[str]`, `function-after[...]`)
-    loc = ".".join(str(p) for p in first["loc"] if not _UNION_TAG.fullmatch(str(p)))
-    value = first.get("input")
-    if first["type"] == "value_error":  # our validators' messages say it all, the value included
-        return ConfigError(loc or "config", first["msg"].removeprefix("Value error, "))
-    message = _TYPE_ERRORS.get(first["type"]) or first["msg"].replace("Input should be", "must be")
-    got = (str(value).lower() + ", a boolean") if isinstance(value, bool) else reprlib.repr(value)
-    return ConfigError(loc or "config", f"{message} (got {got})")
+def _add_chosen_sections(cfg: Config) -> None:
+    """Each chosen backend's section, with its defaults where the config gives none, so that the resolved
+    config (`slime-cli plan`) shows every setting a run uses. Only models a backend registers (no backend is
+    imported here); a backend that is not installed is `wire`'s error."""
+    for name, (field, group) in BACKEND_SECTIONS.items():
+        section = getattr(cfg, name)
+        chosen = getattr(section, field)
+        extras = section.__pydantic_extra__
+        if section_key(chosen) in extras:
+            continue
+        try:
+            model = registered_settings(group, chosen)
+        except PluginError:
+            continue
+        if model is not None and model.model_fields:
+            extras[section_key(chosen)] = model()
 
 
 def _resolve_paths(cfg: Config, base_dir: Path) -> None:

@@ -10,24 +10,15 @@ import (placement) import this one, so that the checks need not import them lazi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from slime_rl.core.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-
-
-class ConfigError(ValueError):
-    """A config mistake. ``str(err)`` is one line: ``<field>: <what is wrong and the fix>``."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        self.message = message
-        super().__init__(f"{field}: {message}")
-
-    def __reduce__(self):  # pickle (Ray) rebuilds it from both arguments, not from the joined message
-        return type(self), (self.field, self.message), self.__dict__
+from slime_rl.core.config.backends import BACKEND_SECTIONS, section_key, settings_model, validate_sections
+from slime_rl.core.config.errors import ConfigError
+from slime_rl.core.infra.plugins import PluginError
 
 
 class CheckpointError(ConfigError):
@@ -52,6 +43,49 @@ class _Section(BaseModel):
                               allow_inf_nan=False)
 
 
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
+
+class _BackendSection(_Section):
+    """A section that names a backend (``rollout.engine``, ``trainer.backend``, ``data.source``, ``eval.source``):
+    it also holds backends' settings, each under its backend's name (``rollout.sglang``; config/backends.py)."""
+
+    model_config = ConfigDict(extra="allow")  # backend sections only: the validator refuses any other key
+    section_name: ClassVar[str]
+
+    @model_validator(mode="after")
+    def _backend_sections(self) -> _BackendSection:
+        if extras := self.__pydantic_extra__:
+            chosen = getattr(self, BACKEND_SECTIONS[self.section_name][0])
+            extras.update(validate_sections(self.section_name, chosen, extras, list(type(self).model_fields)))
+        return self
+
+    @property
+    def settings(self) -> BaseModel:
+        """The chosen backend's settings: its section, or its model's defaults when the config gives none."""
+        field, group = BACKEND_SECTIONS[self.section_name]
+        chosen = getattr(self, field)
+        given = (self.__pydantic_extra__ or {}).get(section_key(chosen))
+        if given is not None:
+            return given
+        try:
+            return settings_model(group, chosen)()
+        except PluginError as err:
+            raise ConfigError(f"{self.section_name}.{field}", str(err)) from None
+
+    def settings_of(self, model: type[SettingsT], key: str) -> SettingsT:
+        """A backend's own settings, typed: the chosen backend's when they are a ``model`` (named by name or by
+        ``module:attr``), else the section ``key`` (an engine that wraps this one was chosen), else defaults."""
+        try:
+            chosen = self.settings
+        except ConfigError:
+            chosen = None
+        if isinstance(chosen, model):
+            return chosen
+        given = (self.__pydantic_extra__ or {}).get(key)
+        return given if isinstance(given, model) else model()
+
+
 SEED_MAX = 2**32 - 1  # numpy, Megatron and SGLang all take 32-bit seeds
 
 
@@ -69,7 +103,8 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: resolved once a run (config/dtype.py)
 
 
-class DataConfig(_Section):
+class DataConfig(_BackendSection):
+    section_name = "data"
     source: str = "jsonl"  # data source plugin name or module:attr
     buffer: str = "default"  # sample buffer plugin name or module:attr
     prompt_data: str | None = None  # JSONL or Parquet file of prompts
@@ -105,7 +140,8 @@ class SandboxConfig(_Section):
     uid_base: int = Field(200_000, ge=1000, le=2**31 - 4096)  # calls run as uid_base, uid_base + 1, ...
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(_BackendSection):
+    section_name = "rollout"
     engine: str = "hf"  # rollout engine plugin name or module:attr
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -134,17 +170,8 @@ class RolloutConfig(_Section):
     loop_block_warn_s: float = Field(10.0, gt=0)  # report when the rollout's event loop is blocked this long
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)  # the python tool's and code_tests' sandbox
     max_concurrency: int = Field(512, ge=1)  # in-flight generate requests
-    engine_urls: list[str] = Field(default_factory=list)  # attach to running servers instead of launching
-    engine_python: str | None = None  # interpreter to launch servers with (SGLang in its own env)
-    engine_args: dict[str, Any] = Field(default_factory=dict)  # passed through to the engine (e.g. SGLang server flags)
-    router_policy: str = "round_robin"
-    engine_startup_timeout: float = Field(900.0, gt=0)  # seconds for a launched server to answer /health
-    weight_sync_timeout: float = Field(600.0, gt=0)  # seconds per weight-sync step (a bucket, a pause, a flush)
-    max_engine_restarts: int = Field(3, ge=0)  # restarts of a failed engine in a row before the run gives up on it
-    generate_max_retries: int = Field(20, ge=0)  # failed attempts of one request retried while no engine restarts
     update_weight_transport: Literal["auto", "tensor", "nccl", "disk"] = "auto"
     update_weight_buffer_mb: int = Field(2048, ge=1)  # bucket size; 512 MiB buckets made a 7B sync 3.4x slower
-    check_weight_update: bool = False  # after each sync, compare engine weights with the trainer's (slow)
     lora_sync: Literal["adapter", "merged"] = "adapter"  # with trainer.lora: send the adapters, or merged weights
     max_staleness: int | None = Field(None, ge=0)  # eta: tokens more than this many versions behind are stale
     staleness_policy: Literal["drop", "mask", "downweight"] = "drop"  # what happens to stale tokens (core/staleness.py)
@@ -176,9 +203,6 @@ class AlgorithmConfig(_Section):
     routing_replay: Literal["off", "rollout"] = "off"  # MoE: the trainer replays the engine's expert choices
 
 
-SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp")  # Megatron's recompute_modules the local spec supports
-
-
 # Micro-batches packed up to this many tokens unless the user asks for micro-batches by count: one
 # sample per micro-batch (the old default) kept a 3B model's train phase at ~1% MFU (issue 16).
 DEFAULT_MAX_TOKENS_PER_GPU = 8192
@@ -201,7 +225,8 @@ class LoraConfig(_Section):
         return value
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(_BackendSection):
+    section_name = "trainer"
     backend: str = "megatron"  # trainer plugin name or module:attr
     global_batch_size: int | None = Field(None, ge=1)  # samples per optimizer step; derived when unset
     num_steps_per_rollout: int = Field(1, ge=1)
@@ -225,27 +250,9 @@ class TrainerConfig(_Section):
     adam_eps: float = Field(1e-8, gt=0.0)
     clip_grad: float = Field(1.0, ge=0.0)  # 0: no clipping (Megatron)
     seed: int = Field(1234, ge=0, le=SEED_MAX)
-    # true: full activation recompute; a list: Megatron's selective recompute of those modules
-    recompute: bool | list[str] = False
     critic_lr: float | None = Field(None, gt=0)  # PPO critic; defaults to lr
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a step whose loss or gradient is nan/inf: skip it, or fail
-    moe_aux_loss_coeff: float = Field(0.0, ge=0.0)  # MoE router load-balancing loss
-    moe_z_loss_coeff: float | None = Field(None, ge=0.0)  # MoE router z-loss; None: off
-    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
-    moe_grouped_gemm: bool = True  # MoE experts as one grouped GEMM per projection; false: one GEMM per expert
     lora: LoraConfig = Field(default_factory=LoraConfig)  # rank > 0: train adapters only, the base frozen
-
-    @field_validator("recompute", mode="before")
-    @classmethod
-    def _recompute_modules(cls, value: Any) -> Any:
-        if isinstance(value, list | tuple):
-            unknown = [m for m in value if m not in SELECTIVE_RECOMPUTE_MODULES]
-            if unknown or not value:
-                raise ValueError(
-                    f"{unknown or value!r}: give true (full recompute) or a list of {', '.join(SELECTIVE_RECOMPUTE_MODULES)}"
-                    " (Megatron's layernorm recompute needs TransformerEngine, which the local spec does not use)")
-            return list(value)
-        return value
 
 
 class ParallelConfig(_Section):
@@ -257,8 +264,6 @@ class ParallelConfig(_Section):
 
 
 AsyncMode = Literal["off", "one_step", "fully"]
-#: Keys that were renamed: a config still using one is refused with the new name (config_loader).
-RENAMED_KEYS = {"cluster.async": "renamed: use cluster.async_mode (off | one_step | fully); async: true is one_step"}
 
 
 class ClusterConfig(_Section):
@@ -284,7 +289,8 @@ class ClusterConfig(_Section):
         return value
 
 
-class EvalConfig(_Section):
+class EvalConfig(_BackendSection):
+    section_name = "eval"
     source: str = "jsonl"  # data source plugin (its for_eval) reading each eval set: name or module:attr
     interval: int | None = Field(None, ge=1)  # rollout steps between evals; None: only before and after
     prompt_data: dict[str, str] = Field(default_factory=dict)  # eval set name -> file

@@ -2,7 +2,7 @@
 (generate, abort, pause, weight updates by tensor, NCCL and disk, LoRA adapters, API keys), run behind the
 real sglang-router. docs/standin-fidelity.md lists what it mirrors, with SGLang's source lines.
 
-`standin_python` makes an "interpreter" for ``rollout.engine_python``: ``<it> -m sglang.launch_server ARGS``
+`standin_python` makes an "interpreter" for ``rollout.sglang.engine_python``: ``<it> -m sglang.launch_server ARGS``
 starts the stand-in with the same ARGS, so a test drives the exact launch path a GPU run uses. The stand-in
 needs ``tokenizers`` (the ``[testing]`` extra).
 """

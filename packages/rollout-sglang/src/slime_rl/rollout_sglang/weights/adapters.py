@@ -63,7 +63,7 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 
 def check_attached_server(name: str, server_info: dict[str, Any], spec: LoraSpec) -> None:
-    """A server someone else started (``rollout.engine_urls``) must serve ``spec``'s adapters: LoRA on, the
+    """A server someone else started (``rollout.sglang.engine_urls``) must serve ``spec``'s adapters: LoRA on, the
     rank within its ``--max-lora-rank``, the modules within its ``--lora-target-modules`` (its
     ``/server_info``)."""
     modules = server_info.get("lora_target_modules") or []
@@ -79,7 +79,7 @@ def check_attached_server(name: str, server_info: dict[str, Any], spec: LoraSpec
         problems.append(f"its --lora-target-modules {sorted(modules)} lack {missing}")
     if problems:
         flags = " ".join(engine_args_to_flags(lora_engine_args(spec)))
-        raise ConfigError("rollout.engine_urls", f"{name} cannot load this run's LoRA adapters: "
+        raise ConfigError("rollout.sglang.engine_urls", f"{name} cannot load this run's LoRA adapters: "
                           f"{'; '.join(problems)}. Start it with {flags}, or set rollout.lora_sync=merged")
 
 

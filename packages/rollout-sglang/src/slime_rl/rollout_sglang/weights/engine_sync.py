@@ -277,7 +277,7 @@ class EngineWeightSync:
         if self._pushed_by_trainer or not self._weights_cpu:
             raise WeightSyncError(
                 f"cannot restore weight version {self.version}: no copy was kept (the trainer's sender writes one"
-                f" under {weights_dir}/restore unless rollout.max_engine_restarts=0; an engine-side sync"
+                f" under {weights_dir}/restore unless rollout.sglang.max_engine_restarts=0; an engine-side sync"
                 " keeps one with SGLangEngine.keep_weights_for_recovery)")
         folder = weights_dir / f"restore-v{self.version}"
         shutil.rmtree(folder, ignore_errors=True)

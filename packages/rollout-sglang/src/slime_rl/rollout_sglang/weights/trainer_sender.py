@@ -16,6 +16,7 @@ from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, WeightSender
 from slime_rl.rollout_sglang.launch import work_dir
+from slime_rl.rollout_sglang.settings import sglang_settings
 from slime_rl.rollout_sglang.weights import adapters, verify
 from slime_rl.rollout_sglang.weights.pusher import BucketPusher
 from slime_rl.rollout_sglang.weights.restore_copy import RestoreCopy
@@ -46,10 +47,10 @@ class SGLangWeightSender(WeightSender):
     def __init__(self, cfg: Config, *, rank: int):
         super().__init__(cfg, rank=rank)
         self.pusher = BucketPusher(weights_dir=work_dir(cfg) / "weights", model_path=cfg.model.path,
-                                   timeout=cfg.rollout.weight_sync_timeout)
+                                   timeout=sglang_settings(cfg).weight_sync_timeout)
         # What a restarted server is restored from (restore_copy.py); a disk sync leaves its own folder.
         self.restore = (RestoreCopy(self.pusher.weights_dir, cfg.model.path)
-                        if rank == 0 and cfg.rollout.max_engine_restarts > 0 else None)
+                        if rank == 0 and sglang_settings(cfg).max_engine_restarts > 0 else None)
         self.adapter_folders = adapters.FolderWriter()
 
     def send(self, buckets: Iterator[NamedTensors], handle: list[Target], *, version: int,
@@ -68,7 +69,7 @@ class SGLangWeightSender(WeightSender):
             return
         expected: dict[str, str] = {}  # checksums of each bucket's first and last tensor, for check_weight_update
         for index, bucket, last in _with_last(buckets):
-            if self.cfg.rollout.check_weight_update:
+            if sglang_settings(self.cfg).check_weight_update:
                 expected.update(verify.check_sample(bucket, tp_size=verify.widest_tp(targets)))
             targets = self._push(transport, targets, bucket, version=version, index=index, last=last)
             if self.restore is not None and transport != "disk":

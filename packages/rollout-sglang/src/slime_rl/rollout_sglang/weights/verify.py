@@ -1,4 +1,4 @@
-"""After a sync, whether the engines hold the trainer's weights (``rollout.check_weight_update``,
+"""After a sync, whether the engines hold the trainer's weights (``rollout.sglang.check_weight_update``,
 `SGLangEngine.verify_weights`): checksums of a sample of each bucket's tensors (`check_sample`) against
 what SGLang's ``/weights_checker`` reports for its parameters (`check_weights`).
 """
@@ -25,9 +25,9 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
         try:
             from sglang.kernels.ops.memory.gpu_tensor_hash import gpu_tensor_hash
         except ImportError as err:
-            raise WeightSyncError("rollout.check_weight_update: checksums of CUDA weights use SGLang's GPU hash "
+            raise WeightSyncError("rollout.sglang.check_weight_update: checksums of CUDA weights use SGLang's GPU hash "
                                   "kernel, and sglang is not importable in this process; install it here or "
-                                  "set rollout.check_weight_update=false") from err
+                                  "set rollout.sglang.check_weight_update=false") from err
         return f"{gpu_tensor_hash(flat):016x}"
     digest = hashlib.sha256(flat.reshape(-1).view(torch.uint8).numpy()).digest()[:8]
     return f"{int.from_bytes(digest, byteorder='big', signed=False):016x}"

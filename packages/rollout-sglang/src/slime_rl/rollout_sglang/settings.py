@@ -1,0 +1,139 @@
+"""``rollout.sglang``: the SGLang engine's own config keys, checked when the config loads.
+
+Light on purpose (pydantic only, no torch): the config loader finds this model through the entry point
+``slime_rl.rollout_engines.settings`` without importing the engine. A new SGLang server flag with a check
+of its own is a field here (listed in `SERVER_FLAGS`) and a line in docs/config.md's generated table;
+any other flag passes through ``server_args``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import Field, field_validator, model_validator
+
+from slime_rl.core.config import BackendSettings, ConfigError
+from slime_rl.core.config.checks import is_http_url
+
+if TYPE_CHECKING:
+    from slime_rl.core.config import Config
+
+# Flags slime-rl sets itself; given in server_args they would be silently overridden.
+OWN_FLAGS = frozenset({"model-path", "host", "port", "tp-size", "tp", "tensor-parallel-size", "api-key",
+                       "admin-api-key"})
+
+
+def flag_name(key: object) -> str:
+    """A server_args key as SGLang's flag: ``chunked_prefill_size`` -> ``chunked-prefill-size``."""
+    return str(key).lstrip("-").replace("_", "-")
+
+
+class SGLangSettings(BackendSettings):
+    """The SGLang engine: servers it launches (or attaches to) behind sglang-router."""
+
+    #: For one release an old ``rollout.engine_args`` lands in server_args (config/renamed.py).
+    engine_args_field: ClassVar[str | None] = "server_args"
+    #: Typed fields that are SGLang server flags, passed as ``--<field-with-dashes> <value>`` when set.
+    SERVER_FLAGS: ClassVar[tuple[str, ...]] = ("chunked_prefill_size",)
+
+    engine_urls: list[str] = Field(default_factory=list, description=(
+        "attach to running servers instead of launching them; their keys come from `SLIME_RL_ENGINE_API_KEY` /"
+        " `SLIME_RL_ENGINE_ADMIN_API_KEY` in the environment (docs/multi-node.md)"))
+    engine_python: str | None = Field(None, description=(
+        "interpreter that launches SGLang servers (SGLang in its own venv); checked to be an executable"))
+    server_args: dict[str, Any] = Field(default_factory=dict, description=(
+        "other SGLang server flags, passed through: `{mem_fraction_static: 0.7}` is `--mem-fraction-static 0.7`"
+        " (`true` a bare flag, `false`/`null` none; slime's `--sglang-*`). Each wins over the flag slime-rl would"
+        " set from the rest of the config; the ones slime-rl must set itself (`host`, `port`, `tp_size`, keys)"
+        " are refused"))
+    chunked_prefill_size: int | None = Field(None, description=(
+        "tokens per prefill chunk (`--chunked-prefill-size`): a long prompt is prefilled in chunks of this many"
+        " tokens, capping the prefill's activation memory; `-1` turns chunking off; `null` leaves SGLang's own"
+        " choice (by GPU memory). Only for servers slime-rl launches"))
+    router_policy: str = Field("round_robin", description=(
+        "sglang-router policy (`--router-policy`): `round_robin`, `cache_aware`, `random`, `power_of_two`, or"
+        " `manual`, which sends every turn of a multi-turn episode to the same engine (session affinity by the"
+        " routing key `<session>` of request ids `<session>/<turn>`, docs/agents.md)"))
+    engine_startup_timeout: float = Field(900.0, gt=0, description=(
+        "seconds a launched server has to answer `/health`; then the error carries its log's tail"))
+    weight_sync_timeout: float = Field(600.0, gt=0, description=(
+        "seconds per weight-sync step (one bucket into one engine, a pause, a flush); then the error names the"
+        " engine and the step"))
+    max_engine_restarts: int = Field(3, ge=0, description=(
+        "how many times in a row a failed engine (health checks) is restarted, its weights restored and put back"
+        " in the router, before the run gives up on it; the step metrics count `engine/restarts` and"
+        " `engine/request_retries` (generate requests retried after a router 5xx or a dropped connection). A"
+        " server restored after a sync the trainer pushed itself (CUDA IPC, NCCL, CPU tensors) loads the copy"
+        " trainer rank 0 writes after every sync to `<logging.dir>/sglang/weights/restore` (host memory for one"
+        " copy of the weights on rank 0, written in the background; trainer and engines must share that folder);"
+        " `0` turns restarts and the copy off"))
+    generate_max_retries: int = Field(20, ge=0, description=(
+        "failed attempts (router 5xx such as 503 \"error sending request\", a dropped connection) of one generate"
+        " request retried, with backoff up to 2 s, while no engine is being restarted; then the request fails"
+        " naming the router and the engines. While an engine is restarting its requests wait for it instead, up"
+        " to `engine_startup_timeout`"))
+    check_weight_update: bool = Field(False, description=(
+        "after every sync, compare the checksums of sampled parameters (each bucket's first and last that the"
+        " engine holds under the same name; with TP only the replicated norms) with the engines' (SGLang's"
+        " `/weights_checker`; slime: `--check-weight-update-equal`)"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_flags_out_of_server_args(cls, data: Any) -> Any:
+        """A typed flag given in server_args (an old ``rollout.engine_args``) is checked as its typed field."""
+        if not isinstance(data, dict) or not isinstance(data.get("server_args"), dict):
+            return data
+        server_args, data = dict(data["server_args"]), dict(data)
+        for key in list(server_args):
+            field = flag_name(key).replace("-", "_")
+            if field in cls.SERVER_FLAGS:
+                if data.get(field) is not None:
+                    raise ValueError(f"server_args.{key}: set it once, as rollout.sglang.{field}")
+                data[field] = server_args.pop(key)
+        return {**data, "server_args": server_args}
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not is_http_url(url):
+                raise ValueError(f"{url!r} is not an http(s) URL; give http://host:port")
+        return urls
+
+    @field_validator("server_args")
+    @classmethod
+    def _not_our_flags(cls, server_args: dict[str, Any]) -> dict[str, Any]:
+        for key in server_args:
+            if flag_name(key) in OWN_FLAGS:
+                raise ValueError(f"{key}: slime-rl sets --{flag_name(key)} itself; remove it from server_args")
+        return server_args
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _chunk_size(cls, size: int | None) -> int | None:
+        if size is not None and size != -1 and size < 1:
+            raise ValueError(f"give a number of tokens >= 1, or -1 to turn chunked prefill off (got {size})")
+        return size
+
+    def server_flags(self) -> dict[str, Any]:
+        """The typed server flags that are set, as server_args entries."""
+        return {name: getattr(self, name) for name in self.SERVER_FLAGS if getattr(self, name) is not None}
+
+    def check(self, cfg: Config, where: str) -> None:
+        """What the values alone cannot say: the interpreter runs here; launch flags need a launch."""
+        python = self.engine_python
+        if python is not None and not (os.access(python, os.X_OK) if os.sep in python else shutil.which(python)):
+            raise ConfigError(f"{where}.engine_python", f"{python} is not an executable interpreter;"
+                                                        " give the python of SGLang's environment")
+        if self.engine_urls and (flags := self.server_flags()):
+            name = next(iter(flags))
+            raise ConfigError(f"{where}.{name}", f"sets a flag of servers slime-rl launches, but {where}.engine_urls"
+                                                 f" attaches to running ones; start those with --{flag_name(name)}"
+                                                 f" or drop {where}.engine_urls")
+
+
+def sglang_settings(cfg: Config) -> SGLangSettings:
+    """The run's ``rollout.sglang`` (its defaults when the config gives none)."""
+    return cfg.rollout.settings_of(SGLangSettings, "sglang")

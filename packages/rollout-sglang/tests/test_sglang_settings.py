@@ -1,0 +1,98 @@
+"""rollout.sglang (settings.py): checked when the config loads with core's one-line errors, found by the
+loader without importing the engine, and turned into the servers' flags."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from slime_rl.core.config import ConfigError, RenamedKeyWarning, load_config
+from slime_rl.rollout_sglang import launch as fleet
+from slime_rl.rollout_sglang.engine import SGLangEngine
+from slime_rl.rollout_sglang.settings import SGLangSettings
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"input": "1 + 1 =", "label": "2"}\n')
+    return path
+
+
+def load(prompts, *overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # new key names: no notice
+        return load_config(None, [f"data.prompt_data={prompts}", "rollout.engine=sglang", "cluster.device=cpu",
+                                  *overrides])
+
+
+def refused(prompts, *overrides) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load(prompts, *overrides)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_the_engine_declares_the_model_the_entry_point_names():
+    from importlib.metadata import entry_points
+
+    (settings,) = [ep for ep in entry_points(group="slime_rl.rollout_engines.settings") if ep.name == "sglang"]
+    assert SGLangEngine.settings is settings.load() is SGLangSettings
+
+
+def test_loading_a_config_does_not_import_the_engine(prompts, tmp_path):
+    code = ("import sys; from slime_rl.core.config import load_config; "
+            f"cfg = load_config(None, ['data.prompt_data={prompts}', 'rollout.engine=sglang', 'cluster.device=cpu',"
+            " 'rollout.sglang.chunked_prefill_size=4096']); "
+            "assert cfg.rollout.sglang.chunked_prefill_size == 4096; "
+            "print(sorted(m for m in ('torch', 'slime_rl.rollout_sglang.engine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "[]"
+
+
+def test_chunked_prefill_size_becomes_the_server_flag(prompts):
+    cfg = load(prompts, "rollout.sglang.chunked_prefill_size=8192")
+    assert fleet.engine_args(cfg)["chunked_prefill_size"] == 8192
+    assert load(prompts, "rollout.sglang.chunked_prefill_size=-1").rollout.sglang.chunked_prefill_size == -1
+    assert "chunked_prefill_size" not in fleet.engine_args(load(prompts))  # unset: SGLang's own choice
+
+
+def test_a_bad_chunked_prefill_size_is_refused_naming_the_field_and_the_fix(prompts):
+    for bad in ("0", "-2"):
+        err = refused(prompts, f"rollout.sglang.chunked_prefill_size={bad}")
+        assert str(err) == (f"rollout.sglang.chunked_prefill_size: give a number of tokens >= 1, or -1 to turn chunked"
+                            f" prefill off (got {bad})")
+    assert refused(prompts, "rollout.sglang.chunked_prefill_size=1.5").field == "rollout.sglang.chunked_prefill_size"
+    err = refused(prompts, "rollout.sglang.chunked_prefill_size=512", "rollout.sglang.engine_urls=[http://h:1]")
+    assert err.field == "rollout.sglang.chunked_prefill_size" and "--chunked-prefill-size" in str(err)
+
+
+def test_a_mistyped_key_gets_the_nearest_one(prompts):
+    err = refused(prompts, "rollout.sglang.chunk_prefill_size=512")
+    assert str(err) == "rollout.sglang.chunk_prefill_size: unknown key; did you mean `rollout.sglang.chunked_prefill_size`?"
+
+
+def test_core_no_longer_holds_sglangs_keys_and_their_checks_moved_here(prompts, tmp_path):
+    err = refused(prompts, "rollout.sglang.engine_urls=[10.0.0.1:30000]")
+    assert err.field == "rollout.sglang.engine_urls" and "http://" in str(err)
+    err = refused(prompts, f"rollout.sglang.engine_python={tmp_path}/venv/bin/python")
+    assert err.field == "rollout.sglang.engine_python" and "not an executable interpreter" in str(err)
+    err = refused(prompts, "rollout.sglang.server_args={port: 1}")
+    assert err.field == "rollout.sglang.server_args" and "sets --port itself" in str(err)
+
+
+def test_old_key_names_still_work_with_a_notice(prompts):
+    with pytest.warns(RenamedKeyWarning) as notices:
+        cfg = load_config(None, [f"data.prompt_data={prompts}", "rollout.engine=sglang", "cluster.device=cpu",
+                                 "rollout.weight_sync_timeout=5", "rollout.engine_args={mem_fraction_static: 0.5,"
+                                 " chunked_prefill_size: 2048}"])
+    assert sorted(str(n.message).split(";")[0] for n in notices) == [
+        "rollout.engine_args is now rollout.sglang.server_args", "rollout.weight_sync_timeout is now"
+        " rollout.sglang.weight_sync_timeout"]
+    settings = cfg.rollout.sglang
+    assert (settings.weight_sync_timeout, settings.server_args, settings.chunked_prefill_size) == (
+        5.0, {"mem_fraction_static": 0.5}, 2048)  # the typed flag in the old engine_args is checked as itself
+    with pytest.warns(RenamedKeyWarning), pytest.raises(ConfigError, match="^rollout.sglang.chunked_prefill_size"):
+        load_config(None, [f"data.prompt_data={prompts}", "rollout.engine=sglang", "cluster.device=cpu",
+                           "rollout.engine_args={chunked_prefill_size: 0}"])

@@ -1,0 +1,55 @@
+"""``trainer.megatron``: the Megatron trainer's own config keys, checked when the config loads.
+
+Light on purpose (pydantic only): the config loader finds this model through the entry point
+``slime_rl.trainers.settings`` without importing the trainer (torch, megatron-core).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, field_validator
+
+from slime_rl.core.config import BackendSettings
+
+if TYPE_CHECKING:
+    from slime_rl.core.config import Config
+
+SELECTIVE_RECOMPUTE_MODULES = ("core_attn", "mlp")  # Megatron's recompute_modules the local spec supports
+
+
+class MegatronSettings(BackendSettings):
+    """The Megatron-core trainer; these were `trainer.*` keys."""
+
+    recompute: bool | list[str] = Field(False, description=(
+        "`true`: full activation recompute (`--recompute-granularity full`); a list of `core_attn`, `mlp`:"
+        " Megatron's selective recompute of those modules (its `layernorm` needs TransformerEngine)"
+        " (`--recompute-granularity selective --recompute-modules ...`)"))
+    moe_aux_loss_coeff: float = Field(0.0, ge=0.0, description=(
+        "MoE router load-balancing loss weight, per micro-batch (`--moe-aux-loss-coeff`)"))
+    moe_z_loss_coeff: float | None = Field(None, ge=0.0, description=(
+        "MoE router z-loss weight; `null`: off (`--moe-z-loss-coeff`)"))
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = Field(
+        "aux_loss", description="`aux_loss`, `seq_aux_loss`, `global_aux_loss`, `none`"
+                                " (`--moe-router-load-balancing-type`)")
+    moe_grouped_gemm: bool = Field(True, description=(
+        "MoE experts: all local experts in one `torch._grouped_mm` per projection (CUTLASS on sm90+ in bf16; a"
+        " per-expert loop where it cannot run); `false`: Megatron's SequentialMLP, one GEMM per expert"
+        " (`--moe-grouped-gemm`)"))
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _recompute_modules(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            unknown = [m for m in value if m not in SELECTIVE_RECOMPUTE_MODULES]
+            if unknown or not value:
+                raise ValueError(
+                    f"{unknown or value!r}: give true (full recompute) or a list of {', '.join(SELECTIVE_RECOMPUTE_MODULES)}"
+                    " (Megatron's layernorm recompute needs TransformerEngine, which the local spec does not use)")
+            return list(value)
+        return value
+
+
+def megatron_settings(cfg: Config) -> MegatronSettings:
+    """The run's ``trainer.megatron`` (its defaults when the config gives none)."""
+    return cfg.trainer.settings_of(MegatronSettings, "megatron")
