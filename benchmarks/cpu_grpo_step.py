@@ -200,7 +200,7 @@ def measure(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
           f" x {d.n_samples_per_prompt} samples, <= {cfg.rollout.max_response_len} new tokens, trainer"
           f" {cfg.trainer.backend}, engine {cfg.rollout.engine})")
     print(f"CPU: {cpu_info().describe()}; trained in {cfg.model.dtype} (model.dtype={dtype_asked});"
-          f" recompute {cfg.trainer.recompute}; {torch.get_num_threads()} torch threads in the driver")
+          f" recompute {cfg.trainer.megatron.recompute}; {torch.get_num_threads()} torch threads in the driver")
     print(f"steps {args.warmup + 1}-{len(steps)} of {len(steps)} (first {args.warmup} left out as warm-up);"
           f" startup {checks.get('startup_s', float('nan')):.1f} s; whole run {wall:.0f} s;"
           f" eval accuracy {summary.get('eval_before', {})} -> {summary.get('eval_after', {})}")

@@ -25,7 +25,7 @@ def _generator():
 
 def test_agent_example_config_and_data():
     cfg = load_config(EXAMPLES / "agent_tool_math.yaml", [])
-    assert (cfg.rollout.generate_fn, cfg.rollout.tools, cfg.rollout.router_policy) == ("multi_turn", ["python"],
+    assert (cfg.rollout.generate_fn, cfg.rollout.tools, cfg.rollout.sglang.router_policy) == ("multi_turn", ["python"],
                                                                                       "manual")
     make = _generator()
     for name, n, seed in (("agent_math.jsonl", 256, 0), ("agent_math_eval.jsonl", 32, 1)):

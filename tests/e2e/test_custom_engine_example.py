@@ -40,7 +40,7 @@ def test_the_venv_holds_only_what_was_asked_for(example_venv):
 def test_the_examples_own_conformance_test_passes_there(example_venv):
     out = sh(example_venv / "bin" / "python", "-m", "pytest", "examples/custom_engine/tests", "-q",
              "-p", "no:cacheprovider")
-    assert "1 passed" in out
+    assert "2 passed" in out
 
 
 def test_doctor_lists_the_engine_with_its_distribution(example_venv):
@@ -62,7 +62,7 @@ def test_slime_cli_trains_with_the_recording_engine(example_venv, tmp_path):
         "model": {"path": str(model), "dtype": "float32"},
         "data": {"prompt_data": str(prompts), "rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 2},
         "rollout": {"engine": "recording", "max_response_len": 8, "reward": "f1",
-                    "engine_args": {"record_inner": "hf", "record_to": str(records), "max_batch_size": 8}},
+                    "recording": {"record_inner": "hf", "record_to": str(records)}, "hf": {"max_batch_size": 8}},
         "trainer": {"global_batch_size": 4},
         "cluster": {"device": "cpu", "actor_num_gpus_per_node": 1},
         "logging": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False},

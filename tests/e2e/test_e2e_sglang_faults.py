@@ -2,7 +2,7 @@
 (a test double; real SGLang needs a GPU: benchmarks/async_speedup.py --kill-engine-after there), the real
 Megatron trainer, the trainer pushing the weights itself. A server SIGKILLed mid-rollout or mid-sync is
 restarted with the current weights and the run goes on, losing and doubling nothing; a server that never
-answers a weight sync fails the run within rollout.weight_sync_timeout, naming the engine."""
+answers a weight sync fails the run within rollout.sglang.weight_sync_timeout, naming the engine."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def run_config(tmp_path: Path, model: Path, *extra: str):
     return load_config(None, [
         f"model.path={model}", f"data.prompt_data={prompts}", f"data.rollout_batch_size={GROUPS_PER_STEP}",
         f"data.n_samples_per_prompt={SAMPLES}", f"data.num_rollout={STEPS}", "rollout.max_response_len=24",
-        "rollout.engine=sglang", f"rollout.engine_python={fake_sglang_python(tmp_path)}",
+        "rollout.engine=sglang", f"rollout.sglang.engine_python={fake_sglang_python(tmp_path)}",
         "rollout.update_weight_transport=tensor", "rollout.reward=toy_rewards:digit_token_fraction",
         "trainer.lr=0.01", "cluster.device=cpu", f"logging.dir={tmp_path / 'run'}", "logging.tensorboard=false",
         "logging.save_rollouts=true", *extra,
@@ -95,7 +95,7 @@ def test_a_server_killed_mid_rollout_comes_back_with_the_current_weights(loop_en
 
     killer = threading.Thread(target=kill_while_generating, daemon=True)
     killer.start()
-    cfg = run_config(tmp_path, loop_env, "rollout.engine_args.standin_token_delay=0.03")
+    cfg = run_config(tmp_path, loop_env, "rollout.sglang.server_args.standin_token_delay=0.03")
     summary = train(cfg, callback)
     rows, samples = rows_and_samples(tmp_path, summary)
     assert len(killed) == 1
@@ -131,7 +131,7 @@ def test_a_server_killed_mid_sync_is_left_out_of_it_and_restored_after(loop_env,
 
     watcher = threading.Thread(target=kill_during_the_second_sync, daemon=True)
     watcher.start()
-    cfg = run_config(tmp_path, loop_env, "rollout.engine_args.standin_update_delay=1.0")
+    cfg = run_config(tmp_path, loop_env, "rollout.sglang.server_args.standin_update_delay=1.0")
     try:
         summary = train(cfg)
     finally:
@@ -147,14 +147,14 @@ def test_a_server_killed_mid_sync_is_left_out_of_it_and_restored_after(loop_env,
 @pytest.mark.slow
 def test_a_server_that_never_answers_a_weight_sync_fails_the_run_within_the_timeout(loop_env, tmp_path):
     """Weight updates never answer: the first sync (after step 1's training) fails after
-    rollout.weight_sync_timeout, and the error names the server, the step and the call."""
+    rollout.sglang.weight_sync_timeout, and the error names the server, the step and the call."""
     marks: dict[str, float] = {}
 
     def callback(event: str, payload: dict) -> None:
         marks[event] = time.monotonic()
 
-    cfg = run_config(tmp_path, loop_env, "rollout.engine_args.standin_update_delay=inf",
-                     "rollout.weight_sync_timeout=3")
+    cfg = run_config(tmp_path, loop_env, "rollout.sglang.server_args.standin_update_delay=inf",
+                     "rollout.sglang.weight_sync_timeout=3")
     with pytest.raises(Exception, match=r"sglang engine 0 \(http://127\.0\.0\.1:\d+\): weight sync v1 bucket 0 "
                                         r"\(tensor\): /update_weights_from_tensor timed out after 3 s"):
         train(cfg, callback)

@@ -20,7 +20,7 @@ from slime_rl.core.run.loop import train
 def test_loop_through_sglang_router_with_trainer_side_weight_sync(transport, tiny_model_dir, tmp_path, monkeypatch):
     pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
     cfg = standin_loop_config(tiny_model_dir, tmp_path, monkeypatch, transport=transport,
-                              overrides=["rollout.check_weight_update=true"])
+                              overrides=["rollout.sglang.check_weight_update=true"])
     summary = train(cfg)
     rows = [json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -52,7 +52,7 @@ def test_hanging_rewards_fail_their_samples_and_weight_sync_goes_on(reward, tiny
     cfg = load_config(None, [
         f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=2",
         "data.n_samples_per_prompt=4", "data.num_rollout=3", "rollout.max_response_len=6",
-        "rollout.engine=sglang", f"rollout.engine_python={fake_sglang_python(tmp_path)}",
+        "rollout.engine=sglang", f"rollout.sglang.engine_python={fake_sglang_python(tmp_path)}",
         "rollout.update_weight_transport=tensor", f"rollout.reward=hanging_rewards:{reward}",
         "rollout.reward_timeout=2", "trainer.lr=0.01", "cluster.device=cpu",
         f"logging.dir={tmp_path / 'run'}", "logging.tensorboard=false", "logging.save_rollouts=true",

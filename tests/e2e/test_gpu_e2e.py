@@ -47,7 +47,7 @@ def test_b_logprob_parity_sglang_vs_megatron(gpu_model, tmp_path, monkeypatch):
     from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
     cfg = load_config(None, [f"model.path={gpu_model}", "model.dtype=bfloat16", "rollout.engine=sglang",
-                             f"rollout.engine_args={json.dumps(ENGINE_ARGS)}", "cluster.device=cuda",
+                             f"rollout.sglang.server_args={json.dumps(ENGINE_ARGS)}", "cluster.device=cuda",
                              f"logging.dir={tmp_path}", "data.source=none"], check=False)
     engine = SGLangEngine.from_config(cfg)
     try:
@@ -87,8 +87,8 @@ def test_f_colocated_grpo_through_slime_cli(offload, gpu_model, tmp_path):
         "model": {"path": str(gpu_model)},
         "data": {"prompt_data": str(prompts), "rollout_batch_size": 16, "n_samples_per_prompt": 8,
                  "num_rollout": 20},
-        "rollout": {"engine": "sglang", "engine_args": ENGINE_ARGS, "max_response_len": 16,
-                    "reward": "toy_rewards:digit_token_fraction", "check_weight_update": True},
+        "rollout": {"engine": "sglang", "sglang": {"server_args": ENGINE_ARGS, "check_weight_update": True},
+                    "max_response_len": 16, "reward": "toy_rewards:digit_token_fraction"},
         "trainer": {"backend": "megatron", "lr": 1e-2},
         "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1, "offload": offload},
         "logging": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False},
@@ -130,7 +130,7 @@ def test_g_lora_grpo_through_sglang_adapters(shape, gpu_model, tmp_path):
         "model": {"path": str(model)},
         "data": {"prompt_data": str(prompts), "rollout_batch_size": 16, "n_samples_per_prompt": 8,
                  "num_rollout": 20},
-        "rollout": {"engine": "sglang", "engine_args": ENGINE_ARGS, "max_response_len": 16,
+        "rollout": {"engine": "sglang", "sglang": {"server_args": ENGINE_ARGS}, "max_response_len": 16,
                     "reward": "toy_rewards:digit_token_fraction", "lora_sync": "adapter"},
         "trainer": {"backend": "megatron", "lr": 2e-2 if shape == "tiny" else 2e-3,
                     "lora": {"rank": 16, "alpha": 32}},

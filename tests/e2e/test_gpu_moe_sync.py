@@ -65,7 +65,7 @@ def test_moe_weights_reach_sglang_by_every_transport(family, tmp_path, monkeypat
     shape = dict(MOE_SHAPE, **({"shared_expert_intermediate_size": 256} if family == "qwen2_moe" else {}))
     model = tiny_model_folder(tmp_path / family, family, dtype=torch.bfloat16, **shape)
     cfg = load_config(None, [f"model.path={model}", "model.dtype=bfloat16", "rollout.engine=sglang",
-                             f"rollout.engine_args={json.dumps(ENGINE_ARGS)}", "cluster.device=cuda",
+                             f"rollout.sglang.server_args={json.dumps(ENGINE_ARGS)}", "cluster.device=cuda",
                              f"logging.dir={tmp_path / 'run'}", "data.source=none"], check=False)
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541", "RANK": "0", "WORLD_SIZE": "1",
                        "LOCAL_RANK": "0"}.items():

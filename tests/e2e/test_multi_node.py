@@ -63,8 +63,8 @@ def test_trainer_and_engine_on_two_nodes_train_checkpoint_and_resume(engine, tin
             f"logging.dir={run_dir}", "logging.tensorboard=false", "checkpoint.save_interval=2",
         ]
         if engine == "sglang":
-            overrides += ["rollout.engine=sglang", f"rollout.engine_python={fake_sglang_python(tmp_path)}",
-                          "rollout.update_weight_transport=tensor", "rollout.check_weight_update=true"]
+            overrides += ["rollout.engine=sglang", f"rollout.sglang.engine_python={fake_sglang_python(tmp_path)}",
+                          "rollout.update_weight_transport=tensor", "rollout.sglang.check_weight_update=true"]
         sync = "object_store" if engine == "hf" else "engine"  # hf: no same-machine shared-memory files
 
         def run(*extra: str) -> dict:

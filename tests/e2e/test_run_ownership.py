@@ -46,7 +46,7 @@ def test_the_example_folder_keeps_unrelated_files_through_runs_a_resume_and_a_ty
     env = {**os.environ, "SLIME_RL_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1"}
     tiny = [f"model.path={tiny_model_dir}", "model.dtype=float32", "data.rollout_batch_size=2",
             "data.n_samples_per_prompt=2", "rollout.max_response_len=2", "eval.max_response_len=2",
-            "trainer.recompute=false", "logging.save_rollouts=true"]
+            "trainer.megatron.recompute=false", "logging.save_rollouts=true"]
 
     def slime_cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", "--workdir", str(workdir), *args],

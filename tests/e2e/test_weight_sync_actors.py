@@ -43,8 +43,8 @@ def test_weight_sync_between_the_real_actors(engine, transport, path, tiny_model
     cfg = load_config(None, [
         f"model.path={tiny_model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=1",
         "data.n_samples_per_prompt=2", "rollout.max_response_len=4", f"rollout.engine={engine}",
-        f"rollout.engine_python={fake_sglang_python(tmp_path)}", f"rollout.update_weight_transport={transport}",
-        "rollout.check_weight_update=true", "cluster.device=cpu", "model.dtype=float32", f"logging.dir={run}",
+        f"rollout.sglang.engine_python={fake_sglang_python(tmp_path)}", f"rollout.update_weight_transport={transport}",
+        "rollout.sglang.check_weight_update=true", "cluster.device=cpu", "model.dtype=float32", f"logging.dir={run}",
         "logging.tensorboard=false",
     ])
     plan = plan_placement(cfg)

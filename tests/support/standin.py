@@ -28,7 +28,7 @@ def standin_loop_config(model_dir: Path, tmp_path: Path, monkeypatch, *, transpo
     return load_config(None, [
         f"model.path={model_dir}", f"data.prompt_data={prompts}", "data.rollout_batch_size=2",
         "data.n_samples_per_prompt=4", "data.num_rollout=3", "rollout.max_response_len=6",
-        "rollout.engine=sglang", f"rollout.engine_python={fake_sglang_python(tmp_path)}",
+        "rollout.engine=sglang", f"rollout.sglang.engine_python={fake_sglang_python(tmp_path)}",
         f"rollout.update_weight_transport={transport}", "rollout.reward=toy_rewards:digit_token_fraction",
         "trainer.lr=0.01", "cluster.device=cpu", f"logging.dir={tmp_path / 'run'}", "logging.tensorboard=false",
         *overrides,

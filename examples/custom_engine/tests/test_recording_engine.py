@@ -6,9 +6,11 @@ from __future__ import annotations
 import copy
 import json
 
+import pytest
 import torch
 from recording_engine import RecordingEngine
 
+from slime_rl.core.config import ConfigError, load_config
 from slime_rl.core.testing import stdlib_text, tiny_config, tiny_model, train_tokenizer
 from slime_rl.core.testing.conformance import Backend, check_conformance, transformers_reference
 from slime_rl.rollout_hf.engine import HFEngine
@@ -42,3 +44,17 @@ def test_recording_engine_passes_the_conformance_suite(tmp_path):
     assert aborted and all(len(line["token_ids"]) == len(line["log_probs"]) for line in aborted)
     refused = [line for line in lines if line["event"] == "generate" and "error" in line]
     assert refused and refused[0]["error"].startswith("ValueError")  # the duplicate request id
+
+
+def test_its_typed_keys_are_checked_when_the_config_loads(tmp_path):
+    """rollout.recording (settings.py) is checked like slime-rl's own keys; the wrapped engine keeps its section."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input": "1 + 1 =", "label": "2"}\n')
+    base = [f"data.prompt_data={prompts}", "cluster.device=cpu", "rollout.engine=recording"]
+    cfg = load_config(None, [*base, f"rollout.recording.record_to={tmp_path / 'r.jsonl'}", "rollout.hf.max_batch_size=8"])
+    assert (cfg.rollout.settings.record_inner, cfg.rollout.hf.max_batch_size) == ("hf", 8)
+    with pytest.raises(ConfigError, match=r"^rollout.recording.record_too: unknown key; did you mean"
+                                          r" `rollout.recording.record_to`\?$"):
+        load_config(None, [*base, "rollout.recording.record_too=x.jsonl"])
+    with pytest.raises(ConfigError, match=r"^rollout.recording.record_inner: 'recording' would record itself"):
+        load_config(None, [*base, "rollout.recording.record_inner=recording"])

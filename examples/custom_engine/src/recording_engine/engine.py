@@ -1,14 +1,16 @@
 """`RecordingEngine`: any rollout engine, with every call written to a JSONL file for debugging.
 
-Select it in a run's config; the engine it wraps is named like any other (an entry-point name or
-``module:attr``) and gets the rest of ``rollout.engine_args``::
+Select it in a run's config; its own keys are ``rollout.recording`` (settings.py, checked when the config
+loads), and the engine it wraps is named like any other (an entry-point name or ``module:attr``) and reads its
+own section as usual::
 
     rollout:
       engine: recording
-      engine_args:
+      recording:
         record_inner: hf                  # the engine to wrap (default: hf)
         record_to: runs/x/requests.jsonl  # default: <logging.dir>/rollout_records.jsonl
-        max_batch_size: 64                # ... anything else goes to the wrapped engine
+      hf:
+        max_batch_size: 64                # the wrapped engine's own keys
 
 One JSON object a line, with an ``event`` field: ``generate`` (request id, input ids, sampling
 parameters, then the response's token ids, log-probs, finish reason, weight version and seconds, or
@@ -23,18 +25,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from recording_engine.settings import RecordingSettings
 from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 from slime_rl.core.infra.plugins import load_plugin
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
 
-OWN_ARGS = ("record_inner", "record_to")  # rollout.engine_args keys this engine takes; the rest pass through
-
-
 class RecordingEngine(RolloutEngine):
     """Delegates every call to ``inner`` and appends a record of it to ``path``. Its optional capabilities
     are the wrapped engine's (set per instance); the class claims none of its own."""
+
+    settings = RecordingSettings  # rollout.recording
 
     def __init__(self, inner: RolloutEngine, path: str | Path):
         self.inner = inner
@@ -45,15 +47,11 @@ class RecordingEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg: Config) -> RecordingEngine:
-        args = dict(cfg.rollout.engine_args)
-        inner_name = str(args.pop("record_inner", "hf"))
-        if inner_name == "recording":
-            raise ValueError("rollout.engine_args.record_inner: 'recording' would record itself; name the engine "
-                             "to wrap (hf, sglang or module:attr)")
-        path = args.pop("record_to", None) or Path(cfg.logging.dir) / "rollout_records.jsonl"
-        inner_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(
-            update={"engine": inner_name, "engine_args": args})})
-        inner = load_plugin("slime_rl.rollout_engines", inner_name).from_config(inner_cfg)
+        settings = cfg.rollout.settings_of(RecordingSettings, "recording")
+        path = settings.record_to or Path(cfg.logging.dir) / "rollout_records.jsonl"
+        # the wrapped engine, chosen: it reads its own section (rollout.hf), checked with the config already
+        inner_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": settings.record_inner})})
+        inner = load_plugin("slime_rl.rollout_engines", settings.record_inner).from_config(inner_cfg)
         return cls(inner, path)
 
     def _record(self, event: str, **fields: Any) -> None:
