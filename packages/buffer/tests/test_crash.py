@@ -10,6 +10,8 @@ import signal
 import sqlite3
 import time
 
+import pytest
+
 from slime_rl.buffer import SampleBuffer
 from slime_rl.core.sample import Sample, SampleStatus
 
@@ -54,6 +56,7 @@ def read_acks(fd: int) -> list[int]:
     return [int(x) for x in data.split()]
 
 
+@pytest.mark.slow  # 20 killed writer processes: ~17 s on 2 cores
 def test_sigkill_at_20_random_moments_loses_no_acknowledged_group(tmp_path):
     db = str(tmp_path / "run")
     rng = random.Random(20261130)
@@ -95,6 +98,7 @@ def test_sigkill_at_20_random_moments_loses_no_acknowledged_group(tmp_path):
     assert len(acknowledged) >= KILLS
 
 
+@pytest.mark.slow  # two processes trading groups through the file: ~32 s on 2 cores
 def test_a_producer_and_a_consumer_process_share_the_file(tmp_path):
     """The rollout side adds while the trainer side takes: every group comes out exactly once."""
     db = str(tmp_path / "shared")

@@ -74,6 +74,7 @@ def test_chunk_size_bounds_the_logits_buffer():
         assert tokens < 16384 // 8  # 16k tokens come in many chunks on either device
 
 
+@pytest.mark.slow  # torch.compile of the chunk kernels: ~16 s on 2 cores
 def test_per_chunk_kernels_compile_to_the_same_values():
     """On CUDA the three per-chunk passes run through torch.compile (inductor); compiled here on
     the CPU they must give what the eager functions give, for two chunk shapes (dynamic shapes)."""
