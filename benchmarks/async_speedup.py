@@ -113,10 +113,11 @@ def run_config(args, mode: str, folder: Path, prompts: Path, run_dir: Path) -> d
 
         engine_args = dict(GPU_ENGINE_ARGS, mem_fraction_static=args.mem_fraction)
     rollout: dict[str, Any] = {
-        "engine": args.engine, "engine_args": engine_args, "max_response_len": args.max_len, "temperature": 1.0,
+        "engine": args.engine, "max_response_len": args.max_len, "temperature": 1.0,
         "reward": "exact_match", "generate_fn": "async_speedup:long_tail_generate"}
-    if args.engine_python:
-        rollout["engine_python"] = args.engine_python
+    if args.engine == "sglang":  # rollout.sglang: the server flags, the interpreter
+        rollout["sglang"] = {"server_args": engine_args, **({"engine_python": args.engine_python} if args.engine_python
+                                                            else {})}
     if mode == "fully":
         rollout.update(max_staleness=args.max_staleness, over_sampling_batch_size=args.in_flight or 2 * args.batch)
     cluster: dict[str, Any] = {"device": args.device, "async_mode": mode, "actor_num_gpus_per_node": 1}

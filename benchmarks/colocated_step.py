@@ -134,10 +134,11 @@ def run_config(args, folder: Path, prompts: Path, run_dir: Path) -> dict:
     engine_args = dict(GPU_ENGINE_ARGS, mem_fraction_static=args.mem_fraction) if on_cuda else {}
     if on_cuda and args.cuda_graphs == "off":
         engine_args.update(NO_CUDA_GRAPHS)
-    rollout = {"engine": args.engine, "engine_args": engine_args, "max_response_len": args.response_len,
-               "temperature": 1.0, "reward": "exact_match"}
-    if args.engine_python:
-        rollout["engine_python"] = args.engine_python
+    rollout = {"engine": args.engine, "max_response_len": args.response_len, "temperature": 1.0,
+               "reward": "exact_match"}
+    if args.engine == "sglang":  # rollout.sglang: the server flags, the interpreter
+        rollout["sglang"] = {"server_args": engine_args, **({"engine_python": args.engine_python} if args.engine_python
+                                                            else {})}
     return {
         "model": {"path": str(folder), "dtype": "bfloat16" if on_cuda else "float32"},
         "data": {"prompt_data": str(prompts), "rollout_batch_size": args.prompts, "n_samples_per_prompt": args.samples,

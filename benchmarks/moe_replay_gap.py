@@ -68,11 +68,13 @@ def bench_config(args, model_dir: Path) -> Config:
         engine_args = dict(GPU_ENGINE_ARGS, **NO_CUDA_GRAPHS, mem_fraction_static=args.mem_fraction,
                            max_total_tokens=65536)
     overrides = [f"model.path={model_dir}", f"model.dtype={args.dtype}", f"cluster.device={args.device}",
-                 f"rollout.engine={args.engine}", f"rollout.engine_args={json.dumps(engine_args)}",
+                 f"rollout.engine={args.engine}",
                  "rollout.temperature=1.0", f"rollout.max_response_len={args.new_tokens}",
                  "algorithm.routing_replay=rollout", f"logging.dir={args.work_dir / 'logs'}", "data.source=none"]
+    if args.engine == "sglang":
+        overrides.append(f"rollout.sglang.server_args={json.dumps(engine_args)}")
     if args.engine_python:
-        overrides.append(f"rollout.engine_python={args.engine_python}")
+        overrides.append(f"rollout.sglang.engine_python={args.engine_python}")
     if args.tokenizer_path:
         overrides.append(f"model.tokenizer_path={args.tokenizer_path}")
     return load_config(None, overrides, check=False)

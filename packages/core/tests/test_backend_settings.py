@@ -114,6 +114,13 @@ def test_an_old_key_name_still_loads_with_a_one_line_notice_naming_the_new_key(t
         move_renamed_keys({"rollout": {"engine_urls": [], "sglang": {"engine_urls": []}}})
 
 
+def test_old_key_names_work_from_python_too(toy_backends):
+    tree = {"rollout": {"engine": "toy", "engine_args": {"chunk_size": 8}}}
+    with pytest.warns(RenamedKeyWarning, match="^rollout.engine_args is now rollout.toy.passthrough;"):
+        cfg = Config.model_validate(tree)
+    assert cfg.rollout.toy.passthrough == {"chunk_size": 8} and tree["rollout"]["engine_args"]  # the input untouched
+
+
 def test_renamed_keys_move_and_retired_keys_are_refused():
     with pytest.warns(RenamedKeyWarning, match="^trainer.moe_grouped_gemm is now trainer.megatron.moe_grouped_gemm;"):
         moved = move_renamed_keys({"trainer": {"moe_grouped_gemm": False, "megatron": {"recompute": True}}})

@@ -9,6 +9,7 @@ import (placement) import this one, so that the checks need not import them lazi
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -18,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from slime_rl.core.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from slime_rl.core.config.backends import BACKEND_SECTIONS, section_key, settings_model, validate_sections
 from slime_rl.core.config.errors import ConfigError
+from slime_rl.core.config.renamed import move_renamed_keys
 from slime_rl.core.infra.plugins import PluginError
 
 
@@ -327,6 +329,12 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_key_names(cls, data: Any) -> Any:
+        """Keys that moved (config/renamed.py) load for a release from Python too, each with its notice."""
+        return move_renamed_keys(copy.deepcopy(data)) if isinstance(data, dict) else data
 
     # Derived values: read these, never the raw optional fields.
     @property
