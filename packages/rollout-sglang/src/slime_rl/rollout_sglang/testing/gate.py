@@ -23,7 +23,11 @@ class RequestAborted(Exception):
     status = 499
 
     def __init__(self, rid: str):
-        super().__init__(f"Request {rid} was aborted")
+        super().__init__(rid)  # the rid alone, so a pickled copy rebuilds the same message
+        self.rid = rid
+
+    def __str__(self) -> str:
+        return f"Request {self.rid} was aborted"
 
 
 class ModelGate:
