@@ -130,6 +130,29 @@ def test_resume_replays_the_next_steps_bit_for_bit(model_dir, tmp_path):
     assert all(torch.equal(t, weights[n]) for b in resumed.named_weights(1 << 20) for n, t in b)
 
 
+def test_a_resume_trains_on_the_new_schedule_and_adam_settings(model_dir, tmp_path):
+    """The config's lr, min_lr, warmup, decay, weight decay and Adam betas/eps win over the checkpoint's
+    (run/resume_check.py says so before the run starts); the step count and Adam's moments come back."""
+    batch = to_batch(make_samples(2, VOCAB))
+    trainer = trainer_for(model_dir, ["trainer.lr=2e-5"])
+    trainer.train_step(batch)
+    trainer.save(str(tmp_path / "ckpt"))
+
+    changed = ["trainer.lr=0.001", "trainer.min_lr=0.0001", "trainer.lr_warmup_steps=1", "data.num_rollout=4",
+               "trainer.lr_decay_style=linear", "trainer.weight_decay=0.05", "trainer.adam_beta2=0.95",
+               "trainer.adam_eps=1e-6"]
+    resumed = trainer_for(model_dir, changed)
+    resumed.load(str(tmp_path / "ckpt"))
+    fresh = trainer_for(model_dir, changed)  # the new schedule from the start, one step in
+    fresh.train_step(batch)
+    assert [resumed.train_step(batch)["lr"] for _ in range(2)] == pytest.approx(
+        [fresh.train_step(batch)["lr"] for _ in range(2)])
+    assert resumed.scheduler.max_lr == 0.001 and resumed.scheduler.num_steps == 3
+    for group in resumed.optimizer.param_groups:
+        assert group["betas"] == (0.9, 0.95) and group["eps"] == 1e-6
+        assert group["weight_decay"] == pytest.approx(0.05 * group.get("wd_mult", 1.0))
+
+
 def test_learning_rate_warms_up_then_holds(model_dir):
     trainer = trainer_for(model_dir, ["trainer.lr=0.001", "trainer.lr_warmup_steps=2"])
     batch = to_batch(make_samples(2, VOCAB))

@@ -22,6 +22,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from slime_rl.core.infra.safe_pickle import check_dcp_folder, refusals_named
 from slime_rl.trainer_megatron.nonfinite import check_finite_state
+from slime_rl.trainer_megatron.optimizer import hyperparameters, restore_hyperparameters
 
 if TYPE_CHECKING:
     from slime_rl.trainer_megatron.trainer import MegatronTrainer
@@ -106,8 +107,10 @@ def load(trainer: MegatronTrainer, path: str) -> None:
     with refusals_named(path):  # tensor items: torch reads them weights-only; a refusal names the folder
         state = dist_checkpointing.load(sharded_state(trainer, loading=True, with_rng=same_world), path)
     trainer.model.load_state_dict(state["model"])
+    built = hyperparameters(trainer.optimizer)
     trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
+    restore_hyperparameters(trainer.optimizer, built)  # the config's lr, betas, eps; the saved moments
+    trainer.scheduler.load_state_dict(state["scheduler"])  # the saved step count, the config's schedule
     trainer.step_count = int(state["step"])
     if same_world:
         rng = state["rng"]

@@ -52,7 +52,27 @@ def make_scheduler(cfg: Config, optimizer, lr: float) -> OptimizerParamScheduler
         optimizer, init_lr=0.0 if warmup else lr, max_lr=lr, min_lr=t.min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=total, lr_decay_style=t.lr_decay_style,
         start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=total, wd_incr_style="constant",
+        # A resume keeps the checkpoint's step count but this config's schedule (docs/reliability.md#resume):
+        # Megatron's default restores the saved lr, min_lr, warmup and decay over the user's new ones.
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
     )
+
+
+def hyperparameters(optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings but its parameters (lr, max_lr, min_lr, betas, eps, weight decay):
+    what the config built, to put back over a loaded checkpoint's (`restore_hyperparameters`)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def restore_hyperparameters(optimizer, built: list[dict[str, Any]]) -> None:
+    """Put the config's group settings back after ``optimizer.load_state_dict``, which restores the
+    saved ones with Adam's moments: a resume with a new trainer.lr or adam_beta2 trains with it."""
+    groups = optimizer.param_groups
+    if len(groups) != len(built):  # the same model and config build the same groups
+        raise ValueError(f"checkpoint: {len(groups)} optimizer param groups loaded, {len(built)} built;"
+                         " resume with the model and trainer.lora the checkpoint was written with")
+    for group, settings in zip(groups, built, strict=True):
+        group.update(settings)
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
