@@ -51,3 +51,57 @@ def test_a_fresh_run_refuses_a_save_dir_holding_an_earlier_run(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.save_dir: .* step_000004\); continue it with --resume"):
         train(cfg)  # before Ray or any backend starts
     assert checkpoint.latest(tmp_path / "ckpt")[1]["step"] == 4
+
+
+def _save_as(save_dir, step, run_id, keep_last=None):
+    folder = checkpoint.prepare(save_dir, step, run_id)
+    (folder / "actor.bin").write_bytes(run_id.encode())
+    return checkpoint.commit(save_dir, step, {"run_id": run_id}, keep_last=keep_last)
+
+
+def test_a_run_writes_into_no_step_folder_another_run_or_no_run_made(tmp_path):
+    earlier = _save_as(tmp_path, 10, "run-a")
+    (tmp_path / "latest").unlink()  # the pointer removed: the folder is still run a's
+    meta_before = (earlier / "meta.json").read_bytes()
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000010: was made by run run-a, not by this run"
+                                                         r" \(run-b\); move it out of .* checkpoint.save_dir"):
+        checkpoint.prepare(tmp_path, 10, "run-b")
+    with pytest.raises(checkpoint.CheckpointError, match=r"was made by run run-a, not by the run committing it"):
+        checkpoint.commit(tmp_path, 10, {"run_id": "run-b"})  # nor certifies run a's files as its own
+    assert (earlier / "meta.json").read_bytes() == meta_before and (earlier / "actor.bin").read_bytes() == b"run-a"
+
+    users = checkpoint.step_dir(tmp_path, 20)  # a user's own folder that happens to match the name
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    with pytest.raises(checkpoint.CheckpointError, match=r"step_000020: was made by no slime-rl run"):
+        checkpoint.prepare(tmp_path, 20, "run-b")
+    assert (users / "notes.txt").read_text() == "mine" and not (users / "owner.json").exists()
+
+
+def test_a_run_writes_again_into_its_own_unfinished_folder(tmp_path):
+    folder = checkpoint.prepare(tmp_path, 10, "run-a")  # killed mid-save
+    (folder / "actor.bin").write_bytes(b"half")
+    assert checkpoint.prepare(tmp_path, 10, "run-a") == folder  # its resume saves step 10 again
+    checkpoint.commit(tmp_path, 10, {"run_id": "run-a"})
+    assert checkpoint.latest(tmp_path)[1]["run_id"] == "run-a"
+
+
+def test_pruning_removes_only_the_runs_own_older_checkpoints(tmp_path):
+    for step in (10, 20):
+        _save_as(tmp_path, step, "run-a")
+    (tmp_path / "latest").unlink()
+    for step in (30, 40, 50):
+        _save_as(tmp_path, step, "run-b", keep_last=1)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000010", "step_000020", "step_000050"]
+
+
+def test_a_fresh_run_refuses_a_save_dir_whose_latest_was_removed(tmp_path):
+    from slime_rl.core.config import ConfigError, load_config
+    from slime_rl.core.run.loop import train
+
+    _save_as(tmp_path / "ckpt", 4, "run-a")
+    (tmp_path / "ckpt" / "latest").unlink()
+    cfg = load_config(None, [f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'run'}"],
+                      check=False)
+    with pytest.raises(ConfigError, match=r"checkpoint.save_dir: .* earlier run \(step_000004, without a latest\)"):
+        train(cfg)  # before Ray or any backend starts

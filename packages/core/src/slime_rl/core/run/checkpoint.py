@@ -5,6 +5,10 @@ a run killed mid-save resumes from the previous, complete one. ``meta.json`` lis
 every file of the folder with its size and CRC-32, and carries a checksum of its
 own content: a resume verifies all of them (and that no pickle in the folder asks
 for more than plain data and tensors, see `safe_pickle`) before anything loads.
+
+A run writes only into step folders it created: `prepare` makes the folder and its ``owner.json``
+(the run id) or refuses one another run (or no run) made; `commit` certifies a folder only for
+the run named there, and prunes only that run's older checkpoints.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 from slime_rl.core.config import CheckpointError  # beside ConfigError, below this module and safe_pickle
 
 _STEP_NAME = re.compile(r"step_\d{6,}")
+OWNER_FILE = "owner.json"  # in a step folder: the run that made it
 _CHUNK = 8 << 20
 
 
@@ -28,12 +33,37 @@ def step_dir(save_dir: str | Path, step: int) -> Path:
     return Path(save_dir) / f"step_{step:06d}"
 
 
-def prepare(save_dir: str | Path, step: int) -> Path:
-    """The folder to write step ``step`` into. One left by an earlier run in the same save_dir
-    loses its ``meta.json`` first: until this run commits it, it is not a checkpoint."""
+def folder_owner(folder: Path) -> str | None:
+    """The run that created a step folder: its ``owner.json``, else (a checkpoint from before owner
+    files) its meta.json's run id; None when neither names one."""
+    for name in (OWNER_FILE, "meta.json"):
+        try:
+            owner = json.loads((folder / name).read_bytes()).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        return owner if isinstance(owner, str) and owner else None
+    return None
+
+
+def prepare(save_dir: str | Path, step: int, run_id: str | None = None) -> Path:
+    """The folder to write step ``step`` into: a new one, marked as this run's; or one this run made
+    before (a save that did not finish, a step saved again after a resume), which loses its
+    ``meta.json`` first: until this run commits it, it is not a checkpoint. A folder another run or
+    no run made is refused (CheckpointError): this run neither writes into it nor certifies its files.
+    (``run_id`` None: a folder of no run's, as tools and tests write one, for a commit without a run id.)"""
     folder = step_dir(save_dir, step)
-    (folder / "meta.json").unlink(missing_ok=True)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        owner = None if folder.is_symlink() else folder_owner(folder)
+        if owner != run_id:
+            made_by = f"run {owner}" if owner else "no slime-rl run (it has no owner.json)"
+            raise CheckpointError(str(folder), f"was made by {made_by}, not by this run ({run_id}); move it out"
+                                  f" of {Path(save_dir)} or give this run another checkpoint.save_dir") from None
+        (folder / "meta.json").unlink(missing_ok=True)
+    else:
+        if run_id is not None:
+            write_json_atomic(folder / OWNER_FILE, {"run_id": run_id})
     return folder
 
 
@@ -82,6 +112,10 @@ def commit(save_dir: str | Path, step: int, meta: dict[str, Any], keep_last: int
     meta.json gets the size and CRC-32 of every file the folder holds now (the trainer ranks
     have written theirs) and a checksum of its own content."""
     folder = step_dir(save_dir, step)
+    run_id = meta.get("run_id")
+    if folder_owner(folder) != run_id:  # certify only a folder this run made (see prepare)
+        raise CheckpointError(str(folder), f"was made by run {folder_owner(folder)}, not by the run committing it"
+                              f" ({run_id}); a run commits only step folders it made")
     listing = _listing(folder)
     files = {p.as_posix(): {"bytes": (folder / p).stat().st_size, "crc32": crc}
              for p, crc in zip(listing, _crc32s([folder / p for p in listing]), strict=True)}
@@ -93,10 +127,11 @@ def commit(save_dir: str | Path, step: int, meta: dict[str, Any], keep_last: int
     tmp.write_text(folder.name)
     os.replace(tmp, latest_file)
     if keep_last:
-        # Only this run's past: a folder may still hold later steps of an earlier run (a fresh
-        # start in the same save_dir), and pruning by name would delete what was just written.
+        # Only this run's past: the folder may hold another run's checkpoints (a resume from a
+        # copy, a user's own), and a later step of this run's own is not older than this one.
         done = sorted(p for p in Path(save_dir).glob("step_*")
-                      if (p / "meta.json").exists() and (k := _step_of(p)) is not None and k <= step)
+                      if (p / "meta.json").exists() and (k := _step_of(p)) is not None and k <= step
+                      and not p.is_symlink() and folder_owner(p) == run_id)
         for old in done[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     return folder
@@ -107,6 +142,18 @@ def _step_of(folder: Path) -> int | None:
         return int(folder.name.removeprefix("step_"))
     except ValueError:
         return None
+
+
+def earlier_run(save_dir: str | Path) -> str | None:
+    """What makes ``save_dir`` an earlier run's, for a fresh run to refuse it: its ``latest``, else
+    its step folders (a run whose ``latest`` was removed); None when it holds neither."""
+    previous = latest_name(save_dir)
+    if previous is not None:
+        return f"latest: {previous}"
+    steps = sorted(p.name for p in Path(save_dir).glob("step_*"))
+    if steps:
+        return f"{', '.join(steps[-3:])}{' ...' if len(steps) > 3 else ''}, without a latest"
+    return None
 
 
 def latest_name(save_dir: str | Path) -> str | None:

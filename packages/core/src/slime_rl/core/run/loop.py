@@ -241,11 +241,11 @@ def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
     Returns the checkpoint to resume and the run id."""
     save_dir = cfg.checkpoint_dir
     resumed = checkpoint.resume_point(save_dir) if cfg.checkpoint.resume else None
-    previous = checkpoint.latest_name(save_dir)
+    previous = checkpoint.earlier_run(save_dir)  # its latest, or step folders whose latest was removed
     if previous is not None and not cfg.checkpoint.resume:
         raise ConfigError(
             "checkpoint.save_dir",
-            f"{save_dir} holds the checkpoints of an earlier run (latest: {previous}); continue"
+            f"{save_dir} holds the checkpoints of an earlier run ({previous}); continue"
             " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
         )
     check_ray_environment()  # Ray's network and authentication: refused before anything is written
@@ -381,7 +381,7 @@ def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
 def _save(run: Run, step: int) -> None:
     import ray
 
-    folder = checkpoint.prepare(run.cfg.checkpoint_dir, step)
+    folder = checkpoint.prepare(run.cfg.checkpoint_dir, step, run.run_id)  # a folder this run made
     run.actor.save(str(folder / "actor"))
     if run.cfg.checkpoint.save_hf:  # an HF folder beside it (with trainer.lora: a PEFT adapter folder)
         run.actor.save_hf(str(folder / "hf"))
