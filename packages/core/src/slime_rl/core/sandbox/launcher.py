@@ -5,9 +5,11 @@ rollout process) because everything here happens after a fork: namespaces, mount
 It reads one job (JSON) on stdin and writes one status (JSON) to the pipe ``job["status_fd"]``. stdout and stderr are the
 code's own, passed through to the caller. With ``isolated``:
 
-outer launcher (host namespaces) --unshare(net, mount, pid)--> fork -> init (pid 1 of the new pid
+outer launcher (host namespaces) --unshare(net, mount, pid, ipc)--> fork -> init (pid 1 of the new pid
 namespace: builds the new root, forks the code, enforces the wall clock, then kills every process
-left in the namespace) -> the code (an unprivileged uid, rlimits, chroot, empty environment).
+left in the namespace) -> the code (an unprivileged uid, rlimits, chroot, empty environment, a fresh
+session keyring). The IPC namespace dies with its last process, and every SysV shared-memory segment,
+message queue and semaphore set the code made dies with it.
 
 Without ``isolated`` (no namespaces on this kernel, or not root), the init step runs in the host
 namespaces with the job's scratch directory as the working directory; the caller then kills the
@@ -17,14 +19,20 @@ uid's leftover processes (kill(-1) here would kill the host's processes).
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
+import platform
 import resource
 import signal
 import sys
 import time
 
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
+NAMESPACES = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET
+# keyctl(2) has no glibc wrapper: the syscall's number per architecture
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280, "i686": 288}
+KEYCTL_JOIN_SESSION_KEYRING = 1
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
@@ -120,6 +128,18 @@ def _write_inputs(job: dict, scratch: str) -> None:
         os.chown(os.path.join(scratch, name), job["uid"], job["uid"])
 
 
+def _join_fresh_session_keyring() -> None:
+    """Leave the caller's session keyring (root's secrets, reachable by possession after setuid) for a
+    new anonymous one. A kernel without keyrings (ENOSYS) has nothing to inherit."""
+    number = SYS_KEYCTL.get(platform.machine())
+    if number is None:
+        raise OSError(errno.ENOSYS, f"keyctl: unknown syscall number on {platform.machine()}")
+    if _libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
+        err = ctypes.get_errno()
+        if err != errno.ENOSYS:
+            raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
+
+
 def _exec_code(job: dict, scratch: str) -> None:
     """In the forked child: limits, drop to the job's uid, exec the interpreter. Never returns."""
     try:
@@ -138,6 +158,7 @@ def _exec_code(job: dict, scratch: str) -> None:
             os.setgroups([])
             os.setgid(job["uid"])
             os.setuid(job["uid"])
+        _join_fresh_session_keyring()  # after setuid: the new keyring belongs to the code's uid
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU):
             signal.signal(sig, signal.SIG_DFL)
         # -S: no site-packages (the base interpreter's .pth files can import half a package index at
@@ -241,7 +262,7 @@ def main() -> None:
     _status_fd = job["status_fd"]
     try:
         if job["isolated"]:
-            _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET), "unshare")
+            _check(_libc.unshare(NAMESPACES), "unshare")
             init = os.fork()  # only children enter the new pid namespace
             if init != 0:
                 _, wait_status = os.waitpid(init, 0)

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slime_rl.core.sandbox.isolation import (
+    SandboxError,
     SandboxUnavailable,
     UidLease,
     isolation_support,
     kill_uid,
+    remove_ipc_of,
     require_isolation_error,
 )
 from slime_rl.core.sandbox.settings import MIB, SandboxSettings
@@ -37,10 +39,6 @@ READ_CHUNK = 65536
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/scratch",
             "TMPDIR": "/scratch", "PYTHONDONTWRITEBYTECODE": "1"}
 SIGNAL_REASONS = {signal.SIGXCPU: "cpu time limit", signal.SIGXFSZ: "file size limit"}
-
-
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (not the code it ran): the launcher could not set up a call."""
 
 
 @dataclass
@@ -163,6 +161,8 @@ async def _run_once(code: str, settings: SandboxSettings, stdin: str | None,
         # (no namespaces, the call killed from here, an error) kill what is left of the uid.
         if not (isolated and swept):
             await asyncio.to_thread(kill_uid, lease.uid)
+        if not isolated:  # no IPC namespace took the call's SysV objects with it
+            await asyncio.to_thread(remove_ipc_of, lease.uid)
         lease.release()
         shutil.rmtree(place, ignore_errors=True)
 
