@@ -87,23 +87,25 @@ def ray_folder_of(pid: int) -> list[Path]:
     return list(Path(tempfile.gettempdir()).glob(f"{leftovers.RAY_PREFIX}{leftovers.owner_tag(pid)}-*"))
 
 
-def dead_owner_tag() -> str:
-    """The tag of a process that has exited (its pid and start time, read while it lived)."""
+def dead_owner() -> tuple[str, dict]:
+    """The tag and owner record of a process that has exited (its pid and start time, read while it lived)."""
     proc = subprocess.Popen(["sleep", "30"])
-    tag = leftovers.owner_tag(proc.pid)
+    tag, record = leftovers.owner_tag(proc.pid), leftovers.owner_record(proc.pid)
     proc.kill()
     proc.wait()
-    return tag
+    return tag, record
 
 
 def plant_dead_run_leftovers() -> list[Path]:
     """What a run killed mid weight sync leaves: a weight bucket in shared memory, Ray's folder."""
-    tag = dead_owner_tag()
+    tag, record = dead_owner()
     weights = Path(leftovers.shared_memory_dir()) / f"{leftovers.WEIGHTS_PREFIX}{tag}-planted"
     weights.mkdir()
     (weights / "bucket-0.safetensors").write_bytes(b"\0" * 1024)
     ray_tmp = Path(tempfile.gettempdir()) / f"{leftovers.RAY_PREFIX}{tag}-planted"
     (ray_tmp / "session_latest").mkdir(parents=True)
+    for folder in (weights, ray_tmp):
+        leftovers.write_owner_record(folder, record)
     return [weights, ray_tmp]
 
 
@@ -220,7 +222,7 @@ def test_weight_buckets_are_private_and_a_dead_runs_folders_go(tmp_path):
         assert [p for p in planted if p.exists()] == []
         assert live.exists() and live not in removed
     finally:
-        live.rmdir()
+        shutil.rmtree(live)
 
 
 JOIN = ("import slime_rl.core, ray\nfrom slime_rl.core.infra.ray_cluster import local_ray\n"

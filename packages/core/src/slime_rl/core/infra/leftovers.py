@@ -4,9 +4,14 @@ Ray's temporary folder, the weight buckets in /dev/shm and the SGLang servers' k
 in folders (mode 0700) named after the process that owns them: ``slime-rl-ray-<pid>.<start>-xxxx`` (base 36), where ``start``
 is the process's start time, so a reused pid is not taken for the owner. A run removes them when it
 ends; a run killed with SIGKILL cannot, so the next run removes every such folder whose owner
-is gone (`remove_dead`), and a reaper process (`start_reaper`, this file run as a script)
+is provably gone (`remove_dead`), and a reaper process (`start_reaper`, this file run as a script)
 removes them at once and ends the dead driver's Ray processes: Ray kills its GCS and raylet
 with the driver (PR_SET_PDEATHSIG), but the raylet's agents and workers lingered ~60 s.
+
+A pid means nothing in another pid namespace (containers sharing /dev/shm or /tmp) or after a
+reboot, so each folder also holds ``.owner.json``: the pid, its start time, the boot id and the
+pid namespace. A folder is removed only when it is provably ours and dead: same boot, same pid
+namespace, and the pid gone or started at another time. Any other folder is left alone.
 
 Standard library only: the reaper runs this file as a script, without torch.
 """
@@ -14,6 +19,7 @@ Standard library only: the reaper runs this file as a script, without torch.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -82,6 +88,46 @@ def owner_tag(pid: int | None = None) -> str:
     return f"{_base36(pid)}.{_base36(int(start)) if start else ''}"
 
 
+OWNER_RECORD = ".owner.json"  # in each folder: who made it, beyond the pid (see the module docstring)
+
+
+def boot_id() -> str:
+    """This boot of this machine (Linux), "" where there is none to read."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace(pid: int | str = "self") -> int | None:
+    """The inode of the pid namespace ``pid`` lives in; None where it cannot be read."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def owner_record(pid: int | None = None) -> dict[str, object]:
+    """What `provably_dead` compares: the pid, its start time, the boot and the pid namespace."""
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "start": process_start(pid), "boot_id": boot_id(), "pid_ns": pid_namespace(pid)}
+
+
+def provably_dead(folder: Path, tag: str) -> bool:
+    """Whether ``folder``'s owner is this machine's, this boot's and this pid namespace's, and has
+    exited (its pid gone or reused). Without a readable record, or made elsewhere: False (left alone)."""
+    try:
+        record = json.loads((folder / OWNER_RECORD).read_text())
+        pid = int(tag.partition(".")[0], 36)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("pid") != pid:
+        return False
+    if record.get("boot_id") != boot_id() or record.get("pid_ns") != pid_namespace():
+        return False  # another boot or another container: its pids are not ours to look up
+    return not owner_alive(tag)
+
+
 def owner_alive(tag: str) -> bool:
     pid, _, start = tag.partition(".")
     try:
@@ -92,8 +138,17 @@ def owner_alive(tag: str) -> bool:
 
 
 def private_folder(prefix: str, parent: str | None = None) -> Path:
-    """A new folder owned by this process, readable by the user only."""
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}{owner_tag()}-", dir=parent))  # mkdtemp: 0700
+    """A new folder owned by this process, readable by the user only, with its `owner_record`."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{prefix}{owner_tag()}-", dir=parent))  # mkdtemp: 0700
+    write_owner_record(folder, owner_record())
+    return folder
+
+
+def write_owner_record(folder: Path, record: dict[str, object]) -> None:
+    """Until it is there, `remove_dead` leaves the folder alone: a run starting elsewhere cannot race it."""
+    fd = os.open(folder / OWNER_RECORD, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
 
 
 @contextlib.contextmanager
@@ -114,7 +169,8 @@ def _tag_of(name: str, prefix: str) -> str | None:
 
 
 def remove_dead(owner: str | None = None) -> list[Path]:
-    """Remove this user's run folders whose owner is dead (or, with ``owner``, that owner's)."""
+    """Remove this user's run folders whose owner is provably dead (`provably_dead`), or, with
+    ``owner`` (the reaper, which watched that process die), that owner's."""
     removed = []
     for prefix, parent in _kinds():
         try:
@@ -123,12 +179,14 @@ def remove_dead(owner: str | None = None) -> list[Path]:
             continue
         for entry in entries:
             tag = _tag_of(entry.name, prefix)
-            if tag is None or (tag != owner if owner else owner_alive(tag)):
+            if tag is None or (owner and tag != owner):
                 continue
             try:
                 if entry.stat(follow_symlinks=False).st_uid != os.getuid() or not entry.is_dir(follow_symlinks=False):
                     continue
             except OSError:
+                continue
+            if not owner and not provably_dead(Path(entry.path), tag):
                 continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
