@@ -82,6 +82,14 @@ def test_grpo_invariants_mean_zero_std_one():
     torch.testing.assert_close(plain, rewards - rewards.mean(-1, keepdim=True))
 
 
+def test_grpo_huge_finite_rewards_do_not_overflow_the_group_variance():
+    # (1e160)**2 overflows float64: the plain std was inf and both advantages 0
+    adv = grpo_advantages(torch.tensor([[1e160, 0.0], [0.0, -1e300]], dtype=torch.float64), normalize_std=True)
+    a = 0.5 / math.sqrt(0.5)
+    assert adv.flatten().tolist() == approx([a, -a, a, -a])
+    assert grpo_advantages(torch.tensor([[1e308, 1e308]], dtype=torch.float64), normalize_std=False).tolist() == [[0, 0]]
+
+
 def test_grpo_one_sample_per_prompt_skips_std():
     adv = grpo_advantages(torch.tensor([[3.0], [1.0]]), normalize_std=True)
     assert adv.tolist() == [[0.0], [0.0]]  # no NaN from the std of one value

@@ -74,6 +74,10 @@ USER_REWARDS = textwrap.dedent('''
         from slime_rl.core.rewards.remote import RemoteReward
         return await RemoteReward(sample.metadata["url"], backoff_s=0.01)(sample)
 
+    def outsized(sample):  # finite, around the bound on |reward|
+        return {"at_bound": -1e30, "over": -1e31, "int": 10**400, "dict": {"acc": 1e200, "len": 1.0},
+                "dict_int": {"acc": 1.0, "len": 10**400}}[sample.metadata["mode"]]
+
     async def by_rank(samples):
         if samples[0].metadata.get("mode") == "short":
             return [1.0]
@@ -169,6 +173,19 @@ def test_a_reward_returning_garbage_fails_its_sample(user_module):
                                             "which cannot be sent back (AttributeError: Can't pickle local object "
                                             "'garbage.<locals>.<lambda>')")
     assert all(s.status == SampleStatus.FAILED for s in samples)
+
+
+def test_a_reward_beyond_the_bound_fails_its_sample_naming_the_reward_and_value(user_module):
+    samples = score(samples_with(["at_bound", "over", "int", "dict", "dict_int"]),
+                    reward="user_rewards_for_test:outsized", reward_key="acc")
+    assert samples[0].status == SampleStatus.COMPLETED and samples[0].reward == -1e30
+    assert all(s.status == SampleStatus.FAILED and s.reward == 0.0 for s in samples[1:])
+    bound = "beyond the bound |reward| <= 1e+30 that keeps advantages and metrics finite; scale the reward down"
+    prefix = "reward 'user_rewards_for_test:outsized' returned an unusable result:"
+    assert samples[1].metadata["error"] == f"{prefix} reward is -1e+31, {bound}"
+    assert samples[2].metadata["error"] == f"{prefix} reward is an integer of 1329 bits, {bound}"
+    assert samples[3].metadata["error"] == f"{prefix} reward['acc'] is 1e+200, {bound}"
+    assert samples[4].metadata["error"] == f"{prefix} reward['len'] is an integer too large for a float"
 
 
 def test_group_reward_sees_whole_groups(user_module):

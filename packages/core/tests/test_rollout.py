@@ -249,6 +249,27 @@ async def exploding_reward(sample: Sample) -> float:
     raise ValueError("boom")
 
 
+async def outsized_reward(sample: Sample) -> float:
+    """Finite, but beyond what the step's statistics hold: 1e308 overflowed the mean metric (a crash),
+    1e160 a group's variance (its advantages silently all 0). Group 1, and group 2's first sample."""
+    return {100: 1e308, 101: 1e308, 200: 1e160}.get(sample.index, 0.0)
+
+
+def test_an_outsized_finite_reward_fails_its_sample_and_the_run_goes_on():
+    cfg = make_cfg(rollout__reward=f"{__name__}:outsized_reward", data__rollout_batch_size=3)
+    result = run(RolloutRunner(cfg, ScriptedEngine(lambda p, n: [1]), decode).rollout(ListSource([1, 2, 3], 2),
+                                                                                    ListBuffer()))
+    assert result.failure is None and [g[0].group_index for g in result.groups] == [1, 2, 3]
+    samples = [s for g in result.groups for s in g]
+    assert [s.status == SampleStatus.FAILED for s in samples] == [True, True, True, False, False, False]
+    assert samples[0].metadata["error"] == (
+        f"reward '{__name__}:outsized_reward' returned an unusable result: reward is 1e+308, beyond the bound "
+        "|reward| <= 1e+30 that keeps advantages and metrics finite; scale the reward down")
+    assert "reward is 1e+160, beyond the bound" in samples[2].metadata["error"]
+    assert [s.reward for s in samples] == [0.0] * 6  # on_reward_failure=zero
+    assert result.metrics["rollout/samples_failed"] == 3 and result.metrics["rollout/reward_mean"] == 0.0
+
+
 # ---------------------------------------------------------------- failures in bulk, user filters, a blocked loop
 
 

@@ -39,11 +39,16 @@ def grpo_advantages(rewards: Tensor, normalize_std: bool, eps: float = 1e-6) -> 
     """``[num_groups, n]`` rewards -> ``(r - group mean) / (group std + eps)``.
 
     The std is the unbiased one (as slime and verl use); with ``normalize_std``
-    off, or one sample per group, only the mean is subtracted."""
-    centered = rewards - rewards.mean(dim=-1, keepdim=True)
+    off, or one sample per group, only the mean is subtracted. Each group is divided by its
+    largest ``|r|`` first and the result scaled back: the same value, but a sum or a square
+    cannot overflow for any finite reward (rewards of 1e160 and 0 would otherwise give a
+    variance of inf and advantages of 0)."""
+    scale = rewards.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(rewards.dtype).tiny)
+    unit = rewards / scale
+    centered = unit - unit.mean(dim=-1, keepdim=True)
     if not normalize_std or rewards.shape[-1] == 1:
-        return centered
-    return centered / (rewards.std(dim=-1, keepdim=True) + eps)
+        return centered * scale
+    return centered / (unit.std(dim=-1, keepdim=True) + eps / scale)
 
 
 def dr_grpo_advantages(rewards: Tensor) -> Tensor:

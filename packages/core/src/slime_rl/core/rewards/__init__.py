@@ -17,6 +17,9 @@ time, each under ``rollout.reward_timeout`` seconds. A call that raises, times
 out or returns something that is not a reward marks its samples FAILED with
 ``metadata["error"]`` saying why, and scores them 0.0 (``on_reward_failure:
 zero``) or None (``drop``: the orchestrator drops the group); the rest score normally.
+A reward that is not finite, or whose magnitude exceeds :data:`MAX_REWARD_MAGNITUDE`,
+fails its sample the same way: beyond that, a group's variance or a step's mean
+overflows float64 and the advantages or metrics would be garbage (or the run crash).
 How many may fail before the step fails: ``rollout.max_failed_fraction`` (rollout.py).
 """
 
@@ -27,6 +30,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,7 +56,13 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "code_tests": CodeTestsReward,  # runs code in the sandbox (rollout.sandbox); built by load_reward
 }
 
-__all__ = ["BUILTIN_REWARDS", "CodeTestsReward", "RemoteReward", "load_reward", "score_samples"]
+__all__ = ["BUILTIN_REWARDS", "MAX_REWARD_MAGNITUDE", "CodeTestsReward", "RemoteReward", "load_reward",
+           "score_samples"]
+
+#: The largest ``|reward|`` the scorer accepts. Its square summed over any batch stays far inside
+#: float64 (and the value itself inside float32), so group statistics, whitening and metrics stay
+#: finite; a real reward this large is a bug or needs rescaling.
+MAX_REWARD_MAGNITUDE = 1e30
 
 
 def load_reward(spec: str, *, group: bool, reward_url: str | None = None, sandbox: Any = None) -> Callable[..., Any]:
@@ -93,8 +103,7 @@ async def score_samples(samples: list[Sample], rollout_cfg: RolloutConfig) -> No
     async def score(unit: list[Sample]) -> None:
         async with limit:
             try:
-                arg = unit if cfg.group_reward else unit[0]
-                rewards = _check_result(await call(arg), len(unit), cfg)
+                result = await call(unit if cfg.group_reward else unit[0])
             except TimeoutError:
                 fail(unit, f"reward {cfg.reward!r} timed out after {cfg.reward_timeout:g} s")
                 return
@@ -106,6 +115,11 @@ async def score_samples(samples: list[Sample], rollout_cfg: RolloutConfig) -> No
             except Exception as err:  # the user's reward failing costs only its samples
                 fail(unit, f"reward {cfg.reward!r} raised {type(err).__name__}: {err}")
                 return
+        try:
+            rewards = _check_result(result, len(unit), cfg)
+        except ValueError as err:
+            fail(unit, f"reward {cfg.reward!r} returned an unusable result: {err}")
+            return
         for sample, reward in zip(unit, rewards, strict=True):
             sample.reward = reward
 
@@ -166,17 +180,27 @@ def _check_result(result: Any, size: int, cfg: RolloutConfig) -> list[Reward]:
 
 def _check_one(value: Any, key: str | None) -> Reward:
     if isinstance(value, int | float) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise ValueError(f"reward is {value}")
-        return float(value)
+        return _checked_number(value, "reward")
     if isinstance(value, dict) and value and all(
             isinstance(v, int | float) and not isinstance(v, bool) for v in value.values()):
         if key is None:
             raise ValueError(f"reward is a dict with keys {sorted(value)}; set rollout.reward_key to one")
         if key not in value:
             raise ValueError(f"reward dict has no key {key!r} (rollout.reward_key); it has {sorted(value)}")
-        if not math.isfinite(value[key]):
-            raise ValueError(f"reward[{key!r}] is {value[key]}")
+        _checked_number(value[key], f"reward[{key!r}]")
+        too_big = [k for k, v in value.items() if abs(v) > sys.float_info.max]  # ints: float() would raise
+        if too_big:
+            raise ValueError(f"reward[{too_big[0]!r}] is an integer too large for a float")
         return {str(k): float(v) for k, v in value.items()}
     raise ValueError(f"a reward is a number or a dict of numbers, got {type(value).__name__} {value!r:.80}")
 
+
+def _checked_number(value: int | float, what: str) -> float:
+    """``value`` as a float, or ValueError when it is not finite or beyond MAX_REWARD_MAGNITUDE."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} is {value}; a reward must be a finite number")
+    if abs(value) > MAX_REWARD_MAGNITUDE:  # compared before float(): an int may not fit one
+        shown = f"{value:g}" if abs(value) <= sys.float_info.max else f"an integer of {value.bit_length()} bits"
+        raise ValueError(f"{what} is {shown}, beyond the bound |reward| <= {MAX_REWARD_MAGNITUDE:g} that keeps "
+                         "advantages and metrics finite; scale the reward down")
+    return float(value)
