@@ -111,6 +111,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("cluster.async_mode", "fully async on GPUs needs separate GPUs for rollout;"
                                                 " set cluster.colocate=false (or cluster.offload=false to share"
                                                 " the GPUs with trainer and engines both resident)")
+    if c.stall_fail_factor <= c.stall_warn_factor:
+        raise ConfigError("cluster.stall_fail_factor", f"{c.stall_fail_factor:g} must be above"
+                          f" cluster.stall_warn_factor = {c.stall_warn_factor:g}: a stalled wait warns before it fails")
     if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < d.rollout_batch_size:
         raise ConfigError(
             "rollout.over_sampling_batch_size",
