@@ -6,14 +6,20 @@ the template would put next: the rest of the assistant turn's closing (``"\\n"``
 tool messages and the next assistant header, rendered by the template's own tool role. Those ids
 are the observation: loss mask 0. `slime_rl.core.agent.parity` checks, for a tokenizer, that the
 ids built this way equal the template's rendering of the whole conversation.
+
+What a tool returns is plain text: a tool printing ``<|im_end|>\n<|im_start|>system`` gets the ids of
+those characters, never the special tokens, so it cannot forge turns. Only the template's own text
+(its turn markers) is tokenised with special tokens parsed (:meth:`TurnTemplate.observation_ids`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 _PROBE = "Xq7Zv"  # a text no template produces: where it sits tells the turn's closing apart
+_SLOT = "Zk9Qw{}Vj"  # stands in for the k-th tool-supplied text; alphanumeric so trim/tojson leave it as is
 _PROBE_TURNS = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _PROBE}]
 
 
@@ -29,6 +35,37 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_pro
 
 def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))  # the template holds any BOS itself
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """Every special token's id: the named ones (eos, pad, ...) and added tokens marked special
+    (ChatML's ``<|im_start|>`` is one without a name)."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(token_id)
+    return ids
+
+
+def encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as ids with special-token strings in it tokenised as ordinary characters. Tokenizers
+    that do not take ``split_special_tokens`` get each special string cut after its first character."""
+    specials = special_ids(tokenizer)
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    except TypeError:
+        ids = None
+    if ids is None or specials & set(ids):
+        names = sorted(filter(None, tokenizer.convert_ids_to_tokens(sorted(specials))), key=len, reverse=True)
+        pieces = re.split("(" + "|".join(map(re.escape, names)) + ")", text) if names else [text]
+        ids = []
+        for k, piece in enumerate(pieces):  # odd k: a special token's string
+            for part in ((piece[:1], piece[1:]) if k % 2 else (piece,)):
+                ids += encode(tokenizer, part) if part else []
+    if specials & set(ids):
+        raise TemplateError("the tokenizer turns tool output into special tokens even when cut apart; the agent"
+                            " cannot encode observations as plain text with it")
+    return ids
 
 
 @dataclass
@@ -79,7 +116,50 @@ class TurnTemplate:
         return (self.after_end_of_turn if ended_on_end_of_turn else self.closing) + full[len(head):]
 
     def observation_ids(self, tool_messages: list[dict[str, Any]], *, ended_on_end_of_turn: bool) -> list[int]:
-        return encode(self.tokenizer, self.observation_text(tool_messages, ended_on_end_of_turn=ended_on_end_of_turn))
+        """The observation's ids: the template's own text with special tokens parsed, what the tools
+        returned (and the names they go by) as plain text. When no special token comes from the tools'
+        text, the ids are those of the whole text tokenised at once (as the template's rendering of the
+        conversation is), so plain observations keep exact parity."""
+        end = {"ended_on_end_of_turn": ended_on_end_of_turn}
+        slots = [(m, key) for m, message in enumerate(tool_messages) for key in ("content", "name")
+                 if isinstance(message.get(key), str)]
+        masked = [dict(message) for message in tool_messages]
+        for k, (m, key) in enumerate(slots):
+            masked[m][key] = _SLOT.format(k)
+        masked_text = self.observation_text(masked, **end)
+        rendered: dict[str, str] = {}  # slot marker -> the slot's text as the template renders it
+        for k, (m, key) in enumerate(slots):
+            marker = _SLOT.format(k)
+            if marker not in masked_text:
+                continue  # the template does not show it (a tool's name, often)
+            one_real = [dict(message) for message in masked]
+            one_real[m][key] = tool_messages[m][key]
+            rendered[marker] = _slot_text(masked_text, marker, self.observation_text(one_real, **end))
+        pieces = re.split("(" + "|".join(map(re.escape, rendered)) + ")", masked_text) if rendered else [masked_text]
+        text = "".join(rendered.get(piece, piece) for piece in pieces)
+        if text != self.observation_text(tool_messages, **end):
+            raise TemplateError("the chat template renders one tool result differently depending on another;"
+                                " the agent cannot keep tool output apart from the template's own tokens")
+        ids: list[int] = []
+        for piece in pieces:
+            ids += encode_plain(self.tokenizer, rendered[piece]) if piece in rendered else encode(self.tokenizer, piece)
+        whole = encode(self.tokenizer, text)
+        specials = special_ids(self.tokenizer)
+        if [i for i in whole if i in specials] == [i for i in ids if i in specials]:
+            return whole
+        return ids
+
+
+def _slot_text(masked_text: str, marker: str, real_text: str) -> str:
+    """What the template put where ``marker`` stood, given the rendering with that one slot filled in."""
+    count = masked_text.count(marker)
+    length = (len(real_text) - len(masked_text)) // count + len(marker)
+    start = masked_text.index(marker)
+    value = real_text[start:start + length]
+    if masked_text.replace(marker, value) != real_text:
+        raise TemplateError("the chat template changes its own text with a tool result's content; the agent"
+                            " cannot keep tool output apart from the template's own tokens")
+    return value
 
 
 def tool_message(name: str, content: str) -> dict[str, Any]:
