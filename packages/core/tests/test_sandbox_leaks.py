@@ -20,7 +20,7 @@ from slime_rl.core.sandbox import isolation as isolation_module
 
 FAST = SandboxSettings(timeout_s=5.0, cpu_time_s=5)
 IPC_CREAT, IPC_EXCL, IPC_RMID = 0o1000, 0o2000, 0
-KEY_SPEC_SESSION_KEYRING, KEYCTL_UNLINK, KEYCTL_SEARCH, KEYCTL_READ = -3, 9, 10, 11
+KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING, KEYCTL_UNLINK, KEYCTL_SEARCH, KEYCTL_READ = -3, -4, 9, 10, 11
 ADD_KEY_KEYCTL = {"x86_64": (248, 250), "aarch64": (217, 219)}  # syscall numbers: no glibc wrappers
 
 pytestmark = [pytest.mark.skipif(os.name != "posix", reason="the sandbox is Linux-only"),
@@ -113,6 +113,25 @@ def test_the_callers_session_keyring_is_not_inherited(level):
     assert secret.decode() not in result.stdout
     found, read, _ = result.stdout.split(maxsplit=2)
     assert found == "-1" and read == "-1", result.stdout
+
+
+def test_a_key_one_call_leaves_in_its_user_keyring_is_gone_for_the_next(level):
+    numbers = ADD_KEY_KEYCTL.get(platform.machine())
+    if numbers is None:
+        pytest.skip(f"add_key's syscall number is not listed for {platform.machine()}")
+    add_key, keyctl = numbers
+    settings = SandboxSettings(timeout_s=5.0, uid_base=330_000)  # one call at a time: both get uid 330000
+    prefix = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    leave = prefix + (f"key = libc.syscall(ctypes.c_long({add_key}), b'user', b'carried', b'from-call-1',"
+                      f" ctypes.c_size_t(11), ctypes.c_int({KEY_SPEC_USER_KEYRING}))\n"
+                      "print(os.getuid(), key, os.strerror(ctypes.get_errno()))\n")
+    find = prefix + (f"print(os.getuid(), libc.syscall(ctypes.c_long({keyctl}), ctypes.c_long({KEYCTL_SEARCH}),"
+                     f" ctypes.c_long({KEY_SPEC_USER_KEYRING}), b'user', b'carried', ctypes.c_long(0)))\n")
+    left = run_python(leave, settings).stdout.split()
+    if int(left[1]) < 0:
+        pytest.skip(f"this kernel refuses keyrings: {' '.join(left[2:])}")
+    found = run_python(find, settings).stdout.split()
+    assert found[0] == left[0] == "330000" and found[1] == "-1", (left, found)
 
 
 def test_a_lock_folder_of_another_user_is_refused(tmp_path, monkeypatch):

@@ -32,7 +32,8 @@ CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 
 NAMESPACES = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET
 # keyctl(2) has no glibc wrapper: the syscall's number per architecture
 SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "ppc64le": 311, "s390x": 280, "i686": 288}
-KEYCTL_JOIN_SESSION_KEYRING = 1
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 1, 7
+KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
@@ -128,16 +129,21 @@ def _write_inputs(job: dict, scratch: str) -> None:
         os.chown(os.path.join(scratch, name), job["uid"], job["uid"])
 
 
-def _join_fresh_session_keyring() -> None:
+def _fresh_keyrings() -> None:
     """Leave the caller's session keyring (root's secrets, reachable by possession after setuid) for a
-    new anonymous one. A kernel without keyrings (ENOSYS) has nothing to inherit."""
+    new anonymous one, and empty the uid's own user keyrings (they outlive a call: an earlier call of
+    this uid could leave keys there). A kernel without keyrings (ENOSYS) has nothing to share."""
     number = SYS_KEYCTL.get(platform.machine())
     if number is None:
         raise OSError(errno.ENOSYS, f"keyctl: unknown syscall number on {platform.machine()}")
-    if _libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
-        err = ctypes.get_errno()
-        if err != errno.ENOSYS:
-            raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
+    for what, args in (("JOIN_SESSION_KEYRING", (KEYCTL_JOIN_SESSION_KEYRING, None)),
+                       ("CLEAR user keyring", (KEYCTL_CLEAR, KEY_SPEC_USER_KEYRING)),
+                       ("CLEAR user session keyring", (KEYCTL_CLEAR, KEY_SPEC_USER_SESSION_KEYRING))):
+        if _libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) if a is not None else None for a in args)) < 0:
+            err = ctypes.get_errno()
+            if err == errno.ENOSYS:
+                return
+            raise OSError(err, f"keyctl({what}): {os.strerror(err)}")
 
 
 def _exec_code(job: dict, scratch: str) -> None:
@@ -158,7 +164,7 @@ def _exec_code(job: dict, scratch: str) -> None:
             os.setgroups([])
             os.setgid(job["uid"])
             os.setuid(job["uid"])
-        _join_fresh_session_keyring()  # after setuid: the new keyring belongs to the code's uid
+        _fresh_keyrings()  # after setuid: the new keyring belongs to the code's uid, the cleared ones are its own
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU):
             signal.signal(sig, signal.SIG_DFL)
         # -S: no site-packages (the base interpreter's .pth files can import half a package index at
