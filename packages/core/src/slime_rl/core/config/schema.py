@@ -279,14 +279,14 @@ class ClusterConfig(_Section):
     async_mode: AsyncMode = "off"  # off | one_step (generate k+1 while training k) | fully (core/fully_async.py)
     offload: bool | None = None  # colocated: hand the GPUs back and forth between phases; unset: on when colocated
     num_cpus: int | None = Field(None, ge=1)  # for the local Ray instance
-
-    @field_validator("async_mode", mode="before")
-    @classmethod
     # Every wait of the driver (infra/stall.py): a warning past warn_factor x the phase's median, failure past
     # fail_factor x the median and fail_floor_s (a phase's first wait: past 3 x fail_floor_s)
     stall_warn_factor: float = Field(3.0, gt=0)
     stall_fail_factor: float = Field(20.0, gt=0)
     stall_fail_floor_s: float = Field(600.0, gt=0)
+
+    @field_validator("async_mode", mode="before")
+    @classmethod
     def _yaml_off(cls, value: Any) -> Any:
         # YAML 1.1 reads a bare `off` as false: that is the mode off, not a boolean.
         if value is False:
