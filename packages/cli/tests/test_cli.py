@@ -83,6 +83,20 @@ def test_plan_applies_overrides():
     assert "6 GPUs" in placement and "disaggregated: engines start at bundle 4" in placement
 
 
+def test_plan_prints_no_secret(monkeypatch):
+    """A reward key (inline or env:NAME) and a reward URL's credentials are redacted in the printed config."""
+    monkeypatch.setenv("TEST_PLAN_REWARD_KEY", "sk-env-plan-0a1b2c")
+    for key in ("sk-inline-plan-3d4e5f", "env:TEST_PLAN_REWARD_KEY"):
+        result = run("plan", EXAMPLE, "rollout.reward=remote", f"rollout.reward_api_key={key}",
+                     "rollout.reward_url=https://judge:pw-plan-6a7b8c@rm.example:8000/score?token=tok-plan-9d8e7f")
+        assert result.exit_code == 0, result.output
+        for secret in ("sk-inline-plan-3d4e5f", "sk-env-plan-0a1b2c", "pw-plan-6a7b8c", "tok-plan-9d8e7f"):
+            assert secret not in result.output
+        resolved, _, _ = split_plan(result.stdout)
+        assert resolved["rollout"]["reward_api_key"] == ("<redacted>" if key.startswith("sk") else key)
+        assert resolved["rollout"]["reward_url"] == "https://<redacted>@rm.example:8000/score?token=<redacted>"
+
+
 def test_plan_lora_example():
     result = run("plan", REPO / "examples" / "grpo_math_lora.yaml")
     assert result.exit_code == 0, result.output

@@ -189,6 +189,32 @@ def test_attached_servers_take_their_keys_from_the_environment(tiny_model, stand
         server.process.stop()
 
 
+def test_attached_servers_take_their_keys_from_the_configs_secrets(tiny_model, standin_python, tmp_path,
+                                                                    monkeypatch):
+    """rollout.sglang.api_key / admin_api_key: Secrets (config/secrets.py), an env:NAME reference or inline;
+    the config as saved or printed holds neither key."""
+    keys = EngineKeys.generate()
+    server = start_server(0, str(tiny_model), log_dir=tmp_path, python=standin_python, keys=keys)
+    try:
+        wait_healthy(server, 120)
+        monkeypatch.delenv(ENV_API_KEY, raising=False)
+        monkeypatch.delenv(ENV_ADMIN_KEY, raising=False)
+        monkeypatch.setenv("TEST_ENGINE_KEY_34", keys.api_key)
+        cfg = make_config(tiny_model, standin_python, tmp_path, engine_urls=[server.url],
+                          api_key="env:TEST_ENGINE_KEY_34", admin_api_key=keys.admin_key)
+        saved = cfg.to_yaml()
+        assert keys.api_key not in saved and keys.admin_key not in saved and "env:TEST_ENGINE_KEY_34" in saved
+        engine = SGLangEngine.from_config(Config.model_validate(cfg.to_dict(reveal_secrets=True)))
+        try:
+            assert len(asyncio.run(engine.generate([1, 2], GREEDY)).token_ids) == 6
+            asyncio.run(engine.release_memory())  # an admin endpoint: the admin key went through
+            asyncio.run(engine.resume_memory())
+        finally:
+            asyncio.run(engine.shutdown())
+    finally:
+        server.process.stop()
+
+
 @pytest.mark.parametrize("engine_args, field", [({"tokenizer_worker_num": 2}, "tokenizer_worker_num"),
                                                 ({"grpc_port": 30100}, "grpc_port"),
                                                 ({"api_key": "mine"}, "api_key")])

@@ -96,3 +96,12 @@ def test_old_key_names_still_work_with_a_notice(prompts):
     with pytest.warns(RenamedKeyWarning), pytest.raises(ConfigError, match="^rollout.sglang.chunked_prefill_size"):
         load_config(None, [f"data.prompt_data={prompts}", "rollout.engine=sglang", "cluster.device=cpu",
                            "rollout.engine_args={chunked_prefill_size: 0}"])
+
+
+def test_engine_keys_are_secrets_for_attached_servers_only(prompts):
+    assert str(refused(prompts, "rollout.sglang.api_key=sk-somekey123")).startswith(
+        "rollout.sglang.api_key: is for servers you run (rollout.sglang.engine_urls); the servers slime-rl"
+        " launches get fresh keys: remove it")
+    cfg = load(prompts, "rollout.sglang.engine_urls=[http://127.0.0.1:1]", "rollout.sglang.api_key=sk-somekey123")
+    assert cfg.rollout.settings.api_key.reveal() == "sk-somekey123"
+    assert "sk-somekey123" not in cfg.to_yaml()

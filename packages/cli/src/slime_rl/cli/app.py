@@ -29,6 +29,7 @@ from slime_rl.core.config import (
     load_config,
 )
 from slime_rl.core.config.builtin_models import resolve_model_paths
+from slime_rl.core.config.secrets import redact
 from slime_rl.core.infra.plugins import PluginError, check_plugin, load_function
 from slime_rl.core.run.data import DataError, check_data
 
@@ -62,7 +63,7 @@ def _dist_version(name: str) -> str | None:
 
 def fail(message: str, code: int) -> NoReturn:
     """One line on stderr, then exit."""
-    typer.echo("error: " + " ".join(str(message).split("\n")), err=True)
+    typer.echo("error: " + redact(" ".join(str(message).split("\n"))), err=True)
     raise typer.Exit(code)
 
 

@@ -126,7 +126,8 @@ class SGLangEngine(RolloutEngine):
                       startup_timeout=s.engine_startup_timeout, sync_timeout=s.weight_sync_timeout,
                       lora=lora_spec(cfg) if syncs_adapters(cfg) else None)
         if s.engine_urls:
-            engine = cls.attach(s.engine_urls, **common)
+            engine = cls.attach(s.engine_urls, keys=EngineKeys.for_attached(api_key=s.api_key,
+                                                                            admin_key=s.admin_api_key), **common)
         else:
             plan = plan_placement(cfg)
             engine = cls.launch(cfg.model.path, num_engines=len(plan.engines), tp_size=c.rollout_num_gpus_per_engine,
@@ -162,13 +163,13 @@ class SGLangEngine(RolloutEngine):
 
     @classmethod
     def attach(cls, urls: list[str], *, work_dir: str | Path | None = None, policy: str = "round_robin",
-               **kwargs) -> SGLangEngine:
+               keys: EngineKeys | None = None, **kwargs) -> SGLangEngine:
         """Front servers someone else runs; a failed one is waited for (not restarted) and then
-        given the current weights again. Their keys come from the environment (keys.py:
-        ``SLIME_RL_ENGINE_API_KEY``, ``SLIME_RL_ENGINE_ADMIN_API_KEY``)."""
+        given the current weights again. Their ``keys``: rollout.sglang.api_key / admin_api_key, else
+        the environment (keys.py: ``SLIME_RL_ENGINE_API_KEY``, ``SLIME_RL_ENGINE_ADMIN_API_KEY``)."""
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="slime-rl-sglang-"))
         servers, router, keys, model_path = fleet.attach_servers(
-            urls, work_dir=work_dir, policy=policy, request_timeout=kwargs.get("request_timeout", 3600.0))
+            urls, work_dir=work_dir, policy=policy, request_timeout=kwargs.get("request_timeout", 3600.0), keys=keys)
         try:
             for server in servers if kwargs.get("lora") is not None else []:  # started without our LoRA flags?
                 info = httpx.get(f"{server.url}/server_info", headers=server.headers, timeout=30).json()

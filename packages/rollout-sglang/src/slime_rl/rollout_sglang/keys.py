@@ -26,6 +26,8 @@ import os
 import secrets
 from dataclasses import dataclass, field
 
+from slime_rl.core.config.secrets import Secret, remember
+
 # Attaching to servers someone else runs (rollout.sglang.engine_urls): their keys come from here.
 ENV_API_KEY = "SLIME_RL_ENGINE_API_KEY"
 ENV_ADMIN_KEY = "SLIME_RL_ENGINE_ADMIN_API_KEY"  # defaults to SLIME_RL_ENGINE_API_KEY
@@ -52,13 +54,22 @@ class EngineKeys:
         """Fresh keys for a run that launches its own servers and router."""
         return cls(api_key=new_key(), admin_key=new_key(), router_key=new_key())
 
+    def __post_init__(self) -> None:
+        for key in (self.api_key, self.admin_key, self.router_key):  # out of every error text (secrets.redact)
+            if key:
+                remember(key)
+
     @classmethod
-    def for_attached(cls, environ: dict[str, str] | None = None) -> EngineKeys:
-        """Keys of servers the user runs (from the environment, never from the config, which the run
-        saves); the router in front of them is ours and gets a fresh key."""
+    def for_attached(cls, environ: dict[str, str] | None = None, *, api_key: Secret | None = None,
+                     admin_key: Secret | None = None) -> EngineKeys:
+        """Keys of servers the user runs: ``rollout.sglang.api_key`` / ``admin_api_key`` (Secrets: inline
+        or ``env:NAME``, redacted wherever the config is saved), else the environment's
+        ``SLIME_RL_ENGINE_API_KEY`` / ``SLIME_RL_ENGINE_ADMIN_API_KEY``; the admin key defaults to the api
+        key. The router in front of them is ours and gets a fresh key."""
         env = os.environ if environ is None else environ
-        api_key = env.get(ENV_API_KEY) or None
-        return cls(api_key=api_key, admin_key=env.get(ENV_ADMIN_KEY) or api_key, router_key=new_key())
+        api = (api_key.reveal() if api_key is not None else env.get(ENV_API_KEY)) or None
+        admin = (admin_key.reveal() if admin_key is not None else env.get(ENV_ADMIN_KEY)) or api
+        return cls(api_key=api, admin_key=admin, router_key=new_key())
 
     def server_config(self) -> dict[str, str]:
         """The keys as SGLang server arguments (written to a private ``--config`` YAML file, so they

@@ -124,10 +124,10 @@ def start_servers(model_path: str, *, num_engines: int, tp_size: int, engine_arg
 
 
 def attach_servers(urls: list[str], *, work_dir: Path, policy: str, request_timeout: float,
-                   ) -> tuple[list[SGLangServer], Router, EngineKeys, str]:
-    """Servers someone else runs, with the keys from the environment (`EngineKeys.for_attached`),
+                   keys: EngineKeys | None = None) -> tuple[list[SGLangServer], Router, EngineKeys, str]:
+    """Servers someone else runs, with ``keys`` (default: from the environment, `EngineKeys.for_attached`),
     behind a router of ours; and the model path they serve."""
-    keys = EngineKeys.for_attached()
+    keys = keys or EngineKeys.for_attached()
     servers = [attach_server(i, url, keys=keys) for i, url in enumerate(urls)]
     model_path = httpx.get(f"{servers[0].url}/model_info", headers=servers[0].headers,
                            timeout=30).json()["model_path"]

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from slime_rl.core.config import BackendSettings, ConfigError
 from slime_rl.core.config.checks import is_http_url
+from slime_rl.core.config.secrets import Secret
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -41,6 +42,13 @@ class SGLangSettings(BackendSettings):
     engine_urls: list[str] = Field(default_factory=list, description=(
         "attach to running servers instead of launching them; their keys come from `SLIME_RL_ENGINE_API_KEY` /"
         " `SLIME_RL_ENGINE_ADMIN_API_KEY` in the environment (docs/multi-node.md)"))
+    api_key: Secret | None = Field(None, description=(
+        "with engine_urls: the servers' `--api-key`, inline or `env:NAME` (a secret: redacted wherever the config"
+        " is printed or saved); unset: `SLIME_RL_ENGINE_API_KEY` from the environment. Servers slime-rl launches"
+        " get fresh keys of their own"))
+    admin_api_key: Secret | None = Field(None, description=(
+        "with engine_urls: the servers' `--admin-api-key` (a secret, as api_key); unset:"
+        " `SLIME_RL_ENGINE_ADMIN_API_KEY`, else the api key"))
     engine_python: str | None = Field(None, description=(
         "interpreter that launches SGLang servers (SGLang in its own venv); checked to be an executable"))
     server_args: dict[str, Any] = Field(default_factory=dict, description=(
@@ -127,6 +135,10 @@ class SGLangSettings(BackendSettings):
         if python is not None and not (os.access(python, os.X_OK) if os.sep in python else shutil.which(python)):
             raise ConfigError(f"{where}.engine_python", f"{python} is not an executable interpreter;"
                                                         " give the python of SGLang's environment")
+        for name in ("api_key", "admin_api_key"):
+            if getattr(self, name) is not None and not self.engine_urls:
+                raise ConfigError(f"{where}.{name}", "is for servers you run (rollout.sglang.engine_urls); the servers"
+                                                     " slime-rl launches get fresh keys: remove it")
         if self.engine_urls and (flags := self.server_flags()):
             name = next(iter(flags))
             raise ConfigError(f"{where}.{name}", f"sets a flag of servers slime-rl launches, but {where}.engine_urls"

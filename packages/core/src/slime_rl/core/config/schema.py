@@ -14,12 +14,21 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    field_validator,
+    model_validator,
+)
 
 from slime_rl.core.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from slime_rl.core.config.backends import BACKEND_SECTIONS, section_key, settings_model, validate_sections
 from slime_rl.core.config.errors import ConfigError
 from slime_rl.core.config.renamed import move_renamed_keys
+from slime_rl.core.config.secrets import Secret, remember_url, serialize_url
 from slime_rl.core.infra.plugins import PluginError
 
 
@@ -162,7 +171,9 @@ class RolloutConfig(_BackendSection):
     reward: str = "math"  # built-in reward name or module:attr
     group_reward: bool = False  # the reward takes a whole group
     reward_key: str | None = None  # for dict rewards
-    reward_url: str | None = None  # the `remote` reward POSTs each sample here (slime: --rm-url)
+    # the `remote` reward POSTs each sample here (slime: --rm-url); saved and printed without credentials
+    reward_url: Annotated[str | None, AfterValidator(remember_url), PlainSerializer(serialize_url)] = None
+    reward_api_key: Secret | None = None  # the `remote` reward's key, sent as a bearer token; or env:NAME
     reward_timeout: float = Field(30.0, gt=0)  # seconds per reward call
     reward_concurrency: int = Field(64, ge=1)
     on_reward_failure: Literal["zero", "drop"] = "zero"
@@ -391,8 +402,10 @@ class Config(_Section):
         p = self.parallel
         return self.actor_num_gpus // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
+    def to_dict(self, *, reveal_secrets: bool = False) -> dict[str, Any]:
+        """The config as plain data, keys redacted (config/secrets.py); ``reveal_secrets`` only for
+        the run's own actors, which send them."""
+        return self.model_dump(mode="json", by_alias=True, context={"reveal_secrets": reveal_secrets})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from slime_rl.core.config import RolloutConfig
+from slime_rl.core.config.secrets import Secret, redact
 from slime_rl.core.infra.plugins import PluginError, load_function
 from slime_rl.core.infra.workers import UserCodeError, UserCodeLoadError, is_user_code, user_code_pool
 from slime_rl.core.rewards.code_tests import CodeTestsReward
@@ -65,10 +66,12 @@ __all__ = ["BUILTIN_REWARDS", "MAX_REWARD_MAGNITUDE", "CodeTestsReward", "Remote
 MAX_REWARD_MAGNITUDE = 1e30
 
 
-def load_reward(spec: str, *, group: bool, reward_url: str | None = None, sandbox: Any = None) -> Callable[..., Any]:
+def load_reward(spec: str, *, group: bool, reward_url: str | None = None, sandbox: Any = None,
+                reward_api_key: Secret | None = None) -> Callable[..., Any]:
     """The reward ``spec`` names: a built-in (``math``, ``dapo``, ``deepscaler``, ``exact_match``,
     ``f1``, ``remote``, ``code_tests``) or ``module:attr``. ``group=True`` expects a group reward
-    (``module:attr`` only). ``sandbox``: the ``rollout.sandbox`` section code_tests runs under."""
+    (``module:attr`` only). ``sandbox``: the ``rollout.sandbox`` section code_tests runs under;
+    ``reward_api_key``: the key ``remote`` sends as a bearer token."""
     if spec in BUILTIN_REWARDS and group:
         raise PluginError(f"rollout.group_reward: the built-in reward {spec!r} scores one sample at a time; "
                           "set rollout.group_reward=false, or give a group reward as module:attr")
@@ -76,7 +79,7 @@ def load_reward(spec: str, *, group: bool, reward_url: str | None = None, sandbo
         if not reward_url:
             raise PluginError("rollout.reward_url: the remote reward posts to a URL; set rollout.reward_url="
                               "http://host:port/path")
-        return RemoteReward(reward_url)
+        return RemoteReward(reward_url, api_key=reward_api_key)
     if spec == "code_tests":
         return CodeTestsReward(SandboxSettings.from_section(sandbox) if sandbox is not None else None)
     return load_function(spec, BUILTIN_REWARDS, what="reward")
@@ -93,7 +96,7 @@ async def score_samples(samples: list[Sample], rollout_cfg: RolloutConfig) -> No
     failures: list[str] = []
 
     def fail(unit: list[Sample], reason: str) -> None:
-        reason = " ".join(reason.split())[:500]  # one line
+        reason = redact(" ".join(reason.split()))[:500]  # one line, no key or URL credentials in it
         failures.append(reason)
         for sample in unit:
             sample.status = SampleStatus.FAILED
@@ -142,7 +145,8 @@ def _reward_caller(cfg: RolloutConfig) -> Callable[[Any], Awaitable[Any]]:
         return lambda arg: pool.acall(cfg.reward, (arg,), cfg.reward_timeout)
     # Built-ins (async, well behaved), or the user's own with reward_workers=0 (no isolation: for
     # debugging; a blocking async reward then blocks the rollout, and a hung plain one keeps its thread).
-    reward_fn = load_reward(cfg.reward, group=cfg.group_reward, reward_url=cfg.reward_url, sandbox=cfg.sandbox)
+    reward_fn = load_reward(cfg.reward, group=cfg.group_reward, reward_url=cfg.reward_url, sandbox=cfg.sandbox,
+                            reward_api_key=cfg.reward_api_key)
 
     async def call(arg: Any) -> Any:
         if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(type(reward_fn).__call__):

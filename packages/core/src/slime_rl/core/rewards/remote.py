@@ -1,7 +1,8 @@
 """``remote``: score on a reward server over HTTP (slime's ``--rm-type remote_rm --rm-url``).
 
 Each sample is one ``POST`` of JSON ``{"prompt", "response", "label", "metadata"}``
-to ``rollout.reward_url``. The server answers a number, or ``{"reward": number}``,
+to ``rollout.reward_url``, with ``Authorization: Bearer <rollout.reward_api_key>`` when a key is
+set (a `Secret`: inline or ``env:NAME``; never put it in the URL). The server answers a number, or ``{"reward": number}``,
 or ``{"reward": {"name": number, ...}}`` (a dict reward; pick one with
 ``rollout.reward_key``). Connection errors, timeouts, 429 and 5xx answers are
 retried with exponential backoff; other 4xx answers are not (the request is
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from slime_rl.core.config.secrets import Secret, redact, redact_url
 from slime_rl.core.sample import Reward, Sample
 
 
@@ -26,10 +28,11 @@ class RemoteRewardError(RuntimeError):
 
 @dataclass
 class RemoteReward:
-    url: str
+    url: str = field(repr=False)  # may carry credentials; errors show it through redact_url
     attempts: int = 3
     backoff_s: float = 0.5  # waits backoff_s, 2*backoff_s, ... between tries
     request_timeout_s: float = 10.0  # per try; rollout.reward_timeout bounds the whole call
+    api_key: Secret | None = field(default=None, repr=False)
 
     async def __call__(self, sample: Sample) -> Reward:
         body = json.dumps(
@@ -38,24 +41,27 @@ class RemoteReward:
             default=str,  # metadata may hold objects JSON does not know; the server gets their text
         )
         last = ""
+        headers = {"content-type": "application/json"}
+        if self.api_key is not None:
+            headers["authorization"] = f"Bearer {self.api_key.reveal()}"
+        shown = redact_url(self.url)  # errors land in logs, metadata.error and step-failure lines
         async with httpx.AsyncClient(timeout=self.request_timeout_s) as client:
             for attempt in range(self.attempts):
                 if attempt:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
                 try:
-                    response = await client.post(self.url, content=body,
-                                                 headers={"content-type": "application/json"})
+                    response = await client.post(self.url, content=body, headers=headers)
                 except httpx.TransportError as err:
-                    last = f"{type(err).__name__}: {err or 'no detail'}"
+                    last = redact(f"{type(err).__name__}: {err or 'no detail'}")
                     continue
                 if response.status_code == 429 or response.status_code >= 500:
-                    last = f"HTTP {response.status_code}: {response.text[:200]}"
+                    last = redact(f"HTTP {response.status_code}: {response.text[:200]}")
                     continue
                 if response.status_code >= 400:
-                    raise RemoteRewardError(f"remote reward {self.url} refused the request: "
-                                            f"HTTP {response.status_code}: {response.text[:200]}")
-                return parse_reward_body(response, self.url)
-        raise RemoteRewardError(f"remote reward {self.url}: no answer after {self.attempts} tries; last error {last}")
+                    raise RemoteRewardError(f"remote reward {shown} refused the request: "
+                                            + redact(f"HTTP {response.status_code}: {response.text[:200]}"))
+                return parse_reward_body(response, shown)
+        raise RemoteRewardError(f"remote reward {shown}: no answer after {self.attempts} tries; last error {last}")
 
 
 def parse_reward_body(response: httpx.Response, url: str) -> Reward:

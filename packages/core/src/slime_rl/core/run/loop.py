@@ -51,8 +51,8 @@ class TrainerGroup:
         master_addr, master_port = _rendezvous_address(reservation)
         self.workers: list[ActorHandle] = [
             ray.remote(**reservation.trainer_options(rank))(TrainerWorker).remote(
-                cfg.to_dict(), rank=rank, world_size=world, master_addr=master_addr, master_port=master_port,
-                role=role)
+                cfg.to_dict(reveal_secrets=True), rank=rank, world_size=world, master_addr=master_addr,
+                master_port=master_port, role=role)
             for rank in range(world)
         ]
 
@@ -270,7 +270,7 @@ def _start(cfg: Config, run_id: str, summary: dict[str, Any]) -> Run:
     critic = TrainerGroup(cfg, "critic", reservation) if plan.critic else None  # the estimator needs one
     log_dir = Path(cfg.logging.dir)
     rollout = ray.remote(**reservation.rollout_options())(RolloutWorker).remote(
-        cfg.to_dict(), str(rollout_state_dir(log_dir, run_id)), str(log_dir))
+        cfg.to_dict(reveal_secrets=True), str(rollout_state_dir(log_dir, run_id)), str(log_dir))
     ray.get(rollout.ping.remote())
     actor.wait_ready()
     if critic is not None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from slime_rl.core.algorithms.filters import DYNAMIC_SAMPLING_FILTERS
 from slime_rl.core.config import Config
+from slime_rl.core.config.secrets import redact
 from slime_rl.core.contracts import Buffer, DataSource, GenerateFn, RolloutEngine, SamplingParams
 from slime_rl.core.infra.plugins import PluginError, load_function
 from slime_rl.core.infra.watchdog import LoopWatchdog
@@ -145,7 +146,7 @@ class RolloutRunner:
                     raise
                 except Exception as err:  # a user's generate function failing loses only its sample
                     sample.status = SampleStatus.FAILED
-                    sample.metadata["error"] = f"generate: {type(err).__name__}: {err}"
+                    sample.metadata["error"] = redact(f"generate: {type(err).__name__}: {err}")
                     return [sample]
             return out if isinstance(out, list) else [out]
 
