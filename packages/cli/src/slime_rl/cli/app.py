@@ -7,11 +7,13 @@ usage; 1 a failure at run time. A user's mistake is one line on stderr,
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -31,6 +33,7 @@ from slime_rl.core.config import (
 from slime_rl.core.config.builtin_models import resolve_model_paths
 from slime_rl.core.config.secrets import redact
 from slime_rl.core.infra.plugins import PluginError, check_plugin, load_function
+from slime_rl.core.run import folder_lock
 from slime_rl.core.run.data import DataError, check_data
 
 app = typer.Typer(
@@ -191,7 +194,18 @@ def plan(
     typer.echo(placement.format())
 
 
+def _releasing_folders(command: Callable[..., None]) -> Callable[..., None]:
+    """The run folders a command claims are free again when it returns or exits (folder_lock.py)."""
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        with folder_lock.claims_released():
+            command(*args, **kwargs)
+
+    return run
+
+
 @app.command()
+@_releasing_folders
 def train(
     args: Annotated[list[str] | None, typer.Argument(
         metavar="[CONFIG] KEY=VALUE", help="YAML config (none: the built-in CPU example) and dotted overrides.")] = None,
@@ -218,9 +232,14 @@ def train(
             fail(f"--workdir: {workdir} holds {', '.join(foreign)}, which the built-in example did not write and"
                  " would overwrite; give a new or empty --workdir", 2)
         example_dir = workdir if default_run.owns_workdir(workdir) else None
+        if workdir.is_dir():  # the example's logging.dir: a run there keeps its files (folder_lock.py)
+            _claim_or_fail("logging.dir", workdir)
         config = default_run.prepare_default(workdir)
     cfg = _load(config, overrides)
     try:
+        # Another run's folders are refused at once, before anything reads or writes them; the
+        # ones that do not exist yet are claimed when the run makes them (loop._check_start).
+        folder_lock.claim_run_folders(cfg, existing_only=True)
         wire(cfg)
     except (ConfigError, DataError) as err:
         fail(str(err), 2)
@@ -248,6 +267,13 @@ def train(
         err = cause if isinstance(cause, Exception) else err
         fail(f"training failed: {type(err).__name__}: {err}", 1)
     console.print(summary_table(result or {}, cfg, state, time.perf_counter() - state.began))
+
+
+def _claim_or_fail(field: str, folder: Path) -> None:
+    try:
+        folder_lock.claim(field, folder)
+    except ConfigError as err:
+        fail(str(err), 2)
 
 
 def _console() -> Console:

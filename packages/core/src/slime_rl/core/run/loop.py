@@ -25,9 +25,10 @@ from slime_rl.core.config.placement import Placement, plan_placement
 from slime_rl.core.infra.net import LOOPBACK, free_port
 from slime_rl.core.infra.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.infra.ray_placement import Reservation, reserve
-from slime_rl.core.run import checkpoint
+from slime_rl.core.run import checkpoint, folder_lock
 from slime_rl.core.run.actors import BatchRefs, RolloutWorker, TrainerWorker
 from slime_rl.core.run.metrics import MetricsLogger, phase
+from slime_rl.core.run.resume_check import check_resume, data_identity
 from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
 from slime_rl.core.weights.sync import WeightSync
 
@@ -139,6 +140,11 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
     ``cluster.async_mode``: ``one_step`` runs one step off-policy (rollout k+1 overlaps training on
     rollout k); ``fully`` generates all the time and trains on the next eligible groups
     (core/fully_async.py), the weights landing in the engines mid-request."""
+    with folder_lock.claims_released():  # the folders _check_start claimed are free once the run ends
+        return _train(cfg, callback)
+
+
+def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
     import ray
 
     notify = callback or (lambda event, payload: None)
@@ -240,6 +246,8 @@ def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
     concrete (config/dtype.py: every backend builds in it), and the logging folder is this run's.
     Returns the checkpoint to resume and the run id."""
     save_dir = cfg.checkpoint_dir
+    if not cfg.checkpoint.resume or save_dir.is_dir():  # (a resume from nowhere is refused just below)
+        folder_lock.claim("checkpoint.save_dir", save_dir)  # another run's is refused before anything reads it
     resumed = checkpoint.resume_point(save_dir) if cfg.checkpoint.resume else None
     previous = checkpoint.earlier_run(save_dir)  # its latest, or step folders whose latest was removed
     if previous is not None and not cfg.checkpoint.resume:
@@ -248,9 +256,12 @@ def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
             f"{save_dir} holds the checkpoints of an earlier run ({previous}); continue"
             " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
         )
+    folder_lock.claim("logging.dir", Path(cfg.logging.dir))  # its rollout state and weight folders too
     check_ray_environment()  # Ray's network and authentication: refused before anything is written
     if note := resolve_model_dtype(cfg, resumed[1] if resumed is not None else None):
         print(f"slime-rl: {note}", file=sys.stderr, flush=True)
+    if resumed is not None:  # every change since the checkpoint: honoured (said) or refused (named, the fix)
+        check_resume(cfg, resumed[1])
     # A run's buffer, rollout state and logs are its own (run_dir.py): a fresh run neither
     # consumes nor mixes with an earlier one's; a resumed run continues its own.
     run_id = (resumed[1].get("run_id") if resumed is not None else None) or new_run_id()
@@ -388,6 +399,7 @@ def _save(run: Run, step: int) -> None:
     if run.critic is not None:
         run.critic.save(str(folder / "critic"))
     state = ray.get(run.rollout.state_dict.remote())
-    # model_dtype: what auto resolved to, for a resume
-    meta = {"rollout_state": state, "run_id": run.run_id, "model_dtype": run.cfg.model.dtype}
+    # model_dtype: what auto resolved to; config and data: what a resume compares with (resume_check.py)
+    meta = {"rollout_state": state, "run_id": run.run_id, "model_dtype": run.cfg.model.dtype,
+            "config": run.cfg.to_dict(), "data": data_identity(run.cfg)}
     checkpoint.commit(run.cfg.checkpoint_dir, step, meta, keep_last=run.cfg.checkpoint.keep_last)
