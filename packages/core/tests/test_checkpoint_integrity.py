@@ -4,6 +4,7 @@ there and intact, and otherwise stops with one line naming what it found and the
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,9 @@ from slime_rl.core.run.checkpoint import CheckpointError
 
 
 def _save(save_dir: Path, step: int) -> Path:
-    """A committed checkpoint with files like a trainer's: a binary shard, a JSON file, a nested one."""
-    folder = checkpoint.prepare(save_dir, step)
-    (folder / "actor").mkdir()
-    (folder / "actor" / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+    """A committed checkpoint with files like a trainer's: a torch distributed checkpoint (its index and
+    a shard), a JSON file, a nested one."""
+    folder = _save_dcp(save_dir, step)
     (folder / "actor" / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     (folder / "rollout.json").write_text(json.dumps({"epoch": 0, "position": 8 * step}))
     return checkpoint.commit(save_dir, step, {"rollout_state": {"data_source": {"position": 8 * step}}})
@@ -33,7 +33,7 @@ def test_an_intact_checkpoint_verifies(tmp_path):
     folder, meta = checkpoint.resume_point(tmp_path)
     assert folder.name == "step_000002" and meta["step"] == 2
     assert meta["rollout_state"] == {"data_source": {"position": 16}}
-    assert sorted(meta["files"]) == ["actor/__0_0.distcp", "actor/metadata.json", "rollout.json"]
+    assert sorted(meta["files"]) == ["actor/.metadata", "actor/__0_0.distcp", "actor/metadata.json", "rollout.json"]
 
 
 @pytest.mark.parametrize("name", ["actor/__0_0.distcp", "actor/metadata.json", "rollout.json"])
@@ -49,8 +49,9 @@ def test_a_flipped_bit_in_any_file_stops_the_resume_naming_it(tmp_path, name):
 def test_a_truncated_missing_or_extra_file_stops_the_resume(tmp_path):
     folder = _save(tmp_path, 2)
     shard = folder / "actor" / "__0_0.distcp"
+    size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:-10])
-    with pytest.raises(CheckpointError, match=r"__0_0.distcp: is damaged: 16374 bytes, 16384 when written at step 2"):
+    with pytest.raises(CheckpointError, match=rf"__0_0.distcp: is damaged: {size - 10} bytes, {size} when written at step 2"):
         checkpoint.resume_point(tmp_path)
     shard.unlink()
     with pytest.raises(CheckpointError, match=r"__0_0.distcp: is missing from the checkpoint"):
@@ -130,3 +131,57 @@ def test_a_resumed_run_fails_before_anything_starts(tmp_path):
     import ray
 
     assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
+def _save_dcp(save_dir: Path, step: int) -> Path:
+    """A step folder whose actor/ is a real torch distributed checkpoint (one process: one shard), uncommitted."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    folder = checkpoint.prepare(save_dir, step)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process, as meant
+        warnings.simplefilter("ignore", UserWarning)
+        save({"weight": torch.arange(16.0)}, storage_writer=FileSystemWriter(str(folder / "actor"),
+                                                                             single_file_per_rank=True))
+    return folder
+
+
+def test_a_checkpoint_missing_its_index_or_a_shard_is_not_committed(tmp_path):
+    """Two runs in one save_dir: one renamed the other's .metadata away, and that one committed without it."""
+    _save(tmp_path, 2)
+    folder = _save_dcp(tmp_path, 4)
+    (folder / "actor" / ".metadata").unlink()
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.commit(tmp_path, 4, {"rollout_state": {}})
+    assert str(err.value).startswith(f"{folder / 'actor' / '.metadata'}: is missing, so step 4 is not committed")
+    assert str(err.value).endswith("latest still names step_000002") and "\n" not in str(err.value)
+    assert not (folder / "meta.json").exists() and checkpoint.resume_point(tmp_path)[1]["step"] == 2
+
+    folder = _save_dcp(tmp_path, 6)
+    (folder / "actor" / "__0_0.distcp").unlink()  # a rank's shard, named in the index
+    with pytest.raises(CheckpointError, match=r"step_000006/actor/__0_0.distcp: is missing, so step 6 is not"):
+        checkpoint.commit(tmp_path, 6, {"rollout_state": {}})
+    checkpoint.prepare(tmp_path, 8)  # the critic's save never happened
+    with pytest.raises(CheckpointError, match=r"step_000008/critic: is missing, so step 8 is not committed"):
+        checkpoint.commit(tmp_path, 8, {"rollout_state": {}}, needs=("critic",))
+    assert checkpoint.latest_name(tmp_path) == "step_000002"
+
+    _save_dcp(tmp_path, 10)
+    checkpoint.commit(tmp_path, 10, {"rollout_state": {}}, needs=("actor",))  # complete: committed
+    assert checkpoint.resume_point(tmp_path)[1]["step"] == 10
+
+
+def test_resume_refuses_a_checkpoint_committed_without_its_index(tmp_path):
+    """A step-1 checkpoint committed (by e2c9e21) without .metadata: every file meta.json lists passes
+    its CRC, so only the load refused it. The resume refuses it before anything loads."""
+    folder = _save_dcp(tmp_path, 1)
+    checkpoint.commit(tmp_path, 1, {"rollout_state": {}})
+    (folder / "actor" / ".metadata").unlink()
+    meta = json.loads((folder / "meta.json").read_text())  # meta.json as it was written then: without it
+    del meta["files"]["actor/.metadata"]
+    meta["checksum"] = checkpoint._content_checksum(meta)
+    checkpoint.write_json_atomic(folder / "meta.json", meta)
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.resume_point(tmp_path)
+    assert str(err.value).startswith(f"{folder / 'actor' / '.metadata'}: is missing: the checkpoint was committed"
+                                     " incomplete; to start afresh, run without --resume")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from slime_rl.core.config import CheckpointError  # beside ConfigError, below this module and safe_pickle
+from slime_rl.core.run import checkpoint_contents
 
 _STEP_NAME = re.compile(r"step_\d{6,}")
 OWNER_FILE = "owner.json"  # in a step folder: the run that made it
@@ -106,12 +107,19 @@ def _listing(folder: Path) -> list[Path]:
                   if p.is_file() and p.relative_to(folder) != Path("meta.json"))
 
 
-def commit(save_dir: str | Path, step: int, meta: dict[str, Any], keep_last: int | None = None) -> Path:
+def commit(save_dir: str | Path, step: int, meta: dict[str, Any], keep_last: int | None = None,
+           needs: tuple[str, ...] = ()) -> Path:
     """Mark ``step_dir(step)`` complete and point ``latest`` at it; prune old ones.
 
+    Only a complete folder (checkpoint_contents.py: the folders in ``needs``, each distributed
+    checkpoint's index and shards) is committed; else CheckpointError, and ``latest`` stays.
     meta.json gets the size and CRC-32 of every file the folder holds now (the trainer ranks
     have written theirs) and a checksum of its own content."""
     folder = step_dir(save_dir, step)
+    if missing := checkpoint_contents.missing_files(folder, needs):
+        raise CheckpointError(str(folder / missing[0]), f"is missing, so step {step} is not committed (the save did"
+                              " not write it, or something removed it: another run writing this save_dir?); latest"
+                              f" still names {latest_name(save_dir)}")
     run_id = meta.get("run_id")
     if folder_owner(folder) != run_id:  # certify only a folder this run made (see prepare)
         raise CheckpointError(str(folder), f"was made by run {folder_owner(folder)}, not by the run committing it"
@@ -225,6 +233,9 @@ def verify(folder: Path, meta: dict[str, Any]) -> None:
         if crc != want.get("crc32"):
             raise CheckpointError(str(path), f"is damaged: its CRC-32 differs from the one written at step"
                                   f" {meta['step']}" + _way_on(save_dir, broken))
+    if missing := checkpoint_contents.missing_files(folder):  # meta.json vouches only for what it lists
+        raise CheckpointError(str(folder / missing[0]), "is missing: the checkpoint was committed incomplete"
+                              + _way_on(save_dir, broken))
     for metadata_file in sorted(folder.rglob(".metadata")):
         safe_pickle.check_dcp_folder(metadata_file.parent)
 
