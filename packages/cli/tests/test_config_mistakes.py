@@ -4,6 +4,7 @@ exit 2 and one stderr line ``error: <field>: <what is wrong and the fix>`` (issu
 Each case is a working config with one mistake in it. `train` must refuse it before its loop (which
 starts Ray) is entered; `test_train_refuses_before_ray_in_a_fresh_process` checks that end to end."""
 
+import json
 import math
 import os
 import subprocess
@@ -246,12 +247,35 @@ def test_the_base_config_plans(workspace):
     """The mistakes above are the only thing wrong with their configs."""
     result = runner.invoke(app, ["plan", str(write_config(workspace, {}))])
     assert result.exit_code == 0, result.output
+    memory_line = result.stdout.splitlines()[-1]  # the estimate per trainer rank, against this machine's RAM
+    assert memory_line.startswith("memory per trainer rank: about ") and "GiB of RAM available" in memory_line
     result = runner.invoke(app, ["plan", str(write_config(workspace, {
         "rollout.reward": "remote", "rollout.reward_url": "http://127.0.0.1:9/score", "rollout.top_k": 20,
         "rollout.dynamic_sampling_filter": "nonzero_std", "rollout.buffer_filter": "freshest_first",
         "trainer.lr": 1, "trainer.clip_grad": 0, "algorithm.gamma": 0.99, "data.shuffle": True,
         "rollout.generate_fn": "multi_turn", "rollout.tools": [f"{MODULE}:sync_generate"]}))])
     assert result.exit_code == 0, result.output
+
+
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+             "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
+
+
+def test_a_model_that_clearly_cannot_fit_is_refused_with_the_estimate(workspace, loop_never_entered, monkeypatch):
+    """A 70B full fine-tune on a 23 GB CPU machine: refused before anything starts (issue 34)."""
+    from slime_rl.core.config import memory
+
+    monkeypatch.setattr(memory, "available_ram_bytes", lambda: 23 * 10**9)
+    folder = workspace / "llama70b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_70B))  # the shape alone, no weights
+    config = write_config(workspace, {"model.path": str(folder)})
+    for command in ("plan", "train"):
+        result = runner.invoke(app, [command, str(config)])
+        assert_one_line_error(result, "model.path", f"{folder} does not fit: about ")
+        assert "GiB of RAM available on this machine gives 21.4 GiB a rank" in result.stderr
+    assert loop_never_entered.calls == []
 
 
 def test_an_old_key_name_plans_with_a_one_line_notice(workspace):

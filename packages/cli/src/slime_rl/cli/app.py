@@ -7,13 +7,14 @@ usage; 1 a failure at run time. A user's mistake is one line on stderr,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -31,6 +32,7 @@ from slime_rl.core.config import (
     load_config,
 )
 from slime_rl.core.config.builtin_models import resolve_model_paths
+from slime_rl.core.config.memory import MemoryWarning, check_memory
 from slime_rl.core.config.secrets import redact
 from slime_rl.core.infra.plugins import PluginError, check_plugin, load_function
 from slime_rl.core.run import folder_lock
@@ -104,6 +106,7 @@ def wire(cfg: Config) -> None:
     check_data(cfg)
     resolve_model_paths(cfg)
     check_model(cfg)
+    check_memory(cfg)  # again: a built-in model has its config.json only now
 
 
 def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
@@ -134,17 +137,27 @@ def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
 def _load(config: Path | None, overrides: list[str]) -> Config:
     """The config, or one error line and exit 2; an old key name's notice is one stderr line too."""
     try:
-        with warnings.catch_warnings(record=True) as notices:
-            warnings.simplefilter("always", RenamedKeyWarning)
+        with _config_notices():
             cfg = load_config(config, overrides)
     except ConfigError as err:
         fail(str(err), 2)
+    return cfg
+
+
+@contextlib.contextmanager
+def _config_notices() -> Iterator[None]:
+    """An old key name's notice and a memory warning (config/memory.py) as one stderr line each, once
+    the block succeeds; other warnings as Python shows them."""
+    with warnings.catch_warnings(record=True) as notices:
+        warnings.simplefilter("always", RenamedKeyWarning)
+        warnings.simplefilter("always", MemoryWarning)
+        yield
     for notice in notices:
-        if issubclass(notice.category, RenamedKeyWarning):
-            typer.echo(f"notice: {notice.message}", err=True)
+        if issubclass(notice.category, RenamedKeyWarning | MemoryWarning):
+            kind = "notice" if issubclass(notice.category, RenamedKeyWarning) else "warning"
+            typer.echo(f"{kind}: {notice.message}", err=True)
         else:
             warnings.warn_explicit(notice.message, notice.category, notice.filename, notice.lineno)
-    return cfg
 
 
 def _version_callback(value: bool) -> None:
@@ -171,11 +184,13 @@ def plan(
 
     The placement says which trainer ranks (with their TP, PP and DP ranks) and which rollout engines
     use which GPU of which node."""
+    from slime_rl.core.config.memory import memory_line
     from slime_rl.core.config.placement import plan_placement
 
     cfg = _load(config, overrides or [])
     try:
-        wire(cfg)
+        with _config_notices():
+            wire(cfg)
         placement = plan_placement(cfg)
     except (ConfigError, DataError) as err:
         fail(str(err), 2)
@@ -192,6 +207,7 @@ def plan(
     typer.echo("# derived: " + ", ".join(f"{k}={v}" for k, v in derived.items()))
     typer.echo("")
     typer.echo(placement.format())
+    typer.echo(memory_line(cfg, placement.device))
 
 
 def _releasing_folders(command: Callable[..., None]) -> Callable[..., None]:
@@ -240,7 +256,8 @@ def train(
         # Another run's folders are refused at once, before anything reads or writes them; the
         # ones that do not exist yet are claimed when the run makes them (loop._check_start).
         folder_lock.claim_run_folders(cfg, existing_only=True)
-        wire(cfg)
+        with _config_notices():
+            wire(cfg)
     except (ConfigError, DataError) as err:
         fail(str(err), 2)
     if example_dir is not None and not cfg.checkpoint.resume:

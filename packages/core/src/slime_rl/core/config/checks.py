@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from slime_rl.core.algorithms.registry import POLICY_LOSSES, advantage_estimator_of
 from slime_rl.core.config.backends import BACKEND_SECTIONS, section_key
 from slime_rl.core.config.builtin_models import BUILTIN_PREFIX, MODEL_PATH_FIELDS
+from slime_rl.core.config.memory import check_memory
 from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.config.schema import Config, ConfigError
 from slime_rl.core.infra.plugins import PluginError
@@ -148,6 +149,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("rollout.tools", "only the built-in agent loop calls tools; set rollout.generate_fn="
                                            "multi_turn, or drop rollout.tools")
     check_model(cfg)
+    check_memory(cfg)  # a model that clearly cannot fit its trainer ranks' memory (config/memory.py)
     plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)
 
 

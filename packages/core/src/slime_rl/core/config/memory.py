@@ -1,0 +1,299 @@
+"""What one trainer rank holds in memory, estimated from the model's config.json, against what its
+device has: `slime-cli plan` prints it, and `check_config` refuses a run that clearly cannot fit.
+
+Per rank, in bytes (the Megatron trainer's layout: fp32 gradient buffers, Adam with fp32 moments
+and, under bf16/fp16, fp32 main weights; trainer_megatron/optimizer.py):
+
+- weights: every parameter of the rank's shard in ``model.dtype`` (TP splits the layers and the
+  vocabulary, PP the layers, EP x ETP the experts; the worst pipeline stage, which also holds the
+  embedding or the output layer);
+- gradients: the trainable parameters in fp32 (all of them, or only LoRA's adapters);
+- optimizer: Adam's two fp32 moments of the trainable parameters, plus an fp32 main copy when the
+  model is not fp32; divided by DP with a distributed optimizer;
+- activations: one micro-batch, :func:`activation_bytes`;
+- a PPO critic beside the actor: its weights, gradients and optimizer too; the reference model's
+  copy (a KL term without LoRA) only where it shares the memory, on the CPU (on a GPU it is in host memory).
+
+The rollout engines' memory is not counted. The limit is the GPU's memory (torch, when this
+machine has the GPU), or on the CPU the RAM available now (``MemAvailable`` in /proc/meminfo)
+shared by the node's trainer ranks. Above the limit a run is refused; above
+:data:`WARN_FRACTION` of it, warned about.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slime_rl.core.algorithms.registry import advantage_estimator_of
+from slime_rl.core.config.device import resolve_device
+from slime_rl.core.config.dtype import model_dtype
+from slime_rl.core.config.errors import ConfigError
+from slime_rl.core.config.schema import Config
+
+GiB = 1 << 30
+WARN_FRACTION = 0.8  # an estimate above this share of the limit is warned about: the estimate is rough
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The trainer's log-probs hold a chunk of fp32 logits of at most this at a time (trainer_megatron/logprobs.py)
+LOGITS_CHUNK_BYTES = {"cpu": 128 << 20, "cuda": 1 << 30}
+
+
+class MemoryWarning(UserWarning):
+    """An estimate close to the device's memory: the run may still fit."""
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """The shape numbers of an HF config.json that set the parameter count."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    tied_embeddings: bool = False
+    experts: int = 0  # MoE: routed experts per layer (0: dense)
+    expert_intermediate: int = 0
+    experts_per_token: int = 0
+    shared_expert_intermediate: int = 0
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelSize:
+        """Llama-style names; MoE under Mixtral's, Qwen's or DeepSeek's."""
+        heads = hf["num_attention_heads"]
+        experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts") or 0
+        return cls(
+            hidden=hf["hidden_size"], layers=hf["num_hidden_layers"], heads=heads,
+            kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab=hf["vocab_size"],
+            intermediate=hf.get("intermediate_size") or 0, tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            experts=experts,
+            expert_intermediate=(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0) if experts else 0,
+            experts_per_token=hf.get("num_experts_per_tok") or 0,
+            shared_expert_intermediate=hf.get("shared_expert_intermediate_size") or 0,
+        )
+
+    @classmethod
+    def of_folder(cls, folder: str | Path) -> ModelSize | None:
+        """From ``folder/config.json``; None when there is none or it lacks a shape key."""
+        import json
+
+        try:
+            return cls.from_hf(json.loads((Path(folder) / "config.json").read_bytes()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @property
+    def attention_params(self) -> int:  # per layer: q, k, v, o
+        q = self.heads * self.head_dim
+        return self.hidden * (2 * q + 2 * self.kv_heads * self.head_dim)
+
+    @property
+    def dense_mlp_params(self) -> int:  # per layer, gated (SwiGLU): gate, up, down
+        return 3 * self.hidden * (self.shared_expert_intermediate if self.experts else self.intermediate)
+
+    @property
+    def expert_params(self) -> int:  # per layer, all routed experts
+        return self.experts * 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
+        """Adapter parameters of the whole model: ``rank * (in + out)`` per targeted projection and layer."""
+        q, kv, mlp = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        dims = {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
+                "o_proj": (q, self.hidden), "gate_proj": (self.hidden, mlp), "up_proj": (self.hidden, mlp),
+                "down_proj": (mlp, self.hidden)}
+        return self.layers * sum(rank * sum(dims[t]) for t in targets)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one trainer rank holds, by what holds them."""
+
+    terms: dict[str, int]
+    dtype: str
+    trainable: str  # "full" or "LoRA rank r"
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    def format(self) -> str:
+        parts = ", ".join(f"{name} {gib(size)}" for name, size in self.terms.items() if size)
+        return f"{gib(self.total)} ({parts}; {self.dtype}, {self.trainable})"
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    bytes_per_rank: int
+    source: str  # where the number comes from, for the message
+
+
+def gib(size: float) -> str:
+    return f"{size / GiB:.1f} GiB"
+
+
+def activation_bytes(size: ModelSize, *, tokens: int, tp: int, pp: int, sequence_parallel: bool,
+                     recompute: bool, dtype_bytes: int, device: str) -> int:
+    """Activations a rank keeps for the backward pass of ``tokens`` tokens (one micro-batch), at its peak.
+
+    Per token and layer, the tensors saved for the backward pass (flash/SDPA attention keeps no
+    ``s x s`` scores, and RL configs use no dropout), in elements::
+
+        per_layer = 4 h / (tp if sequence_parallel else 1)           # two norms' inputs and outputs
+                  + ((2 heads + 2 kv_heads) head_dim + 4 I) / tp     # q, k, v, attention out; gate, up, act, act*up
+
+    with ``I`` the MLP width (MoE: ``experts_per_token x expert I``, plus the shared expert's).
+    1F1B pipelining keeps ``pp`` micro-batches in flight on the first stage, of ``layers / pp``
+    layers each: ``layers`` layers' worth. Full recompute keeps only each layer's input (``h``)
+    plus one layer's full set. The output layer's logits, fp32, one chunk at a time with the
+    backward's recomputed copy: ``3 x min(tokens x vocab / tp x 4, LOGITS_CHUNK_BYTES[device])``::
+
+        activation_bytes = tokens x dtype_bytes x (layers x kept_per_layer) + logits
+    """
+    mlp = (size.experts_per_token * size.expert_intermediate + size.shared_expert_intermediate
+           if size.experts else size.intermediate)
+    norms = 4 * size.hidden / (tp if sequence_parallel else 1)
+    per_layer = norms + ((2 * size.heads + 2 * size.kv_heads) * size.head_dim + 4 * mlp) / tp
+    kept = size.layers * size.hidden / (tp if sequence_parallel else 1) + per_layer if recompute \
+        else size.layers * per_layer
+    logits = 3 * min(tokens * size.vocab / tp * 4, LOGITS_CHUNK_BYTES[device])
+    return int(tokens * dtype_bytes * kept + logits)
+
+
+def micro_batch_tokens(cfg: Config) -> int:
+    """The most tokens a micro-batch holds: the token budget, or micro_batch_size samples, at most the
+    rank's share of a step, and at least one sample (a longer one gets a micro-batch of its own)."""
+    t, r = cfg.trainer, cfg.rollout
+    sample = (r.max_prompt_len or 0) + r.max_response_len
+    per_rank = max(1, cfg.global_batch_size // max(1, cfg.data_parallel_size)) * sample
+    budget = t.max_tokens_per_gpu if t.max_tokens_per_gpu is not None else t.micro_batch_size * sample
+    return max(sample, min(budget, per_rank))
+
+
+def estimate_memory(cfg: Config, size: ModelSize, device: str, *, distributed_optimizer: bool = False,
+                    recompute: bool = False) -> MemoryEstimate:
+    """One trainer rank's bytes for ``cfg`` on ``device`` (the module docstring lists the terms)."""
+    p = cfg.parallel
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    dtype = model_dtype(cfg.model.dtype, device)
+    dtype_bytes = DTYPE_BYTES[dtype]
+    layers = size.layers / pp
+    per_layer = (size.attention_params + size.dense_mlp_params) / tp + size.expert_params / (ep * p.expert_tensor_parallel_size)
+    embeddings = size.embedding_params / tp
+    ends = embeddings * (1 if size.tied_embeddings else 2) if pp == 1 else embeddings  # the worst stage's
+    params = layers * per_layer + ends
+    lora = cfg.trainer.lora
+    trainable = size.lora_params(lora.rank, tuple(lora.target_modules)) / pp / tp if lora.rank else params
+    weights = params + (trainable if lora.rank else 0)  # adapters sit beside the frozen weights
+    optimizer_per_param = 8 + (4 if dtype != "float32" else 0)  # Adam's moments, fp32 main weights
+    optimizer = trainable * optimizer_per_param / (cfg.data_parallel_size if distributed_optimizer else 1)
+    terms = {"weights": weights * dtype_bytes, "gradients": trainable * 4, "optimizer": optimizer,
+             "activations": activation_bytes(size, tokens=micro_batch_tokens(cfg), tp=tp, pp=pp,
+                                             sequence_parallel=p.sequence_parallel, recompute=recompute,
+                                             dtype_bytes=dtype_bytes, device=device)}
+    a = cfg.algorithm
+    if advantage_estimator_of(a).needs_critic:
+        terms["critic"] = params * (dtype_bytes + 4 + optimizer_per_param)
+    needs_reference = a.use_kl_loss or a.kl_coef != 0 or cfg.model.ref_path is not None
+    if device == "cpu" and needs_reference and not lora.rank:
+        terms["reference"] = params * dtype_bytes
+    return MemoryEstimate({k: int(v) for k, v in terms.items()}, dtype,
+                          f"LoRA rank {lora.rank}" if lora.rank else "full fine-tuning")
+
+
+def available_ram_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes; None where there is none (not Linux)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def gpu_memory_bytes() -> tuple[int, str] | None:
+    """The first GPU's total memory and name, when torch sees one here."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.total_memory, props.name
+
+
+def memory_limit(cfg: Config, device: str) -> MemoryLimit | None:
+    """What one trainer rank may use on ``device``; None when this machine cannot say (a GPU plan on a
+    machine without that GPU)."""
+    if device == "cuda":
+        gpu = gpu_memory_bytes()
+        return None if gpu is None else MemoryLimit(gpu[0], f"{gib(gpu[0])} on each {gpu[1]}")
+    ram = available_ram_bytes()
+    if ram is None:
+        return None
+    ranks = cfg.cluster.actor_num_gpus_per_node
+    shared = f", shared by {ranks} trainer ranks" if ranks > 1 else ""
+    return MemoryLimit(ram // ranks, f"{gib(ram)} of RAM available on this machine{shared}")
+
+
+def fixes(cfg: Config) -> str:
+    """What would lower the estimate, for this config."""
+    options = ["more GPUs with a larger parallel.tensor_model_parallel_size or pipeline_model_parallel_size"]
+    if not cfg.trainer.lora.rank:
+        options.append("trainer.lora.rank=16 (trains adapters only)")
+    options.append("a smaller trainer.max_tokens_per_gpu or trainer.megatron.recompute=true (activations)")
+    return "; ".join(options)
+
+
+def memory_line(cfg: Config, device: str) -> str:
+    """`slime-cli plan`'s line: the estimate per trainer rank against the limit, or why there is none."""
+    size = ModelSize.of_folder(cfg.model.path)
+    if size is None:
+        return f"memory: no estimate ({cfg.model.path} has no config.json with the model's shape)"
+    estimate = estimate_memory(cfg, size, device, recompute=_recompute(cfg))
+    limit = memory_limit(cfg, device)
+    against = (f"against {gib(limit.bytes_per_rank)} a rank ({limit.source})" if limit is not None
+               else "no GPU here to compare it with")
+    return f"memory per trainer rank: about {estimate.format()}, {against}"
+
+
+def check_memory(cfg: Config, device: str | None = None) -> tuple[MemoryEstimate, MemoryLimit] | None:
+    """Refuse (ConfigError) a config whose estimate exceeds the limit; warn (`MemoryWarning`) when
+    it is close. Returns both, or None when there is no estimate (no config.json) or no limit.
+    ``device``: cluster.device resolved; by default resolved here (torch only where a GPU may be)."""
+    size = ModelSize.of_folder(cfg.model.path)
+    if size is None:
+        return None
+    device = device or _planned_device(cfg.cluster.device)
+    limit = memory_limit(cfg, device)
+    if limit is None:
+        return None
+    estimate = estimate_memory(cfg, size, device, recompute=_recompute(cfg))
+    line = f"about {estimate.format()} per trainer rank; {limit.source} gives {gib(limit.bytes_per_rank)} a rank"
+    if estimate.total > limit.bytes_per_rank:
+        raise ConfigError("model.path", f"{cfg.model.path} does not fit: {line}. Use {fixes(cfg)}")
+    if estimate.total > WARN_FRACTION * limit.bytes_per_rank:
+        warnings.warn(f"memory: {cfg.model.path} may not fit: {line}", MemoryWarning, stacklevel=2)
+    return estimate, limit
+
+
+def _recompute(cfg: Config) -> bool:
+    """trainer.megatron.recompute=true (full), read without importing the trainer."""
+    settings = (cfg.trainer.__pydantic_extra__ or {}).get("megatron")
+    return getattr(settings, "recompute", False) is True
+
+
+def _planned_device(setting: str) -> str:
+    """cluster.device resolved as the run will (config/device.py), without importing torch (seconds)
+    on a machine with no GPU device at all."""
+    if setting == "auto" and not any(Path(node).exists() for node in ("/dev/nvidiactl", "/dev/kfd")):
+        return "cpu"
+    return resolve_device(setting)
