@@ -16,6 +16,7 @@ from slime_rl.core.config import load_config
 from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.infra.ray_cluster import local_ray
 from slime_rl.core.infra.ray_placement import reserve
+from slime_rl.core.infra.stall import StallBounds, StallWatch
 from slime_rl.core.run.actors import RolloutWorker
 from slime_rl.core.run.loop import TrainerGroup
 from slime_rl.core.weights.sync import WeightSync
@@ -50,12 +51,12 @@ def test_weight_sync_between_the_real_actors(engine, transport, path, tiny_model
     plan = plan_placement(cfg)
     with local_ray(cfg):
         reservation = reserve(plan)
-        actor = TrainerGroup(cfg, "actor", reservation)
+        actor = TrainerGroup(cfg, "actor", reservation, watch := StallWatch(StallBounds.from_config(cfg)))
         rollout = ray.remote(**reservation.rollout_options())(RolloutWorker).remote(cfg.to_dict(), str(tmp_path / "s"))
         try:
             ray.get(rollout.ping.remote())
             actor.wait_ready()
-            weight_sync = WeightSync(cfg, plan, actor, rollout)
+            weight_sync = WeightSync(cfg, plan, actor, rollout, watch)
             assert (weight_sync.path, weight_sync.transport) == (path, transport if engine == "sglang" else None)
             assert [weight_sync.sync(version=v) for v in (1, 2)] == [path, path]
             assert ray.get(rollout.weight_version.remote()) == 2

@@ -1,10 +1,12 @@
 """Ray actors as fakes for tests of the driver side: ``actor.method.remote(*args)`` records the call
-and answers at once; `fake_get` (set as `ray.get`) unwraps the answers."""
+and answers at once; `fake_get` (set as `ray.get`) unwraps the answers, and `fake_watch` waits on them."""
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Any
+
+from slime_rl.core.infra.stall import StallBounds, StallWatch
 
 
 class Answer:
@@ -48,3 +50,8 @@ class FakeActor:
 
 def fake_get(refs: Any) -> Any:
     return [r.value for r in refs] if isinstance(refs, list) else refs.value
+
+
+def fake_watch() -> StallWatch:
+    """The driver's bounded waits (infra/stall.py) over fake answers: every one is ready at once."""
+    return StallWatch(StallBounds(3.0, 20.0, 600.0), wait=lambda refs, timeout: (list(refs), []), get=fake_get)

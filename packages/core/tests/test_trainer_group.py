@@ -7,7 +7,7 @@ import inspect
 from collections import Counter
 
 import pytest
-from fake_actors import FakeActor, fake_get
+from fake_actors import FakeActor, fake_get, fake_watch
 
 from slime_rl.core.run.actors import TrainerWorker
 from slime_rl.core.run.loop import TrainerGroup
@@ -25,6 +25,7 @@ def group_of(ranks: int, calls: Counter, log: list) -> TrainerGroup:
         return ({"log_probs": 0.5} if shard == "shard-0" else None), f"returns of {shard}"
 
     group = TrainerGroup.__new__(TrainerGroup)
+    group.role, group.watch = "actor", fake_watch()
     group.workers = [FakeActor(calls, log, f"rank{r}.", prepare=prepare, compute_values=lambda s: f"values of {s}",
                                train=lambda returns, r=r: {"loss": 1.0} if r == 0 else None,
                                save=None, node_id=f"node-{r}")

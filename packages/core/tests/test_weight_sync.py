@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from fake_actors import FakeActor, fake_get
+from fake_actors import FakeActor, fake_get, fake_watch
 
 from slime_rl.core.config import load_config
 from slime_rl.core.config.placement import plan_placement
@@ -26,6 +26,7 @@ def fake_trainer(calls: Counter, log: list, node: str, ranks: int = 2) -> Traine
         return [str(Path(folder) / "bucket-0")]
 
     group = TrainerGroup.__new__(TrainerGroup)
+    group.role, group.watch = "actor", fake_watch()
     group.workers = [FakeActor(calls, log, f"rank{r}.", node_id=node, push_weights=None,
                                weight_buckets=buckets if r == 0 else None) for r in range(ranks)]
     return group
@@ -73,7 +74,7 @@ def test_resolve_transport(setting, colocated, on_cuda, chosen):
                                                                (False, "cpu", "tensor")])
 def test_engine_path_resolves_auto_and_looks_up_the_sender_once(fake_ray, colocate, device, transport):
     cfg, plan, trainer, rollout, calls, log = make(sender="pkg.mod:Sender", colocate=colocate, device=device)
-    sync = WeightSync(cfg, plan, trainer, rollout)
+    sync = WeightSync(cfg, plan, trainer, rollout, trainer.watch)
     assert (sync.path, sync.transport, sync.sender) == ("engine", transport, "pkg.mod:Sender")
     for version in (1, 2, 3):
         assert sync.sync(version=version) == "engine"
@@ -92,7 +93,7 @@ def test_engine_path_resolves_auto_and_looks_up_the_sender_once(fake_ray, coloca
 def test_without_a_sender_on_one_node_buckets_go_as_files_removed_after_each_sync(fake_ray):
     seen: list = []
     cfg, plan, trainer, rollout, calls, log = make(sender=None, same_node=True, seen_folders=seen)
-    sync = WeightSync(cfg, plan, trainer, rollout)
+    sync = WeightSync(cfg, plan, trainer, rollout, trainer.watch)
     assert sync.path == "files" and sync.transport is None
     assert [sync.sync(version=v) for v in (1, 2)] == ["files", "files"]
     assert calls["weight_sender"] == calls["node_id"] == calls["rank0.node_id"] == 1  # once, at setup
@@ -106,7 +107,7 @@ def test_without_a_sender_on_one_node_buckets_go_as_files_removed_after_each_syn
 
 def test_without_a_sender_across_nodes_buckets_go_through_the_object_store(fake_ray):
     cfg, plan, trainer, rollout, calls, log = make(sender=None, same_node=False)
-    sync = WeightSync(cfg, plan, trainer, rollout)
+    sync = WeightSync(cfg, plan, trainer, rollout, trainer.watch)
     assert sync.path == "object_store"
     assert [sync.sync(version=v) for v in (1, 2, 3)] == ["object_store"] * 3
     assert calls["weight_sender"] == calls["node_id"] == calls["rank0.node_id"] == 1

@@ -31,7 +31,7 @@ from typing import Any
 
 from slime_rl.core.config import Config, RunFailedError
 
-WARN_FLOOR_S = 10.0  # no warning sooner (stall_fail_floor_s when that is lower): short phases jitter
+WARN_FLOOR_S = 10.0  # no warning sooner (half stall_fail_floor_s when that is lower): short phases jitter
 FIRST_GRACE = 3.0  # a phase's first wait fails past FIRST_GRACE x stall_fail_floor_s
 HISTORY = 20  # durations kept per phase: the median follows a run whose steps slowly grow
 POLL_S = 1.0  # ray.wait slices: how late a warning or the failure may come
@@ -61,7 +61,7 @@ class StallBounds:
         if not history:
             return self.fail_floor_s, FIRST_GRACE * self.fail_floor_s
         typical = statistics.median(history)
-        return (max(self.warn_factor * typical, min(WARN_FLOOR_S, self.fail_floor_s)),
+        return (max(self.warn_factor * typical, min(WARN_FLOOR_S, self.fail_floor_s / 2)),
                 max(self.fail_factor * typical, self.fail_floor_s))
 
 

@@ -155,6 +155,10 @@ class TrainerWorker(KeepsInitMistake):
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def process(self) -> tuple[str, int]:
+        """(node id, pid): how the driver names this process when a wait on it stalls (infra/stall.py)."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
     def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
         """Push the weights straight to the engine's servers (the engine's `weight_sender`)."""
         if self.sender is None:
@@ -301,6 +305,10 @@ class RolloutWorker(KeepsInitMistake):
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def process(self) -> tuple[str, int]:
+        """(node id, pid): how the driver names this process when a wait on it stalls (infra/stall.py)."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def weight_sender(self) -> str | None:
         return self.engine.weight_sender

@@ -25,11 +25,13 @@ from slime_rl.core.config.placement import Placement, plan_placement
 from slime_rl.core.infra.net import LOOPBACK, free_port
 from slime_rl.core.infra.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.infra.ray_placement import Reservation, reserve
+from slime_rl.core.infra.stall import Party, StallBounds, StallWatch
 from slime_rl.core.run import checkpoint, folder_lock
 from slime_rl.core.run.actors import BatchRefs, RolloutWorker, TrainerWorker
 from slime_rl.core.run.metrics import MetricsLogger, phase
 from slime_rl.core.run.resume_check import check_resume, data_identity
 from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
+from slime_rl.core.run.stopping import ending_on_signals
 from slime_rl.core.weights.sync import WeightSync
 
 if TYPE_CHECKING:
@@ -43,28 +45,38 @@ Callback = Callable[[str, dict[str, Any]], None]
 class TrainerGroup:
     """The trainer's ranks as Ray actors, one method per `TrainerWorker` call the run makes. Every call
     goes to all ranks at once (they are collective); what the driver reads comes from rank 0 (the
-    others answer None). Methods returning references leave them unread: they go to other actors."""
+    others answer None). Methods returning references leave them unread: they go to other actors.
+    Every wait is ``watch``'s (infra/stall.py): bounded by the call's history, naming the ranks pending."""
 
-    def __init__(self, cfg: Config, role: Literal["actor", "critic"], reservation: Reservation):
+    def __init__(self, cfg: Config, role: Literal["actor", "critic"], reservation: Reservation, watch: StallWatch):
         import ray
 
         world = cfg.actor_num_gpus
-        master_addr, master_port = _rendezvous_address(reservation)
+        self.role, self.watch = role, watch
+        master_addr, master_port = _rendezvous_address(reservation, watch)
         self.workers: list[ActorHandle] = [
             ray.remote(**reservation.trainer_options(rank))(TrainerWorker).remote(
                 cfg.to_dict(reveal_secrets=True), rank=rank, world_size=world, master_addr=master_addr,
                 master_port=master_port, role=role)
             for rank in range(world)
         ]
+        label = "trainer rank" if role == "actor" else "critic rank"
+        for rank, worker in enumerate(self.workers):
+            watch.register(worker, Party(f"{label} {rank}"))
 
     def wait_ready(self) -> None:
-        """Once every rank is built (`TrainerWorker.ready` raises a rank's construction error)."""
-        self._rank0([w.ready.remote() for w in self.workers])
-
-    def node_ids(self) -> list[str]:
+        """Once every rank is built (`TrainerWorker.ready` raises a rank's construction error); then each
+        rank's pid, which a stall warning names."""
         import ray
 
-        return ray.get([w.node_id.remote() for w in self.workers])
+        self._rank0("start", [w.ready.remote() for w in self.workers])
+        here = ray.get_runtime_context().get_node_id()
+        for worker, (node, pid) in zip(self.workers, self._all("start", [w.process.remote() for w in self.workers]),
+                                       strict=True):
+            self.watch.register(worker, Party(self.watch.party(worker).label, pid, local=node == here))
+
+    def node_ids(self) -> list[str]:
+        return self._all("start", [w.node_id.remote() for w in self.workers])
 
     def compute_values(self, shards: list[ObjectRef]) -> list[ObjectRef]:
         """Critic: each rank's values of its shard (`TrainerWorker.compute_values`), unread."""
@@ -76,12 +88,12 @@ class TrainerGroup:
         done: rank 0's timings, and each rank's returns unread (the critic's targets, for its `train`)."""
         refs = [w.prepare.options(num_returns=2).remote(shard, value)
                 for w, shard, value in zip(self.workers, shards, values, strict=True)]
-        return self._rank0([timings for timings, _ in refs]), [returns for _, returns in refs]
+        return self._rank0("prepare", [timings for timings, _ in refs]), [returns for _, returns in refs]
 
     def train(self, returns: list[ObjectRef] | None = None) -> dict[str, float]:
         """`TrainerWorker.train` on the prepared shards (a critic's rank r on ``returns[r]``); rank 0's metrics."""
         per_rank = returns if returns is not None else [None] * len(self.workers)
-        return self._rank0([w.train.remote(r) for w, r in zip(self.workers, per_rank, strict=True)])
+        return self._rank0("train", [w.train.remote(r) for w, r in zip(self.workers, per_rank, strict=True)])
 
     def weight_buckets(self, bucket_bytes: int, folder: str | None) -> list[ObjectRef]:
         """`TrainerWorker.weight_buckets` on every rank, unread: rank 0's reference holds the buckets
@@ -90,30 +102,31 @@ class TrainerGroup:
 
     def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
         """`TrainerWorker.push_weights` on every rank: the weights straight to the engine's servers."""
-        self._rank0([w.push_weights.remote(sender_spec, handle, bucket_bytes, version, transport)
-                     for w in self.workers])
+        self._rank0("weight_sync", [w.push_weights.remote(sender_spec, handle, bucket_bytes, version, transport)
+                                    for w in self.workers])
 
     def save(self, path: str) -> None:
-        self._rank0([w.save.remote(path) for w in self.workers])
+        self._rank0("save", [w.save.remote(path) for w in self.workers])
 
     def save_hf(self, path: str) -> None:
-        self._rank0([w.save_hf.remote(path) for w in self.workers])
+        self._rank0("save_hf", [w.save_hf.remote(path) for w in self.workers])
 
     def load(self, path: str) -> None:
-        self._rank0([w.load.remote(path) for w in self.workers])
+        self._rank0("load", [w.load.remote(path) for w in self.workers])
 
     def offload(self) -> None:
-        self._rank0([w.offload.remote() for w in self.workers])
+        self._rank0("offload", [w.offload.remote() for w in self.workers])
 
     def onload(self) -> None:
-        self._rank0([w.onload.remote() for w in self.workers])
+        self._rank0("onload", [w.onload.remote() for w in self.workers])
 
-    @staticmethod
-    def _rank0(refs: list[ObjectRef]) -> Any:
+    def _rank0(self, call: str, refs: list[ObjectRef]) -> Any:
         """Rank 0's result, once every rank is done (the others return None: no N copies)."""
-        import ray
+        return self._all(call, refs)[0]
 
-        return ray.get(refs)[0]
+    def _all(self, call: str, refs: list[ObjectRef]) -> list[Any]:
+        """Every rank's result of ``call``, under the watch's bound for this group's ``call``."""
+        return self.watch.get(f"{self.role} {call}", refs, self.workers)
 
 
 @dataclass
@@ -128,6 +141,11 @@ class Run:
     weight_sync: WeightSync
     run_id: str
     offload: bool  # colocated on GPUs: trainer and engines take turns with the memory (slime's --offload)
+    watch: StallWatch  # every wait of the driver, bounded (infra/stall.py)
+
+    def ask_rollout(self, call: str, ref: ObjectRef) -> Any:
+        """The rollout worker's answer to ``ref``, under the watch's bound for ``call``."""
+        return self.watch.get(call, [ref], [self.rollout])[0]
 
     def shards_for_ranks(self, rollout: BatchRefs) -> list[Any]:
         """Each trainer rank's shard reference: the one of its data-parallel rank."""
@@ -145,15 +163,17 @@ def train(cfg: Config, callback: Callback | None = None) -> dict[str, Any]:
 
 
 def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
-    import ray
 
     notify = callback or (lambda event, payload: None)
     resolve_model_paths(cfg)  # builtin: -> HF folders before any backend sees them (done already under slime-cli)
     resumed, run_id = _check_start(cfg)
     summary: dict[str, Any] = {"log_dir": cfg.logging.dir, "checkpoint_dir": str(cfg.checkpoint_dir)}
-    with local_ray(cfg):
+    # A stop signal leaves the run after local_ray's cleanup, as one line (run/stopping.py).
+    with ending_on_signals(cfg) as stops, local_ray(cfg):
+        stops.arm()  # after ray.init, which sets its own SIGTERM handler
+        notify = stops.follow(notify)
         started = time.perf_counter()
-        run = _start(cfg, run_id, summary)
+        run = _start(cfg, run_id, summary, StallWatch(StallBounds.from_config(cfg)))
         logger = MetricsLogger(cfg.logging.dir, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project, config=cfg.to_dict(),
                                resume_step=resumed[1]["step"] if resumed is not None else None)
@@ -169,7 +189,7 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
         one_step, fully = cfg.cluster.async_mode == "one_step", cfg.cluster.async_mode == "fully"
         pending = run.rollout.run_step.remote(step + 1) if one_step else None
         if fully:
-            ray.get(run.rollout.start_fully_async.remote())
+            run.ask_rollout("rollout", run.rollout.start_fully_async.remote())
         while cfg.data.num_rollout is None or step < cfg.data.num_rollout:
             timings: dict[str, float] = {}
             step_start = time.perf_counter()
@@ -177,7 +197,7 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
                 if pending is None:
                     pending = (run.rollout.next_batch.remote(step + 1) if fully
                                else run.rollout.run_step.remote(step + 1))
-                rollout: BatchRefs = ray.get(pending)
+                rollout: BatchRefs = run.ask_rollout("rollout", pending)
             metrics = rollout.metrics
             pending = None
             if rollout.failure is not None:
@@ -188,7 +208,7 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
                 notify("step", {"step": step, "metrics": {**metrics, **timings}, "failure": rollout.failure})
                 if failed_steps >= cfg.rollout.max_failed_steps:
                     logger.close()
-                    ray.get(run.rollout.shutdown.remote())
+                    run.ask_rollout("shutdown", run.rollout.shutdown.remote())
                     raise RunFailedError(
                         f"rollout.max_failed_steps: {failed_steps} steps in a row failed (the last, step {step}: "
                         f"{rollout.failure}); fix the reward (or filter, or generate function), or raise "
@@ -210,7 +230,7 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
             metrics.update(_train_on(run, rollout, timings))
             if pending is not None:
                 with phase(timings, "wait_rollout"):
-                    ray.wait([pending], num_returns=1)  # no weight update in the middle of a rollout
+                    run.ask_rollout("wait_rollout", pending)  # no weight update in the middle of a rollout
             summary["weight_sync"] = _sync_after_train(run, step + 1, timings)
             step += 1
             timings["time/step"] = time.perf_counter() - step_start
@@ -234,7 +254,7 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
         if (cfg.checkpoint.save_interval or cfg.checkpoint.save_dir) and last_save != step:
             _save(run, step)
         logger.close()
-        ray.get(run.rollout.shutdown.remote())
+        run.ask_rollout("shutdown", run.rollout.shutdown.remote())
         summary.update(steps=step, elapsed_s=time.perf_counter() - started, metrics_file=str(logger.jsonl_path))
         notify("done", summary)
     return summary
@@ -270,26 +290,29 @@ def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
     return resumed, run_id
 
 
-def _start(cfg: Config, run_id: str, summary: dict[str, Any]) -> Run:
+def _start(cfg: Config, run_id: str, summary: dict[str, Any], watch: StallWatch) -> Run:
     """Reserve the plan's bundles, start the trainer ranks (and critic) and the rollout worker, and
     wait until every one is built: a broken backend fails here, before any rollout."""
     import ray
 
     plan = plan_placement(cfg)  # the plan `slime-cli plan` prints
     reservation = reserve(plan)
-    actor = TrainerGroup(cfg, "actor", reservation)
-    critic = TrainerGroup(cfg, "critic", reservation) if plan.critic else None  # the estimator needs one
+    actor = TrainerGroup(cfg, "actor", reservation, watch)
+    critic = TrainerGroup(cfg, "critic", reservation, watch) if plan.critic else None  # the estimator needs one
     log_dir = Path(cfg.logging.dir)
     rollout = ray.remote(**reservation.rollout_options())(RolloutWorker).remote(
         cfg.to_dict(reveal_secrets=True), str(rollout_state_dir(log_dir, run_id)), str(log_dir))
-    ray.get(rollout.ping.remote())
+    watch.register(rollout, Party(f"the rollout worker (engine {cfg.rollout.engine})"))
+    watch.get("rollout start", [rollout.ping.remote()], [rollout])
+    rollout_node, rollout_pid = watch.get("rollout start", [rollout.process.remote()], [rollout])[0]
+    here = ray.get_runtime_context().get_node_id()
+    watch.register(rollout, Party(watch.party(rollout).label, rollout_pid, local=rollout_node == here))
     actor.wait_ready()
     if critic is not None:
         critic.wait_ready()
-    summary["nodes"] = {"trainer": sorted(set(actor.node_ids())),
-                        "rollout": ray.get(rollout.node_id.remote())}
-    return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout), run_id,
-               hands_memory_over(cfg, plan))
+    summary["nodes"] = {"trainer": sorted(set(actor.node_ids())), "rollout": rollout_node}
+    return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout, watch), run_id,
+               hands_memory_over(cfg, plan), watch)
 
 
 def hands_memory_over(cfg: Config, plan: Placement) -> bool:
@@ -301,7 +324,6 @@ def hands_memory_over(cfg: Config, plan: Placement) -> bool:
 def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
     """Load the checkpoint to resume (trainer, critic, data and buffer state) and send its weights to
     the engines; then hand the GPU memory to the engines when colocated. Returns the first step."""
-    import ray
 
     start_step = 0
     if resumed is not None:
@@ -309,7 +331,7 @@ def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
         run.actor.load(str(folder / "actor"))
         if run.critic is not None:
             run.critic.load(str(folder / "critic"))
-        ray.get(run.rollout.load_state_dict.remote(meta["rollout_state"]))
+        run.ask_rollout("load", run.rollout.load_state_dict.remote(meta["rollout_state"]))
         start_step = meta["step"]
         run.weight_sync.sync(version=start_step)
     if run.offload:
@@ -320,11 +342,10 @@ def _resume(run: Run, resumed: tuple[Path, dict[str, Any]] | None) -> int:
 def _train_on(run: Run, rollout: BatchRefs, timings: dict[str, float]) -> dict[str, float]:
     """One training step on the rollout's shards: each trainer rank fetches its own shard, adds
     log-probs, values and advantages to it, and trains. Returns the train (and critic) metrics."""
-    import ray
 
     if run.offload:
         with phase(timings, "offload_rollout"):
-            ray.get(run.rollout.release_memory.remote())
+            run.ask_rollout("release_memory", run.rollout.release_memory.remote())
         with phase(timings, "onload_train"):
             run.actor.onload()
     shards = run.shards_for_ranks(rollout)
@@ -343,35 +364,33 @@ def _train_on(run: Run, rollout: BatchRefs, timings: dict[str, float]) -> dict[s
 def _sync_after_train(run: Run, version: int, timings: dict[str, float]) -> str:
     """Send the new weights to the engines as ``version`` (the GPU memory back to them first when
     colocated, and back to the engines after). Returns which path the weights took."""
-    import ray
 
     # Only the engines' weights come back before the sync: their KV cache and CUDA graphs (most of
     # their memory) wait until the trainer has offloaded, so the two never hold the GPU at once.
     if run.offload:
         with phase(timings, "onload_rollout_weights"):
-            ray.get(run.rollout.resume_memory.remote(["weights"]))
+            run.ask_rollout("resume_memory_weights", run.rollout.resume_memory.remote(["weights"]))
     with phase(timings, "weight_sync"):
         path = run.weight_sync.sync(version=version)
     if run.offload:
         with phase(timings, "offload_train"):
             run.actor.offload()
         with phase(timings, "onload_rollout"):
-            ray.get(run.rollout.resume_memory.remote())
+            run.ask_rollout("resume_memory", run.rollout.resume_memory.remote())
     return path
 
 
 def _evaluate(run: Run, step: int, logger: MetricsLogger | None, notify: Callback) -> tuple[int, dict[str, float]]:
     """The eval sets' metrics at ``step``, logged as their own row when ``logger`` is given."""
-    import ray
 
-    metrics = ray.get(run.rollout.evaluate.remote())
+    metrics = run.ask_rollout("eval", run.rollout.evaluate.remote())
     if logger is not None:
         logger.log(step, metrics)
     notify("eval", {"step": step, "metrics": metrics})
     return step, metrics
 
 
-def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
+def _rendezvous_address(reservation: Reservation, watch: StallWatch) -> tuple[str, int]:
     """Where trainer rank 0 listens for the others: loopback when every rank shares a node, else
     rank 0's node address; the port is one found free on rank 0's node."""
     import ray
@@ -386,11 +405,10 @@ def _rendezvous_address(reservation: Reservation) -> tuple[str, int]:
 
     options = reservation.trainer_options(0)
     options.pop("num_gpus", None)  # a lookup: it needs the node, not the GPU
-    return ray.get(ray.remote(**options)(address).remote())
+    return watch.get("rendezvous", [ray.remote(**options)(address).remote()], ["the rendezvous lookup"])[0]
 
 
 def _save(run: Run, step: int) -> None:
-    import ray
 
     folder = checkpoint.prepare(run.cfg.checkpoint_dir, step, run.run_id)  # a folder this run made
     run.actor.save(str(folder / "actor"))
@@ -398,7 +416,7 @@ def _save(run: Run, step: int) -> None:
         run.actor.save_hf(str(folder / "hf"))
     if run.critic is not None:
         run.critic.save(str(folder / "critic"))
-    state = ray.get(run.rollout.state_dict.remote())
+    state = run.ask_rollout("save", run.rollout.state_dict.remote())
     # model_dtype: what auto resolved to; config and data: what a resume compares with (resume_check.py)
     meta = {"rollout_state": state, "run_id": run.run_id, "model_dtype": run.cfg.model.dtype,
             "config": run.cfg.to_dict(), "data": data_identity(run.cfg)}

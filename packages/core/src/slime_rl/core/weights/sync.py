@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from slime_rl.core.config import Config
     from slime_rl.core.config.placement import Placement
+    from slime_rl.core.infra.stall import StallWatch
 
 SyncPath = Literal["engine", "files", "object_store"]
 
@@ -32,6 +33,8 @@ SyncPath = Literal["engine", "files", "object_store"]
 class TrainerRanks(Protocol):
     """What a sync asks of the trainer's ranks; run.loop's `TrainerGroup` has these methods. Declared
     here so the weights layer does not import the run that uses it."""
+
+    workers: list[Any]  # each rank's actor handle: who a stalled wait names
 
     def node_ids(self) -> list[str]: ...
 
@@ -55,14 +58,12 @@ class WeightSync:
 
     ``actor`` is the trainer's ranks (`TrainerRanks`); ``rollout`` the rollout worker's
     Ray handle. Construction asks the rollout for its engine's sender and, without one, both node ids;
-    `sync` asks nothing more."""
+    `sync` asks nothing more. Every wait is ``watch``'s (infra/stall.py)."""
 
-    def __init__(self, cfg: Config, plan: Placement, actor: TrainerRanks, rollout: Any):
-        import ray
-
-        self.actor, self.rollout = actor, rollout
+    def __init__(self, cfg: Config, plan: Placement, actor: TrainerRanks, rollout: Any, watch: StallWatch):
+        self.actor, self.rollout, self.watch = actor, rollout, watch
         self.bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
-        self.sender: str | None = ray.get(rollout.weight_sender.remote())  # module:attr of a WeightSender
+        self.sender: str | None = self._ask("start", rollout.weight_sender.remote())  # module:attr of a WeightSender
         self.transport: str | None = None  # the engine path's transport
         self.path: SyncPath
         if self.sender is not None:
@@ -70,20 +71,23 @@ class WeightSync:
             self.transport = resolve_transport(cfg.rollout.update_weight_transport, colocated=plan.colocate,
                                                on_cuda=plan.device == "cuda")
         else:
-            rollout_node, rank0_node = ray.get(rollout.node_id.remote()), actor.node_ids()[0]
+            rollout_node, rank0_node = self._ask("start", rollout.node_id.remote()), actor.node_ids()[0]
             self.path = "files" if rollout_node == rank0_node else "object_store"
 
     def sync(self, *, version: int) -> SyncPath:
         """Send the trainer's current weights to the engines as ``version``; returns the path taken."""
-        import ray
-
         if self.path == "engine":
-            handle = ray.get(self.rollout.begin_weight_sync.remote(version, self.transport))
+            handle = self._ask("begin_weight_sync", self.rollout.begin_weight_sync.remote(version, self.transport))
             self.actor.push_weights(self.sender, handle, self.bucket_bytes, version, self.transport)
-            ray.get(self.rollout.end_weight_sync.remote(version))
+            self._ask("end_weight_sync", self.rollout.end_weight_sync.remote(version))
             return self.path
         files = weights_folder() if self.path == "files" else contextlib.nullcontext()
         with files as folder:  # None: through the object store
             refs = self.actor.weight_buckets(self.bucket_bytes, folder)
-            ray.get([self.rollout.update_weights.remote(refs[0], version), *refs[1:]])
+            # the rollout loads rank 0's buckets; the other ranks answer once their part of the gather is done
+            self.watch.get("weight_sync", [self.rollout.update_weights.remote(refs[0], version), *refs[1:]],
+                           [self.rollout, *self.actor.workers[1:]])
         return self.path
+
+    def _ask(self, call: str, ref: ObjectRef) -> Any:
+        return self.watch.get(call, [ref], [self.rollout])[0]
