@@ -2,6 +2,8 @@
 
 import os
 import re
+import shutil
+import stat
 import sys
 import types
 from importlib.metadata import PackageNotFoundError, version
@@ -16,6 +18,7 @@ from slime_rl.cli.app import app
 from slime_rl.core.config import ConfigError, RunFailedError, builtin_models, load_config
 from slime_rl.core.infra import plugins
 from slime_rl.core.run import checkpoint
+from slime_rl.core.run.run_dir import claim_logging_dir, record_logs
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "grpo_math.yaml"
@@ -221,6 +224,15 @@ def test_train_without_config_uses_the_cpu_default(tmp_path, custom_config, fake
     assert seen == [tmp_path / "wd"] and fake_loop.calls[0].rollout.temperature == 0.9
 
 
+@pytest.fixture(autouse=True)
+def _umask_restored():
+    """slime-cli train narrows the process's umask (private_files.py); these tests run in one process."""
+    previous = os.umask(0o022)
+    os.umask(previous)
+    yield
+    os.umask(previous)
+
+
 UNRELATED = ("notes.txt", "mine/data.jsonl", "checkpoints/README.txt", "rollout_state/keep.txt", "rollouts/keep.txt",
              "tensorboard/keep.txt", "earlier_runs/keep.txt")
 
@@ -251,16 +263,25 @@ def example_on_custom_config(monkeypatch, custom_config):
     monkeypatch.setattr(default_run, "prepare_default", prepare_default)
 
 
+EARLIER, OLDER = "20260101-000000-abcdef", "20251231-000000-abcdef"
+
+
 def write_earlier_example_run(workdir):
-    """What a run of the example leaves in its folder (its logging.dir and checkpoint.save_dir)."""
+    """What runs of the example leave in its folder (its logging.dir and checkpoint.save_dir), with the
+    proof a run keeps of what it wrote: run.json (here and in earlier_runs/) and owner.json."""
     save_dir = workdir / "checkpoints"
-    checkpoint.step_dir(save_dir, 30).mkdir(parents=True)
-    checkpoint.commit(save_dir, 30, {})
-    for name in ("metrics.jsonl", "run.json", "rollouts/step_000001.jsonl", "rollout_state/20260101-000000-abcdef/"
-                 "buffer.sqlite", "rollout_state/buffer.sqlite", "tensorboard/events.out.tfevents.1.host",
-                 "earlier_runs/x/metrics.jsonl"):
-        (workdir / name).parent.mkdir(parents=True, exist_ok=True)
-        (workdir / name).write_text("run output\n")
+    for run_id in (OLDER, EARLIER):  # the second run sets the first one's logs aside
+        claim_logging_dir(workdir, run_id, resuming=False)
+        checkpoint.prepare(save_dir, 30, run_id)
+        checkpoint.commit(save_dir, 30, {"run_id": run_id}, keep_last=1)
+        for name in ("metrics.jsonl", "rollouts/step_000001.jsonl", f"rollout_state/{run_id}/buffer.sqlite",
+                     "tensorboard/events.out.tfevents.1.host"):
+            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+            (workdir / name).write_text("run output\n")
+        record_logs(workdir)
+        if run_id == OLDER:
+            shutil.rmtree(checkpoint.step_dir(save_dir, 30))
+            (save_dir / "latest").unlink()
 
 
 def test_a_plain_rerun_of_the_cpu_default_starts_afresh_and_resume_keeps_the_run(tmp_path, fake_loop,
@@ -284,12 +305,60 @@ def test_a_plain_rerun_of_the_cpu_default_starts_afresh_and_resume_keeps_the_run
     assert fresh.exit_code == 0, fresh.output
     assert "starts afresh" in fresh.output and checkpoint.latest(workdir / "checkpoints") is None
     assert not (workdir / "checkpoints" / "step_000030").exists() and not (workdir / "metrics.jsonl").exists()
-    assert not (workdir / "rollout_state" / "buffer.sqlite").exists() and not (workdir / "earlier_runs" / "x").exists()
-    assert not list((workdir / "tensorboard").glob("events.*"))
+    assert not (workdir / "rollout_state" / EARLIER).exists() and not (workdir / "earlier_runs" / OLDER).exists()
+    assert not list((workdir / "tensorboard").glob("events.*")) and not (workdir / "run.json").exists()
     assert contents(workdir, unrelated) == unrelated  # everything else is as the user left it
     assert {p.name for p in workdir.iterdir()} == {"notes.txt", "mine", "checkpoints", "rollout_state", "rollouts",
                                                     "tensorboard", "earlier_runs", "train.jsonl", "eval.jsonl",
                                                     "config.yaml", ".slime-example.json"}
+
+
+def test_a_rerun_of_the_cpu_default_removes_none_of_the_users_files_under_the_runs_names(
+        tmp_path, fake_loop, example_on_custom_config):
+    """The user's own metrics.jsonl, TensorBoard events and step_* folders, named as a run names its own,
+    in the example's folder beside its earlier runs: a plain re-run removes only what those runs wrote."""
+    workdir = tmp_path / "wd"
+    assert run("train", "--workdir", workdir).exit_code == 0
+    write_earlier_example_run(workdir)
+    users = {"earlier_runs/unknown-1/metrics.jsonl": "my metrics\n",
+             "tensorboard/events.out.tfevents.9.users-own": "my events\n",
+             "checkpoints/step_000007/model.pt": "my weights\n", "checkpoints/step_000040/meta.json": "{}\n",
+             "rollout_state/buffer.sqlite": "my buffer\n", "metrics.tmp": "mine\n"}
+    for name, text in users.items():
+        (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+        (workdir / name).write_text(text)
+    os.utime(workdir / "tensorboard/events.out.tfevents.9.users-own", ns=(1, 1))  # put there before the runs
+    result = run("train", "--workdir", workdir)
+    assert result.exit_code == 0, result.output
+    assert "starts afresh" in result.output and not (workdir / "checkpoints" / "step_000030").exists()
+    assert contents(workdir, users) == users
+
+
+def test_a_rerun_of_the_cpu_default_touches_nothing_through_a_symlinked_checkpoints_folder(
+        tmp_path, fake_loop, example_on_custom_config):
+    workdir, outside = tmp_path / "wd", tmp_path / "elsewhere"
+    assert run("train", "--workdir", workdir).exit_code == 0
+    write_earlier_example_run(workdir)
+    shutil.move(workdir / "checkpoints", outside)  # the same checkpoints, now reached through a symlink
+    (workdir / "checkpoints").symlink_to(outside)
+    before = sorted(str(p.relative_to(outside)) for p in outside.rglob("*"))
+    result = run("train", "--workdir", workdir)
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert sorted(str(p.relative_to(outside)) for p in outside.rglob("*")) == before
+    assert (workdir / "checkpoints").is_symlink()
+
+
+def test_the_cpu_defaults_files_are_private_under_umask_000(tmp_path, fake_loop, example_on_custom_config):
+    """Under umask 000 the run's files would be 0666: slime-cli train keeps them the user's alone."""
+    previous = os.umask(0)
+    try:
+        result = run("train", "--workdir", tmp_path / "wd")
+        assert result.exit_code == 0, result.output
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "wd").rglob("*")}
+    assert modes and {name: mode for name, mode in modes.items() if mode & 0o077} == {}
 
 
 def test_the_cpu_default_refuses_to_overwrite_files_it_did_not_write(tmp_path, fake_loop, example_on_custom_config):

@@ -3,8 +3,11 @@ run's logs set aside (never deleted, never mixed in) and given back when that ru
 
 import json
 
+import pytest
+
+from slime_rl.core.config import ConfigError
 from slime_rl.core.run.metrics import MetricsLogger
-from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
+from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, record_logs, rollout_state_dir
 
 
 def steps(path):
@@ -73,20 +76,70 @@ def test_a_fresh_run_sets_an_earlier_runs_logs_aside_and_a_resumed_one_gets_its_
     assert claim_logging_dir(log_dir, first, resuming=True) == []  # its own: nothing moves
 
 
-def test_logs_from_before_run_ids_are_a_resumed_runs_own_and_an_earlier_run_to_a_fresh_one(tmp_path):
+def test_logs_from_before_run_ids_are_a_resumed_runs_own_and_refused_to_a_fresh_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert claim_logging_dir(tmp_path, new_run_id(), resuming=True) == []
     assert (tmp_path / "metrics.jsonl").exists()
 
-    (tmp_path / "run.json").unlink()
-    notes = claim_logging_dir(tmp_path, new_run_id(), resuming=False)
-    assert len(notes) == 1 and not (tmp_path / "metrics.jsonl").exists()
-    (aside,) = (tmp_path / "earlier_runs").iterdir()
-    assert aside.name.startswith("unknown-") and (aside / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (tmp_path / "run.json").unlink()  # no run proves it now: a fresh run neither moves it nor writes over it
+    with pytest.raises(ConfigError, match=r"^logging.dir: .*/metrics.jsonl is not a log that this run or an earlier"
+                                          r" one proves it wrote .* move it out of .* or give this run another"):
+        claim_logging_dir(tmp_path, new_run_id(), resuming=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n' and not (tmp_path / "earlier_runs").exists()
 
 
-def test_an_unreadable_owner_file_counts_as_no_owner(tmp_path):
+def test_an_unreadable_owner_file_proves_nothing(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "run.json").write_text("{torn")
-    assert len(claim_logging_dir(tmp_path, new_run_id(), resuming=False)) == 1
-    assert json.loads((tmp_path / "run.json").read_text())["run_id"]
+    with pytest.raises(ConfigError, match="metrics.jsonl is not a log"):
+        claim_logging_dir(tmp_path, new_run_id(), resuming=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_the_users_own_logs_are_never_moved_and_the_ones_in_the_way_are_refused(tmp_path):
+    """The user's own files under a run's log names: with nothing in the way, left where they are (and
+    not taken for the run's by the next one); a name the run writes again, refused in one line."""
+    users = {"tensorboard/events.out.tfevents.1.users-own": "mine", "rollouts/step_000001.jsonl": "my samples"}
+    for name, text in users.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=r"rollouts/step_000001.jsonl is not a log"):
+        claim_logging_dir(tmp_path, new_run_id(), resuming=False)
+    (tmp_path / "rollouts" / "step_000001.jsonl").rename(tmp_path / "mine.jsonl")
+
+    first = new_run_id()
+    assert claim_logging_dir(tmp_path, first, resuming=False) == []
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # what the run writes
+    (tmp_path / "tensorboard" / "events.out.tfevents.2.run").write_text("run's")
+    record_logs(tmp_path)
+    (tmp_path / "tensorboard" / "events.out.tfevents.1.users-own").write_text("mine, changed during the run")
+
+    notes = claim_logging_dir(tmp_path, new_run_id(), resuming=False)
+    aside = tmp_path / "earlier_runs" / first
+    assert len(notes) == 1 and sorted(p.name for p in aside.rglob("*") if p.is_file()) == [
+        "events.out.tfevents.2.run", "metrics.jsonl", "run.json"]
+    assert (tmp_path / "tensorboard" / "events.out.tfevents.1.users-own").read_text() == "mine, changed during the run"
+
+
+def test_a_log_the_user_put_in_place_of_the_runs_is_not_the_runs(tmp_path):
+    first = new_run_id()
+    claim_logging_dir(tmp_path, first, resuming=False)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    record_logs(tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "metrics.jsonl").write_text("the user's own, another file of the same name\n")
+    with pytest.raises(ConfigError, match="metrics.jsonl is not a log"):
+        claim_logging_dir(tmp_path, new_run_id(), resuming=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == "the user's own, another file of the same name\n"
+
+
+def test_a_log_name_that_is_a_symlink_is_refused_and_not_followed(tmp_path):
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("elsewhere\n")
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "metrics.jsonl").symlink_to(outside)
+    (log_dir / "run.json").write_text(json.dumps({"run_id": "20260101-000000-abcdef"}))  # an old run.json
+    with pytest.raises(ConfigError, match="metrics.jsonl is not a log"):
+        claim_logging_dir(log_dir, new_run_id(), resuming=False)
+    assert (log_dir / "metrics.jsonl").is_symlink() and outside.read_text() == "elsewhere\n"

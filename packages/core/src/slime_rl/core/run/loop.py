@@ -23,6 +23,7 @@ from slime_rl.core.config.builtin_models import resolve_model_paths
 from slime_rl.core.config.dtype import resolve_model_dtype
 from slime_rl.core.config.placement import Placement, plan_placement
 from slime_rl.core.infra.net import LOOPBACK, free_port
+from slime_rl.core.infra.private_files import keep_files_private
 from slime_rl.core.infra.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.infra.ray_placement import Reservation, reserve
 from slime_rl.core.infra.stall import Party, StallBounds, StallWatch
@@ -30,7 +31,7 @@ from slime_rl.core.run import checkpoint, folder_lock
 from slime_rl.core.run.actors import BatchRefs, RolloutWorker, TrainerWorker
 from slime_rl.core.run.metrics import MetricsLogger, phase
 from slime_rl.core.run.resume_check import check_resume, data_identity
-from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, rollout_state_dir
+from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, record_logs, rollout_state_dir
 from slime_rl.core.run.stopping import ending_on_signals
 from slime_rl.core.weights.sync import WeightSync
 
@@ -177,6 +178,7 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
         logger = MetricsLogger(cfg.logging.dir, tensorboard=cfg.logging.tensorboard,
                                wandb_project=cfg.logging.wandb_project, config=cfg.to_dict(),
                                resume_step=resumed[1]["step"] if resumed is not None else None)
+        record_logs(cfg.logging.dir)  # run.json lists the logs this run writes (run_dir.py), from the first
         step = summary["start_step"] = _resume(run, resumed)
         notify("start", {"start_step": step, "num_steps": cfg.data.num_rollout, "startup_s": time.perf_counter() - started})
         last_eval = _evaluate(run, step, logger, notify) if cfg.eval.prompt_data else None
@@ -243,6 +245,7 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
                     _save(run, step)
                 last_save = step
             logger.log(step, {**metrics, **timings})
+            record_logs(cfg.logging.dir)
             notify("step", {"step": step, "metrics": {**metrics, **timings}})
             if rollout.exhausted:
                 break
@@ -254,6 +257,7 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
         if (cfg.checkpoint.save_interval or cfg.checkpoint.save_dir) and last_save != step:
             _save(run, step)
         logger.close()
+        record_logs(cfg.logging.dir)
         run.ask_rollout("shutdown", run.rollout.shutdown.remote())
         summary.update(steps=step, elapsed_s=time.perf_counter() - started, metrics_file=str(logger.jsonl_path))
         notify("done", summary)
@@ -265,6 +269,7 @@ def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
     is wrong and the way on), a fresh run overwrites nothing, Ray's network is safe, model.dtype is
     concrete (config/dtype.py: every backend builds in it), and the logging folder is this run's.
     Returns the checkpoint to resume and the run id."""
+    keep_files_private()  # before anything is written; Ray's processes inherit it (infra/private_files.py)
     save_dir = cfg.checkpoint_dir
     if not cfg.checkpoint.resume or save_dir.is_dir():  # (a resume from nowhere is refused just below)
         folder_lock.claim("checkpoint.save_dir", save_dir)  # another run's is refused before anything reads it

@@ -264,6 +264,9 @@ def _report(status: dict) -> None:
 
 def main() -> None:
     global _status_fd
+    # The run's processes keep umask 077 (core/infra/private_files.py); the new root's folders and
+    # binds must stay traversable by the call's unprivileged uid, as before.
+    os.umask(0o022)
     job = json.loads(sys.stdin.buffer.read())
     _status_fd = job["status_fd"]
     try:
