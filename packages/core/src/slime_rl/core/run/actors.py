@@ -35,6 +35,7 @@ from slime_rl.core.infra.net import is_loopback, use_interface_of
 from slime_rl.core.infra.plugins import load_attr, load_plugin
 from slime_rl.core.infra.private_files import keep_files_private
 from slime_rl.core.infra.ray_cluster import KeepsInitMistake, keep_init_mistake
+from slime_rl.core.run import disk_full
 from slime_rl.core.run.fully_async import FullyAsyncRollout
 from slime_rl.core.run.metrics import phase
 from slime_rl.core.run.rollout import RolloutRunner
@@ -168,10 +169,12 @@ class TrainerWorker(KeepsInitMistake):
         self.sender.send(self.trainer.named_weights(bucket_bytes), handle, version=version, transport=transport)
 
     def save(self, path: str) -> None:
-        self.trainer.save(path)
+        with disk_full.named_in(path):  # ENOSPC said as such: torch's error loses it on its way to the driver
+            self.trainer.save(path)
 
     def save_hf(self, path: str) -> None:
-        self.trainer.save_hf(path)
+        with disk_full.named_in(path):
+            self.trainer.save_hf(path)
 
     def load(self, path: str) -> None:
         self.trainer.load(path)

@@ -27,7 +27,7 @@ from slime_rl.core.infra.private_files import keep_files_private
 from slime_rl.core.infra.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.infra.ray_placement import Reservation, reserve
 from slime_rl.core.infra.stall import Party, StallBounds, StallWatch
-from slime_rl.core.run import checkpoint, folder_lock
+from slime_rl.core.run import checkpoint, disk_full, folder_lock
 from slime_rl.core.run.actors import BatchRefs, RolloutWorker, TrainerWorker
 from slime_rl.core.run.metrics import MetricsLogger, phase
 from slime_rl.core.run.resume_check import check_resume, data_identity
@@ -416,13 +416,15 @@ def _rendezvous_address(reservation: Reservation, watch: StallWatch) -> tuple[st
 def _save(run: Run, step: int) -> None:
 
     folder = checkpoint.prepare(run.cfg.checkpoint_dir, step, run.run_id)  # a folder this run made
-    run.actor.save(str(folder / "actor"))
-    if run.cfg.checkpoint.save_hf:  # an HF folder beside it (with trainer.lora: a PEFT adapter folder)
-        run.actor.save_hf(str(folder / "hf"))
-    if run.critic is not None:
-        run.critic.save(str(folder / "critic"))
-    state = run.ask_rollout("save", run.rollout.state_dict.remote())
-    # model_dtype: what auto resolved to; config and data: what a resume compares with (resume_check.py)
-    meta = {"rollout_state": state, "run_id": run.run_id, "model_dtype": run.cfg.model.dtype,
-            "config": run.cfg.to_dict(), "data": data_identity(run.cfg)}
-    checkpoint.commit(run.cfg.checkpoint_dir, step, meta, keep_last=run.cfg.checkpoint.keep_last)
+    needs = ("actor", *(("hf",) if run.cfg.checkpoint.save_hf else ()), *(("critic",) if run.critic else ()))
+    with disk_full.save_guard(folder, run.cfg.checkpoint_dir):  # a full disk: one line, no partial folder
+        run.actor.save(str(folder / "actor"))
+        if run.cfg.checkpoint.save_hf:  # an HF folder beside it (with trainer.lora: a PEFT adapter folder)
+            run.actor.save_hf(str(folder / "hf"))
+        if run.critic is not None:
+            run.critic.save(str(folder / "critic"))
+        state = run.ask_rollout("save", run.rollout.state_dict.remote())
+        # model_dtype: what auto resolved to; config and data: what a resume compares with (resume_check.py)
+        meta = {"rollout_state": state, "run_id": run.run_id, "model_dtype": run.cfg.model.dtype,
+                "config": run.cfg.to_dict(), "data": data_identity(run.cfg)}
+        checkpoint.commit(run.cfg.checkpoint_dir, step, meta, keep_last=run.cfg.checkpoint.keep_last, needs=needs)
