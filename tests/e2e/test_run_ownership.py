@@ -16,7 +16,7 @@ from slime_rl.core.config import load_config
 from slime_rl.core.run import checkpoint
 
 UNRELATED = ("notes.txt", "mine/data.jsonl", "checkpoints/README.txt", "rollout_state/keep.txt", "rollouts/keep.txt",
-             "tensorboard/keep.txt")
+             "tensorboard/keep.txt", "tensorboard/events.out.tfevents.0.users-own")  # the last named as a run's
 
 
 def put_unrelated_files(folder: Path) -> dict[str, str]:
@@ -49,8 +49,9 @@ def test_the_example_folder_keeps_unrelated_files_through_runs_a_resume_and_a_ty
             "trainer.megatron.recompute=false", "logging.save_rollouts=true"]
 
     def slime_cli(*args: str) -> subprocess.CompletedProcess:
+        # umask 000: the run's files would be 0666 if it took the process's umask (they hold samples and weights)
         return subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", "--workdir", str(workdir), *args],
-                              capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+                              capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path, umask=0)
 
     def check(result: subprocess.CompletedProcess, code: int = 0) -> None:
         assert result.returncode == code, result.stdout[-3000:] + result.stderr[-3000:]
@@ -61,6 +62,10 @@ def test_the_example_folder_keeps_unrelated_files_through_runs_a_resume_and_a_ty
     first_id = json.loads((workdir / "run.json").read_text())["run_id"]
     _, meta = checkpoint.latest(workdir / "checkpoints")
     assert meta["step"] == 1 and meta["run_id"] == first_id
+    made_here = {Path(name) for name in UNRELATED} | {Path(name).parent for name in UNRELATED}
+    runs_own = [p for p in workdir.rglob("*") if p.relative_to(workdir) not in made_here]
+    assert {"metrics.jsonl", "run.json", "meta.json", "owner.json", "buffer.sqlite"} <= {p.name for p in runs_own}
+    assert [p for p in runs_own if p.stat().st_mode & 0o077] == []  # folders 0700, files 0600 at most
 
     again = slime_cli(*tiny, "data.num_rollout=2")  # a plain re-run: afresh, the first run's output gone
     check(again)
