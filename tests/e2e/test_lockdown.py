@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -50,10 +51,13 @@ def steps_done(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def start_run(args: list[str], env: dict[str, str], run_dir: Path, steps: int = 1) -> subprocess.Popen:
-    """The driver, once it has trained ``steps`` steps (so every process of the run is up)."""
-    driver = subprocess.Popen([sys.executable, "-c", TRAIN, *args], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+def start_run(args: list[str], env: dict[str, str], run_dir: Path, steps: int = 1,
+              cli_config: Path | None = None) -> subprocess.Popen:
+    """The driver, once it has trained ``steps`` steps (so every process of the run is up); with
+    ``cli_config``, `slime-cli train` on that config (``args`` then written into it)."""
+    command = ([sys.executable, "-m", "slime_rl.cli.app", "train", str(write_yaml(cli_config, args))]
+               if cli_config is not None else [sys.executable, "-c", TRAIN, *args])
+    driver = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while steps_done(run_dir) < steps:
         if driver.poll() is not None:
@@ -115,7 +119,8 @@ def test_a_local_run_listens_on_loopback_only_and_ray_wants_the_token(tiny_model
     home.mkdir()
     planted = plant_dead_run_leftovers()
     run_dir = tmp_path / "run"
-    driver = start_run(overrides(tiny_model_dir, tmp_path, num_rollout=40), clean_env(home), run_dir)
+    driver = start_run(overrides(tiny_model_dir, tmp_path, num_rollout=40), clean_env(home), run_dir,
+                       cli_config=tmp_path / "config.yaml")
     try:
         processes = tree(driver.pid)
         found = listeners(processes)
@@ -140,10 +145,51 @@ def test_a_local_run_listens_on_loopback_only_and_ray_wants_the_token(tiny_model
         (ray_tmp,) = ray_folder_of(driver.pid)
         assert stat.S_IMODE(ray_tmp.stat().st_mode) == 0o700
         assert [p for p in planted if p.exists()] == []
+
+        # SIGTERM ends it with its final line, and every process and folder of the run goes.
+        line = stop_with(driver, signal.SIGTERM, processes[1:])
+        assert re.fullmatch(r"error: stopped by SIGTERM during step \d+ \(\d+ done\); no checkpoint was saved, so a new"
+                            r" run starts from step 0", line), line
+        assert driver.returncode == 128 + signal.SIGTERM
+        assert not ray_tmp.exists()
     finally:
-        driver.kill()
-        driver.wait()
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
     assert not (home / ".ray").exists()  # the token never went to the user's home
+
+
+def stop_with(driver: subprocess.Popen, signum: int, processes: list[psutil.Process]) -> str:
+    """Send ``signum`` to the driver; its last stderr line, once it and every process of its run are gone."""
+    driver.send_signal(signum)
+    _, stderr = driver.communicate(timeout=120)
+    _, alive = psutil.wait_procs(processes, timeout=20)
+    assert [p.name() for p in alive] == [], f"still running after the run ended on {signal.Signals(signum).name}"
+    return stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGQUIT], ids=lambda s: signal.Signals(s).name)
+def test_a_stop_signal_ends_the_run_with_where_to_resume_and_leaves_nothing(tiny_model_dir, tmp_path, signum):
+    """SIGHUP (the terminal went) and SIGQUIT (Ctrl-\\) as SIGTERM above: one final line, 128 + the signal."""
+    run_dir = tmp_path / "run"
+    args = [*overrides(tiny_model_dir, tmp_path, num_rollout=40), "checkpoint.save_interval=1"]
+    driver = start_run(args, clean_env(tmp_path), run_dir, steps=2, cli_config=tmp_path / "config.yaml")
+    try:
+        (ray_tmp,) = ray_folder_of(driver.pid)
+        line = stop_with(driver, signum, tree(driver.pid)[1:])
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    name, save_dir = signal.Signals(signum).name, run_dir / "checkpoints"
+    found = re.fullmatch(rf"error: stopped by {name} during step (\d+) \((\d+) done\); last checkpoint: step (\d+)"
+                         rf" in {re.escape(str(save_dir))}; resume with --resume \(checkpoint.resume=true\)", line)
+    assert found, line
+    step, done, saved = (int(g) for g in found.groups())
+    assert step == done + 1 and saved >= 2 and (save_dir / "latest").read_text().strip() == f"step_{saved:06d}"
+    assert driver.returncode == 128 + signum
+    assert not ray_tmp.exists()
 
 
 @pytest.mark.slow
