@@ -19,8 +19,14 @@ _FUSED_IN_SGLANG = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
     """A tensor's checksum as SGLang's ``/weights_checker`` reports it (``weight_checker._hash_tensor``:
-    its GPU hash kernel for CUDA tensors, the first 8 bytes of SHA-256 over the raw bytes otherwise)."""
+    its GPU hash kernel for CUDA tensors, the first 8 bytes of SHA-256 over the raw bytes otherwise).
+
+    SGLang's servers hold their parameters on the GPU, so where this process has one, a host tensor (a
+    disk sync's, a CPU trainer's) is hashed there too: hashed on the host it could never match the
+    server's GPU hash (the H200 run of test_disk_sync found it). Two tensors a bucket are sampled."""
     flat = tensor.detach().contiguous()
+    if not flat.is_cuda and torch.cuda.is_available():
+        flat = flat.cuda()
     if flat.is_cuda:
         try:
             from sglang.kernels.ops.memory.gpu_tensor_hash import gpu_tensor_hash
