@@ -56,14 +56,25 @@ def kill_then_resume(tiny_model_dir: Path, tmp_path: Path, extra: list[str], row
         second = subprocess.run([sys.executable, "-c", TRAIN, *overrides, "checkpoint.resume=true"], env=env,
                                 capture_output=True, text=True, timeout=600)
         assert second.returncode == 0, second.stderr[-3000:]
+        (tmp_path / "resumed_output.txt").write_text(second.stdout + second.stderr)
     finally:
         with_suppressed_kill(first.pid)  # Ray's processes orphaned by the kill
     return run_dir, overrides
 
 
+SECRETS = ("sk-resume-inline-5b3e8a", "pw-resume-url-2f7c4d", "tok-resume-url-8a1e6b")
+
+
 @pytest.mark.slow
 def test_driver_sigkill_then_resume_skips_and_repeats_no_prompt(tiny_model_dir, tmp_path):
-    run_dir, overrides = kill_then_resume(tiny_model_dir, tmp_path, [], rows_before_kill=3)
+    """With keys in the config (issue 34, secrets): none is in any file of the run (checkpoints' meta.json
+    with its saved config, rollouts, logs) or in the resumed run's output."""
+    keys = [f"rollout.reward_api_key={SECRETS[0]}",
+            f"rollout.reward_url=http://judge:{SECRETS[1]}@127.0.0.1:9/score?token={SECRETS[2]}"]
+    run_dir, overrides = kill_then_resume(tiny_model_dir, tmp_path, keys, rows_before_kill=3)
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "prompts.jsonl"]
+    assert [(str(p), s) for p in files for s in SECRETS if s.encode() in p.read_bytes()] == []
+    assert checkpoint.latest(run_dir / "checkpoints")[1]["config"]["rollout"]["reward_api_key"] == "<redacted>"
 
     steps = [json.loads(line)["group_index"] for k in range(1, 9)
              for line in (run_dir / "rollouts" / f"step_{k:06d}.jsonl").read_text().splitlines()]
