@@ -81,6 +81,10 @@ def resolve_model_path(spec: str, cache_dir: Path | None = None) -> Path:
     target = Path(cache_dir or default_cache_dir()) / name
     if _is_complete(target):
         return target
+    if cache_dir is None:  # HOME's cache: a HOME that does not exist is refused, never created (as root it was)
+        from slime_rl.core.config.writable import check_model_cache
+
+        check_model_cache()
     gguf = _gguf_path(BUILTIN_MODELS[name])  # before touching the cache: a missing package fails cleanly
     return _convert_once(gguf, target)
 

@@ -16,6 +16,7 @@ from slime_rl.core.config.builtin_models import BUILTIN_PREFIX, MODEL_PATH_FIELD
 from slime_rl.core.config.memory import check_memory
 from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.config.schema import Config, ConfigError
+from slime_rl.core.config.writable import check_writable
 from slime_rl.core.infra.plugins import PluginError
 
 FILE_SOURCES = ("jsonl", "parquet")  # the built-in data sources, which read prompt files; a user's may read anything
@@ -141,6 +142,7 @@ def check_config(cfg: Config) -> None:
     for dotted, folder in (("logging.dir", cfg.logging.dir), ("checkpoint.save_dir", cfg.checkpoint.save_dir)):
         if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
             raise ConfigError(dotted, f"{folder} is a file; give a directory (it is created when missing)")
+    check_writable(cfg)  # and HOME for a built-in model: found before anything starts, not at the first save
     if r.reward_url is not None and not is_http_url(r.reward_url):
         raise ConfigError("rollout.reward_url", f"{r.reward_url!r} is not an http(s) URL; give http://host:port/...")
     check_sandbox(cfg)
