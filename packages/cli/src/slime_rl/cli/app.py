@@ -38,6 +38,7 @@ from slime_rl.core.infra.plugins import PluginError, check_plugin, load_function
 from slime_rl.core.infra.private_files import keep_files_private
 from slime_rl.core.run import folder_lock
 from slime_rl.core.run.data import DataError, check_data
+from slime_rl.core.run.stopping import RunStoppedError
 
 app = typer.Typer(
     name="slime-cli",
@@ -278,6 +279,8 @@ def train(
         fail(str(getattr(err, "cause", None) or err), 2)
     except KeyboardInterrupt:
         fail("interrupted", 130)
+    except RunStoppedError as err:  # SIGINT, SIGTERM, SIGHUP, SIGQUIT: where it stopped, how to go on
+        fail(str(err), err.exit_code)
     except RunFailedError as err:  # the run stopped for a reason it states: no traceback
         fail(str(err), 1)
     except Exception as err:  # a failure at run time: the traceback is the bug report
