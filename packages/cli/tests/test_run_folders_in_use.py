@@ -110,3 +110,20 @@ def test_claims_are_counted_and_released_when_the_run_ends(tmp_path):
         record = (folder / folder_lock.LOCK_FILE).read_text()
         assert f'"pid": {os.getpid()}' in record
     assert not (folder / folder_lock.LOCK_FILE).exists() and folder_lock.held_folders() == []
+
+
+def test_a_filesystem_without_locks_warns_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from slime_rl.core.run import folder_lock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with folder_lock.claims_released():
+        folder_lock.claim("logging.dir", tmp_path / "nfs")
+    assert capsys.readouterr().err == (f"slime-rl: warning: logging.dir: {tmp_path / 'nfs'} takes no file locks (No"
+                                       " locks available), so another run using it at the same time is not refused\n")
+    assert folder_lock.held_folders() == [] and not (tmp_path / "nfs" / folder_lock.LOCK_FILE).exists()

@@ -77,6 +77,10 @@ def claim(field: str, folder: str | Path) -> None:
             os.close(fd)
             raise ConfigError(field, f"{folder} is in use by another run ({_describe_owner(lock_file)}); wait"
                                      f" for it to end, or give this run another {field}") from None
+        except OSError as err:  # a filesystem without locks (some NFS setups): the run goes on, unguarded
+            print(f"slime-rl: warning: {field}: {folder} takes no file locks ({err.strerror}), so another run"
+                  " using it at the same time is not refused", file=sys.stderr, flush=True)
+            break
         # A holder that released unlinks the file: a lock on an unlinked file guards nothing, so retry.
         try:
             same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
