@@ -93,8 +93,10 @@ def test_the_same_data_at_another_path_is_honoured_and_said(tmp_path, prompts):
     meta = save_checkpoint(config(tmp_path, prompts))
     moved = tmp_path / "moved.jsonl"
     moved.write_bytes(prompts.read_bytes())
-    notes = check_resume(config(tmp_path, moved), meta, out=io.StringIO())
-    assert notes == [f"resume: data.prompt_data: {prompts} -> {moved}: honoured (the same content, sha256"
+    notes = check_resume(config(tmp_path, moved, f"eval.prompt_data={{held_out: {prompts}}}"), meta,
+                         out=io.StringIO())
+    assert notes == ["resume: eval.prompt_data.held_out: added: honoured (evaluation uses it from now on)",
+                     f"resume: data.prompt_data: {prompts} -> {moved}: honoured (the same content, sha256"
                      f" {data_identity(config(tmp_path, moved))['data.prompt_data']['sha256'][:12]})"]
 
 

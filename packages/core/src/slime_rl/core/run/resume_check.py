@@ -150,7 +150,11 @@ def _compare_data(cfg: Config, saved: Any) -> tuple[list[str], list[str]]:
         return (["resume: the checkpoint does not identify its data by content; data.prompt_data is not"
                  " checked"], [])
     notes, refused = [], []
-    for key, now in data_identity(cfg).items():
+    current = data_identity(cfg)
+    for key in sorted(set(saved) ^ set(current)):  # an eval set added or removed
+        notes.append(f"resume: {key}: {'added' if key in current else 'removed'}: honoured (evaluation uses it"
+                     " from now on)")
+    for key, now in current.items():
         then = saved.get(key)
         if not isinstance(then, dict) or now is None or then.get("sha256") == now["sha256"]:
             if isinstance(then, dict) and now is not None and then.get("path") != now["path"]:
