@@ -114,8 +114,9 @@ def claim_logging_dir(log_dir: str | Path, run_id: str, *, resuming: bool) -> li
             aside = _unused(log_dir / EARLIER_RUNS / str(record.run_id))
             _move(proven, log_dir, aside)
             moved = [aside / p.relative_to(log_dir) for p in proven]
+            # every file moved is listed; one that shows up there later is no run's
             _write(aside, RunRecord(record.run_id, {_rel(p, aside): _identity(p) or [] for p in moved},
-                                    record.started_ns or 0))
+                                    time.time_ns()))
             notes.append(f"logging.dir {log_dir} held the logs of an earlier run ({', '.join(_names(proven, log_dir))});"
                          f" moved them to {aside}")
         own, mine, started = [], log_dir / EARLIER_RUNS / run_id, time.time_ns()
