@@ -105,3 +105,17 @@ def test_a_fresh_run_refuses_a_save_dir_whose_latest_was_removed(tmp_path):
                       check=False)
     with pytest.raises(ConfigError, match=r"checkpoint.save_dir: .* earlier run \(step_000004, without a latest\)"):
         train(cfg)  # before Ray or any backend starts
+
+
+def test_a_resume_refuses_a_later_step_folder_it_did_not_make_before_it_starts(tmp_path):
+    from slime_rl.core.config import ConfigError, load_config
+    from slime_rl.core.run.loop import train
+
+    _save_as(tmp_path / "ckpt", 4, "run-a")
+    _save_as(tmp_path / "ckpt", 8, "run-b")  # another run's, beside it
+    (tmp_path / "ckpt" / "latest").write_text("step_000004")
+    cfg = load_config(None, [f"checkpoint.save_dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'run'}",
+                             "checkpoint.resume=true"], check=False)
+    with pytest.raises(ConfigError, match=r"step_000008: was made by run run-b, not by the run resumed \(run-a\)"):
+        train(cfg)  # at once, not at step 8's save
+    checkpoint.check_steps_ahead(tmp_path / "ckpt", 8, "run-a")  # nothing of another's ahead of step 8

@@ -164,6 +164,19 @@ def earlier_run(save_dir: str | Path) -> str | None:
     return None
 
 
+def check_steps_ahead(save_dir: str | Path, step: int, run_id: str | None) -> None:
+    """Before a resume from ``step`` starts: every step folder it may write into later is one this run
+    made (see prepare), so that it is refused now, in one line, not at the save after hours of training.
+    (``run_id`` None: a checkpoint from before run ids, resumed under a new one, which made none.)"""
+    for folder in sorted(Path(save_dir).glob("step_*")):
+        later = (_step_of(folder) or 0) > step
+        if later and (folder.is_symlink() or run_id is None or folder_owner(folder) != run_id):
+            owner = None if folder.is_symlink() else folder_owner(folder)
+            made_by = f"run {owner}" if owner else "no slime-rl run (it has no owner.json)"
+            raise CheckpointError(str(folder), f"was made by {made_by}, not by the run resumed ({run_id}), and this"
+                                  f" run would save into it; move it out of {Path(save_dir)}")
+
+
 def latest_name(save_dir: str | Path) -> str | None:
     """What ``<save_dir>/latest`` says (whether or not that checkpoint is usable); None without one."""
     pointer = Path(save_dir) / "latest"

@@ -274,6 +274,8 @@ def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
     if not cfg.checkpoint.resume or save_dir.is_dir():  # (a resume from nowhere is refused just below)
         folder_lock.claim("checkpoint.save_dir", save_dir)  # another run's is refused before anything reads it
     resumed = checkpoint.resume_point(save_dir) if cfg.checkpoint.resume else None
+    if resumed is not None:  # the later step folders it will save into are its own (checkpoint.prepare)
+        checkpoint.check_steps_ahead(save_dir, resumed[1]["step"], resumed[1].get("run_id"))
     previous = checkpoint.earlier_run(save_dir)  # its latest, or step folders whose latest was removed
     if previous is not None and not cfg.checkpoint.resume:
         raise ConfigError(
