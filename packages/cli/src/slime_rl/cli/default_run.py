@@ -94,6 +94,7 @@ def foreign_files(workdir: Path) -> list[str]:
         written = json.loads((workdir / MARKER).read_text()).get("sha256", {})
     except (OSError, ValueError, AttributeError):
         written = {}
+    written = written if isinstance(written, dict) else {}
     return [name for name in PREPARED_FILES
             if ((workdir / name).exists() or (workdir / name).is_symlink()) and not _is_examples(workdir, name, written)]
 
@@ -101,7 +102,7 @@ def foreign_files(workdir: Path) -> list[str]:
 def _is_examples(workdir: Path, name: str, written: dict) -> bool:
     """The file is what the example wrote (the marker's hash) or would write (its data; an old config)."""
     path = workdir / name
-    if path.is_symlink():
+    if path.is_symlink() or not path.is_file():
         return False
     if written.get(name) == _sha256(path):
         return True
