@@ -42,7 +42,8 @@ def test_pickle_round_trip_keeps_type_message_and_fields(module, name):
     assert issubclass(cls, BaseException)
     params = [p for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
               if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    args = [f"{p.name} value" for p in params] or ["what went wrong and the fix"]
+    # an int field (a signal's number, a count) gets a valid int; every other one a string naming it
+    args = [2 if p.annotation in (int, "int") else f"{p.name} value" for p in params] or ["what went wrong and the fix"]
     err = cls(*args)
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is cls

@@ -36,6 +36,9 @@ class Stopped(BaseException):  # noqa: N818  (like KeyboardInterrupt: no `except
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.signum,)
+
 
 class RunStoppedError(RunFailedError):
     """The run ended on a signal; ``str(err)`` is the final line, ``exit_code`` is 128 + the signal's number."""
