@@ -118,6 +118,7 @@ def test_package_installs_with_core_and_imports(folder, package_installs):
                               capture_output=True, text=True, timeout=300)
         assert plan.returncode == 2, plan.stderr[-2000:]
         assert plan.stderr.strip().splitlines() == [plan.stderr.strip()]
-        assert plan.stderr.startswith("error: trainer.backend: ") and "pip install slime-rl-trainer-megatron" in plan.stderr
+        # the first backend the config names that is not installed: its section's line says what to install
+        assert plan.stderr.startswith("error: rollout.sglang: ") and "pip install slime-rl-rollout-sglang" in plan.stderr
     else:
         assert report["entry_points"], f"{folder} registers no slime_rl entry point"

@@ -270,6 +270,7 @@ def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
     concrete (config/dtype.py: every backend builds in it), and the logging folder is this run's.
     Returns the checkpoint to resume and the run id."""
     keep_files_private()  # before anything is written; Ray's processes inherit it (infra/private_files.py)
+    check_ray_environment()  # Ray's network and authentication: refused before anything is written
     save_dir = cfg.checkpoint_dir
     if not cfg.checkpoint.resume or save_dir.is_dir():  # (a resume from nowhere is refused just below)
         folder_lock.claim("checkpoint.save_dir", save_dir)  # another run's is refused before anything reads it
@@ -284,7 +285,6 @@ def _check_start(cfg: Config) -> tuple[tuple[Path, dict[str, Any]] | None, str]:
             " it with --resume (checkpoint.resume=true), or give this run another checkpoint.save_dir",
         )
     folder_lock.claim("logging.dir", Path(cfg.logging.dir))  # its rollout state and weight folders too
-    check_ray_environment()  # Ray's network and authentication: refused before anything is written
     if note := resolve_model_dtype(cfg, resumed[1] if resumed is not None else None):
         print(f"slime-rl: {note}", file=sys.stderr, flush=True)
     if resumed is not None:  # every change since the checkpoint: honoured (said) or refused (named, the fix)
