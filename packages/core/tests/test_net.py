@@ -44,3 +44,17 @@ def test_plain_tcpstore_listens_everywhere_bound_store_on_loopback_only():
 def test_all_interfaces_are_refused(host):
     with pytest.raises(ValueError, match="refusing to listen on all interfaces"):
         listening_socket(host)
+
+
+def test_a_port_to_bind_later_lies_below_the_ephemeral_range_and_is_free():
+    """A rendezvous port chosen now and bound seconds later in another process: no bind to port 0 can
+    take it meanwhile, because those draw from the ephemeral range only."""
+    from slime_rl.core.infra.net import ephemeral_port_range, listening_socket, port_to_bind_later
+
+    low, high = ephemeral_port_range()
+    assert 1024 < low < high
+    ports = {port_to_bind_later() for _ in range(20)}
+    assert all(port < low for port in ports)
+    for port in list(ports)[:3]:
+        with listening_socket("127.0.0.1", port):  # free to bind now
+            pass

@@ -11,9 +11,11 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import random
 import socket
 import struct
 from datetime import timedelta
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
@@ -37,6 +39,35 @@ def free_port(host: str = LOOPBACK) -> int:
     """A port the OS reports free on ``host`` right now (bind to port 0)."""
     with listening_socket(host) as sock:
         return sock.getsockname()[1]
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out for a bind to port 0 or an outgoing connection."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def port_to_bind_later(host: str = LOOPBACK) -> int:
+    """A port free on ``host`` now, for a server that binds it seconds later in another process (the
+    trainer ranks' rendezvous store). Picked below the ephemeral range, so no bind to port 0 and no
+    outgoing connection meanwhile (an engine's server, Ray's workers) can take it: one from `free_port`
+    was taken so in a CI run ("Address already in use" at the store). Falls back to `free_port` where
+    that range leaves no room below it."""
+    low, _ = ephemeral_port_range()
+    first = max(10000, low - 12000)
+    for _ in range(64):
+        port = random.randrange(first, low) if first < low else 0
+        if port == 0:
+            break
+        try:
+            with listening_socket(host, port):
+                return port
+        except OSError:  # in use: another try
+            continue
+    return free_port(host)
 
 
 def interface_of(address: str) -> str | None:

@@ -22,7 +22,7 @@ from slime_rl.core.config import Config, ConfigError, RunFailedError
 from slime_rl.core.config.builtin_models import resolve_model_paths
 from slime_rl.core.config.dtype import resolve_model_dtype
 from slime_rl.core.config.placement import Placement, plan_placement
-from slime_rl.core.infra.net import LOOPBACK, free_port
+from slime_rl.core.infra.net import LOOPBACK, port_to_bind_later
 from slime_rl.core.infra.private_files import keep_files_private
 from slime_rl.core.infra.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.infra.ray_placement import Reservation, reserve
@@ -403,12 +403,12 @@ def _rendezvous_address(reservation: Reservation, watch: StallWatch) -> tuple[st
     import ray
 
     if reservation.group is None:
-        return LOOPBACK, free_port()
+        return LOOPBACK, port_to_bind_later()
     one_node = len({r.node for r in reservation.plan.trainer}) == 1
 
     def address() -> tuple[str, int]:
         host = LOOPBACK if one_node else ray.util.get_node_ip_address()
-        return host, free_port(host)
+        return host, port_to_bind_later(host)
 
     options = reservation.trainer_options(0)
     options.pop("num_gpus", None)  # a lookup: it needs the node, not the GPU
