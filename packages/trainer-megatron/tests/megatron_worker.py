@@ -233,7 +233,32 @@ def run_grouped_experts_kernel(spec: dict) -> dict:
     return result
 
 
-SCENARIOS = {"train": run_scenario, "hf_parity": run_hf_parity, "offload": run_offload,
+def run_packed_kernels(spec: dict) -> dict:
+    """Packed micro-batches through each kernel of ``spec["kernels"]`` (trainer.megatron.packed_attention),
+    each from the same initial weights: log-probs before and after one GRPO step, and that step's metrics."""
+    from megatron_testlib import make_config, make_samples, per_sample
+
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    samples = make_samples(spec["num_samples"], spec["vocab"], prompt=tuple(spec["prompt"]),
+                           response=tuple(spec["response"]))
+    result: dict = {}
+    for kernel in spec["kernels"]:
+        overrides = [*spec.get("overrides", []), f"trainer.megatron.packed_attention={kernel}"]
+        trainer = MegatronTrainer.from_config(make_config(Path(spec["model"]), overrides))
+        batch = shard_for(trainer, samples)
+        before = trainer.compute_log_probs(batch)
+        batch.old_log_probs = before
+        metrics = trainer.train_step(batch)
+        after = trainer.compute_log_probs(batch)
+        result[kernel] = {"before": per_sample(batch, before), "after": per_sample(batch, after), "metrics": metrics}
+        del trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return result
+
+
+SCENARIOS = {"train": run_scenario, "packed_kernels": run_packed_kernels, "hf_parity": run_hf_parity, "offload": run_offload,
              "nonfinite_on_one_rank": run_nonfinite_on_one_rank, "grouped_experts_kernel": run_grouped_experts_kernel}
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from megatron_testlib import (
     ensure_single_rank_group,
     hf_response_log_probs,
@@ -125,20 +126,16 @@ def test_unsupported_models_and_layouts_get_clear_errors(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_core_attention_padded_and_packed_match_reference(dtype, tmp_path):
-    """SDPAttention: causal within each sequence, GQA, for the padded layout and both packed
-    paths (the CPU's scatter into a padded batch and the per-sequence calls CUDA uses)."""
-    import dataclasses
-
+def test_core_attention_padded_and_packed_match_reference(dtype, tmp_path, monkeypatch):
+    """SDPAttention: causal within each sequence, GQA, for the padded layout and every packed kernel
+    (the scatter into a padded batch, one call per sequence, and flash varlen's arguments as our
+    adapter builds them, here through a CPU stand-in of the kernel: the real one is CUDA-only and
+    test_megatron_gpu.py checks it against the per-sequence path)."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from slime_rl.trainer_megatron.model import (
-        SDPAttention,
-        hf_model_shape,
-        packed_seq_params,
-        read_hf_config,
-        transformer_config,
-    )
+    from slime_rl.trainer_megatron import attention
+    from slime_rl.trainer_megatron.attention import SDPAttention, packed_seq_params
+    from slime_rl.trainer_megatron.model import hf_model_shape, read_hf_config, transformer_config
 
     model_dir = make_hf_model(tmp_path / "m", "llama", vocab=VOCAB, hidden=64, heads=4, kv_heads=2)
     trainer_for(model_dir)  # the process group and Megatron's parallel state
@@ -170,11 +167,64 @@ def test_core_attention_padded_and_packed_match_reference(dtype, tmp_path):
 
     # packed: [t, n, d]
     packed = [torch.cat([s[i] for s in seqs]).to(dtype) for i in range(3)]
-    params = packed_seq_params(lens, torch.device("cpu"))
-    per_sequence = dataclasses.replace(params, pad_index=None, pad_shape=None)
-    for p in (params, per_sequence):
-        out = attn(*packed, None, packed_seq_params=p)
-        assert torch.allclose(out.double(), torch.cat(expected), atol=tol)
+    params = packed_seq_params(lens)
+    monkeypatch.setattr(attention, "varlen_applies", lambda query, dropout: True)
+    calls = []
+    for flagged in (True, False):  # torch 2.13's signature (enable_gqa), and 2.11's without the flag
+        monkeypatch.setattr(attention, "_varlen_function", lambda f=flagged: _cpu_varlen_standin(calls, f))
+        monkeypatch.setattr(attention, "_GQA_WITHOUT_FLAG", None)
+        for kernel in ("padded", "per_sequence", "varlen"):
+            attn.config.packed_attention = kernel
+            out = attn(*packed, None, packed_seq_params=params)
+            assert out.shape == (sum(lens), 4 * 16)
+            assert torch.allclose(out.double(), torch.cat(expected), atol=tol), kernel
+    # one call each for the whole row; K/V never repeated where the flag says GQA; without the flag the
+    # first call with unrepeated K/V raised (as a kernel without GQA would) and the adapter repeated them
+    assert [(heads, n) for heads, n, _ in calls] == [(2, 1), (2, "refused"), (4, 1)]
+    assert all(cu.dtype == torch.int32 and cu.tolist() == [0, 5, 6, 15] for *_, cu in calls)
+
+
+def _cpu_varlen_standin(calls: list, gqa_flag: bool):
+    """``varlen_attn``'s contract on the CPU (torch 2.11's keywords: ``window_size``, ``scale``; with
+    ``gqa_flag`` 2.13's ``enable_gqa``), so the adapter's arguments can be checked without CUDA."""
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                    enable_gqa=False):
+        assert window_size == (-1, 0) and max_q == max_k == int(cu_seq_q.diff().max()) and cu_seq_k is cu_seq_q
+        if key.shape[1] != query.shape[1] and not (gqa_flag and enable_gqa):
+            calls.append((key.shape[1], "refused", cu_seq_q))
+            raise RuntimeError("number of heads in key/value must equal the query's")
+        calls.append((key.shape[1], 1, cu_seq_q))
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        bounds = cu_seq_q.tolist()
+        return torch.cat([
+            F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (query, key, value)), is_causal=True,
+                                           scale=scale).transpose(0, 1)
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+
+    names = {"scale", "window_size"} | ({"enable_gqa"} if gqa_flag else set())
+    return varlen_attn, frozenset(names)
+
+
+def test_auto_packed_kernel_is_padded_on_the_cpu_and_never_pads_a_long_tail_on_cuda():
+    from types import SimpleNamespace
+
+    from slime_rl.trainer_megatron.attention import choose_packed_kernel, packed_seq_params
+
+    short = packed_seq_params([40] * 127 + [48])
+    tail = packed_seq_params([8000] + [200] * 127)
+
+    def query(where: str, dtype: torch.dtype, params) -> SimpleNamespace:  # what the choice reads of a query
+        return SimpleNamespace(device=torch.device(where), dtype=dtype, shape=(sum(params.seq_lens), 2, 16))
+
+    for params in (short, tail):
+        assert choose_packed_kernel("auto", query("cpu", torch.bfloat16, params), params, 0.0) == "padded"
+    assert choose_packed_kernel("per_sequence", query("cpu", torch.bfloat16, short), short, 0.0) == "per_sequence"
+    with pytest.raises(ValueError, match="trainer.megatron.packed_attention: varlen needs CUDA"):
+        choose_packed_kernel("varlen", query("cpu", torch.bfloat16, short), short, 0.0)
+    # fp32 on CUDA has no flash varlen: pad short rows, but 128 x 8000 would be 23x the 33k real tokens
+    assert choose_packed_kernel("auto", query("cuda", torch.float32, short), short, 0.0) == "padded"
+    assert choose_packed_kernel("auto", query("cuda", torch.float32, tail), tail, 0.0) == "per_sequence"
 
 
 def test_compiled_rope_takes_transformer_engines_place_with_the_same_values(tmp_path):

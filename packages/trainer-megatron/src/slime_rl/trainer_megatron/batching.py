@@ -2,9 +2,10 @@
 per-token loss inputs.
 
 ``micro_batches`` groups the shard's samples either ``micro_batch_size`` at a time (sorted by
-length, padded to the longest) or, with a token budget (``max_tokens_per_gpu``),
-first-fit-decreasing into packed sequences. The model's inputs and the per-token gathers are
-built with tensor ops from the shard's flat ``tokens`` and offsets: no per-token Python.
+length, padded to the longest) or, with a token budget (``max_tokens_per_gpu``), into as many
+packed sequences as first-fit-decreasing needs, balanced by compute. The model's inputs and the
+per-token gathers are built with tensor ops from the shard's flat ``tokens`` and offsets: no
+per-token Python.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from slime_rl.core.batch import RolloutBatch
-from slime_rl.trainer_megatron.model import PackedSequences, packed_seq_params
+from slime_rl.trainer_megatron.attention import PackedSequences, packed_seq_params
 
 
 @dataclass
@@ -43,15 +44,41 @@ def check_batch(batch: RolloutBatch) -> None:
         raise ValueError(f"batch row {i} (sample {int(batch.sample_ids[i])}): {what}")
 
 
-def group_rows(lengths: list[int], *, micro_batch_size: int, max_tokens: int | None) -> list[list[int]]:
+def sample_costs(lengths: list[int], attention_weight: float = 0.0) -> list[float]:
+    """Relative compute of each sample: its tokens, plus causal attention's share, which grows with
+    the sample's own length (``attention_weight``: model.attention_cost_weight; 0 counts tokens only)."""
+    return [n * (1.0 + attention_weight * n) for n in lengths]
+
+
+def group_rows(lengths: list[int], *, micro_batch_size: int, max_tokens: int | None,
+               attention_weight: float = 0.0) -> list[list[int]]:
     """Split rows ``0..len(lengths)-1`` into micro-batches: by count (sorted by length to limit
-    padding) or by a token budget."""
+    padding) or by a token budget. With a budget: as few micro-batches as first-fit-decreasing packs,
+    with the samples dealt out costliest first, each to the micro-batch of least cost that still has
+    room, so that no micro-batch (and no pipeline stage waiting on it) holds a long tail of work the
+    others do not. A sample over the budget gets a micro-batch of its own."""
     by_length = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     if max_tokens is None:
         return [by_length[k : k + micro_batch_size] for k in range(0, len(by_length), micro_batch_size)]
+    packed = _first_fit_decreasing(lengths, by_length, max_tokens)
+    costs = sample_costs(lengths, attention_weight)
+    bins: list[list[int]] = [[] for _ in packed]
+    room, load = [max_tokens] * len(packed), [0.0] * len(packed)
+    for i in sorted(range(len(lengths)), key=lambda i: (-costs[i], i)):
+        fits = [b for b in range(len(bins)) if lengths[i] <= room[b] or not bins[b]]
+        if not fits:
+            return packed  # balancing would need another micro-batch: fewer, fuller ones win
+        b = min(fits, key=lambda b: (load[b], b))
+        bins[b].append(i)
+        room[b] -= lengths[i]
+        load[b] += costs[i]
+    return bins
+
+
+def _first_fit_decreasing(lengths: list[int], by_length: list[int], max_tokens: int) -> list[list[int]]:
     bins: list[list[int]] = []
     room: list[int] = []
-    for i in by_length:  # first fit decreasing; a sample over the budget gets a bin of its own
+    for i in by_length:
         n = lengths[i]
         for b, free in enumerate(room):
             if n <= free:
@@ -62,6 +89,12 @@ def group_rows(lengths: list[int], *, micro_batch_size: int, max_tokens: int | N
             bins.append([i])
             room.append(max_tokens - n)
     return bins
+
+
+def imbalance(groups: list[list[int]], costs: list[float]) -> float:
+    """The costliest micro-batch over the mean one (1.0: even)."""
+    loads = [sum(costs[i] for i in g) for g in groups]
+    return max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else 1.0
 
 
 def collate(batch: RolloutBatch, rows: list[int], *, packed: bool, device: torch.device) -> MicroBatch:
@@ -81,7 +114,7 @@ def collate(batch: RolloutBatch, rows: list[int], *, packed: bool, device: torch
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
         hidden_index = (starts[:, None] + columns)[predicts]
         targets = ids[hidden_index + 1]
-        params = packed_seq_params(lengths.tolist(), device)
+        params = packed_seq_params(lengths.tolist())
     else:
         input_ids = torch.zeros(count, longest, dtype=torch.long)
         input_ids[real] = ids
@@ -140,11 +173,12 @@ def split_to_count(groups: list[list[int]], lengths: list[int], count: int) -> l
 
 
 def micro_batches(batch: RolloutBatch, *, micro_batch_size: int, max_tokens: int | None,
-                  device: torch.device, count_at_least=None) -> list[MicroBatch]:
+                  device: torch.device, count_at_least=None, attention_weight: float = 0.0) -> list[MicroBatch]:
     """All of ``batch``'s samples as micro-batches. ``count_at_least(n) -> m``: the number the
     caller needs (m >= n, the same on every rank of an expert-parallel group), reached by splitting."""
     lengths = batch.lengths.tolist()
-    groups = group_rows(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+    groups = group_rows(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                        attention_weight=attention_weight)
     if count_at_least is not None:
         groups = split_to_count(groups, lengths, count_at_least(len(groups)))
     return [collate(batch, g, packed=max_tokens is not None, device=device) for g in groups]

@@ -42,7 +42,7 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
     # One call for the whole row, each token with the freqs of its position in its own sequence: a call per
     # sequence cost a few kernels and a compiled-guard check per sequence, per layer, forward and backward
     # (hundreds of short RL samples in a micro-batch). The same values, token for token.
-    cu = cu_seqlens.long()  # on the host (model.packed_seq_params); anywhere works
+    cu = cu_seqlens.long()  # on the host (attention.packed_seq_params); anywhere works
     positions = torch.arange(t.shape[0], device=cu.device) - torch.repeat_interleave(cu[:-1], cu.diff())
     return compiled(_rope)(t.unsqueeze(1), freqs[positions.to(freqs.device)]).squeeze(1)
 

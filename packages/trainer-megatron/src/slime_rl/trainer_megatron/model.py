@@ -5,14 +5,14 @@ The model returns the final hidden states (after the last RMSNorm) instead of lo
 ``logprobs.py`` applies the output layer in chunks, so full-vocabulary logits for a
 whole micro-batch are never materialised. Core attention is torch's
 ``scaled_dot_product_attention`` (flash/efficient kernels on CUDA, the fused CPU
-kernel on the CPU) instead of the local spec's unfused baddbmm + softmax.
+kernel on the CPU; one flash varlen call per layer for packed micro-batches on CUDA: attention.py)
+instead of the local spec's unfused baddbmm + softmax.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +22,10 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from slime_rl.trainer_megatron import fused_rope
+from slime_rl.trainer_megatron.attention import PACKED_ATTENTION_CHOICES, SDPAttention
 from slime_rl.trainer_megatron.grouped_experts import GroupedExperts
 from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
 
@@ -117,6 +116,22 @@ def hf_model_shape(hf_config) -> HFModelShape:
     )
 
 
+def attention_cost_weight(shape: HFModelShape) -> float:
+    """Causal attention's compute per token per token of context, relative to the rest of a layer's
+    per-token compute: a sample of ``L`` tokens costs about ``L * (1 + weight * L)`` (batching.sample_costs).
+    Forward FLOPs per token: ~2 per weight of the layer's matmuls (the active experts of an MoE layer),
+    and 2 * heads * head_dim per earlier token for QK^T and attention x V (L / 2 of them on average)."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    projections = shape.hidden_size * (2 * q + 2 * kv)
+    if shape.moe is not None:
+        moe = shape.moe
+        mlp = shape.hidden_size * (moe.num_experts + 3 * moe.expert_intermediate_size * moe.topk
+                                   + 3 * (moe.shared_expert_intermediate_size or 0))
+    else:
+        mlp = 3 * shape.hidden_size * shape.intermediate_size
+    return q / (projections + mlp)
+
+
 def check_parallel_fits(shape: HFModelShape, tp: int, pp: int) -> None:
     if shape.num_heads % tp:
         raise ValueError(f"parallel.tensor_model_parallel_size: {tp} must divide the model's {shape.num_heads} heads")
@@ -135,13 +150,18 @@ def check_parallel_fits(shape: HFModelShape, tp: int, pp: int) -> None:
 def transformer_config(
     shape: HFModelShape, *, tp: int, pp: int, dtype: torch.dtype, recompute: bool | list[str] = False,
     sequence_parallel: bool = False, compiled_fusions: bool = False, moe_fields: dict | None = None,
+    packed_attention: str = "auto",
 ) -> TransformerConfig:
     """The TransformerConfig for ``shape``: RMSNorm, SwiGLU, RoPE, GQA, no biases but Qwen's QKV.
     ``compiled_fusions``: Megatron's torch.compile'd SwiGLU (one kernel each way, and backward
     keeps only the MLP's input) and a compiled RoPE in TransformerEngine's place (fused_rope.py);
     for CUDA, where inductor's Triton kernels pay. ``recompute``: True for full recompute,
     or Megatron's selective recompute of the modules named (e.g. ``["core_attn", "mlp"]``).
-    ``moe_fields``: the MoE layer's fields (`moe.transformer_config_fields`) for an MoE model."""
+    ``moe_fields``: the MoE layer's fields (`moe.transformer_config_fields`) for an MoE model.
+    ``packed_attention``: how packed micro-batches attend (attention.py), ``auto`` by default."""
+    if packed_attention not in PACKED_ATTENTION_CHOICES:
+        raise ValueError(f"trainer.megatron.packed_attention: {packed_attention!r}; use one of"
+                         f" {', '.join(PACKED_ATTENTION_CHOICES)}")
     if sequence_parallel:
         raise ValueError(
             "parallel.sequence_parallel: needs TransformerEngine or Apex norms, which the local spec does not use;"
@@ -160,6 +180,7 @@ def transformer_config(
     # Micro-batches of different lengths (dynamic batching, packing) under PP. Set after
     # construction: __post_init__ refuses it with the (unused here) MoE allgather dispatcher.
     config.variable_seq_lengths = True
+    config.packed_attention = packed_attention  # read by SDPAttention; not a Megatron field
     return config
 
 
@@ -198,111 +219,6 @@ def _make_transformer_config(shape: HFModelShape, tp: int, pp: int, dtype: torch
         # Losses arrive already normalised by the global token/sequence counts (see trainer.py).
         calculate_per_token_loss=True,
         **extra,
-    )
-
-
-_CPU_MATMUL_ATTENTION_BYTES = 64 << 20  # fp32 scores of one call
-
-
-class SDPAttention(DotProductAttention):
-    """Core attention over torch's scaled_dot_product_attention, causal, with GQA.
-
-    Padded batches (``[s, b, heads, dim]``) use ``is_causal`` (right padding never
-    reaches a real token). Packed batches (``thd``) attend within each sequence: on
-    CUDA one flash call per sequence (exact work, no T x T mask); on the CPU the
-    packed rows are scattered into a padded batch for one call, since per-call
-    overhead dominates short sequences there.
-    """
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        assert attention_bias is None, "attention bias is not supported"
-        dropout = self.attention_dropout.p if self.training else 0.0
-        gqa = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-        if packed_seq_params is None:
-            return self._padded(query, key, value, dropout, gqa)
-        # thd: [t, heads, dim]
-        index = getattr(packed_seq_params, "pad_index", None)
-        if index is not None:
-            b, s = packed_seq_params.pad_shape
-            padded = []
-            for x in (query, key, value):
-                rows = x.new_zeros(b * s, *x.shape[1:])
-                rows[index] = x
-                padded.append(rows.view(b, s, *x.shape[1:]).transpose(0, 1))  # [s, b, heads, dim]
-            out = self._padded(*padded, dropout, gqa)  # [s, b, heads * dim]
-            return out.transpose(0, 1).reshape(b * s, -1)[index]
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, dim]
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        out = torch.cat(
-            [
-                self._sdpa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, dropout=dropout, gqa=gqa)
-                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-            ],
-            dim=2,
-        )
-        return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)
-
-    def _padded(self, query, key, value, dropout, gqa):
-        # [s, b, heads, dim] -> [b, heads, s, dim] -> attention -> [s, b, heads * dim]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = self._sdpa(q, k, v, is_causal=True, dropout=dropout, gqa=gqa)
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
-
-    def _sdpa(self, q, k, v, *, is_causal: bool, dropout: float = 0.0, gqa: bool = False):
-        if q.device.type == "cpu" and q.dtype == torch.bfloat16 and dropout == 0.0 and is_causal:
-            scores_bytes = 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
-            if scores_bytes <= _CPU_MATMUL_ATTENTION_BYTES:
-                return self._matmul_attention(q, k, v)
-        if gqa and q.device.type == "cuda":
-            # enable_gqa is not served by every CUDA kernel; expanding keeps flash attention in play.
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            gqa = False
-        kwargs = dict(is_causal=is_causal, dropout_p=dropout, scale=self.softmax_scale)
-        if gqa:
-            kwargs["enable_gqa"] = True
-        if dropout > 0:
-            with tensor_parallel.get_cuda_rng_tracker().fork():
-                return F.scaled_dot_product_attention(q, k, v, **kwargs)
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-    def _matmul_attention(self, q, k, v):
-        """bf16 on the CPU, short sequences: two AMX matmuls around an fp32 softmax. torch's CPU
-        flash kernel is several times slower than this in bf16 backward at RL-rollout lengths
-        (fp32 is served well by SDPA); long sequences go to SDPA, which never holds all scores."""
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * self.softmax_scale
-        s = q.shape[-2]
-        future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
-        scores = scores.masked_fill_(future, float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
-
-
-@dataclass
-class PackedSequences(PackedSeqParams):
-    """Megatron's thd packing parameters, plus where each packed token sits in a padded
-    ``[batch, longest]`` layout (the CPU's attention uses it)."""
-
-    pad_index: torch.Tensor | None = None
-    pad_shape: tuple[int, int] | None = None
-
-
-def packed_seq_params(seq_lens: list[int], device: torch.device) -> PackedSequences:
-    """thd parameters for sequences of ``seq_lens`` packed into one row. ``cu_seqlens`` stay on
-    the host: the local spec only reads them as Python numbers (RoPE and SDPAttention split the
-    row per sequence), so keeping them there spares a device sync per layer."""
-    cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32)
-    longest = max(seq_lens)
-    pad_index = pad_shape = None
-    if device.type == "cpu":
-        pad_index = torch.cat([torch.arange(n) + j * longest for j, n in enumerate(seq_lens)])
-        pad_shape = (len(seq_lens), longest)
-    return PackedSequences(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-        pad_index=pad_index, pad_shape=pad_shape,
     )
 
 

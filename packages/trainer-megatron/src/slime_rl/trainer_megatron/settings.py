@@ -37,6 +37,11 @@ class MegatronSettings(BackendSettings):
         " per-expert loop where it cannot run); `false`: Megatron's SequentialMLP, one GEMM per expert"
         " (`--moe-grouped-gemm`)"))
 
+    packed_attention: Literal["auto", "varlen", "padded", "per_sequence"] = Field("auto", description=(
+        "How packed micro-batches (`trainer.max_tokens_per_gpu`) attend within each sequence. `auto`: one flash"
+        " varlen call per layer on CUDA in bf16/fp16, else one padded SDPA call (the CPU's choice), else one"
+        " call per sequence; `varlen`, `padded`, `per_sequence` force one (benchmarks, debugging)"))
+
     @field_validator("recompute", mode="before")
     @classmethod
     def _recompute_modules(cls, value: Any) -> Any:

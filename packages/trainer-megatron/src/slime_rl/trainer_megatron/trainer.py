@@ -46,6 +46,7 @@ from slime_rl.trainer_megatron import batching, checkpointing, convert, lora, mo
 from slime_rl.trainer_megatron import device as dev
 from slime_rl.trainer_megatron.logprobs import token_log_probs
 from slime_rl.trainer_megatron.model import (
+    attention_cost_weight,
     build_model,
     check_parallel_fits,
     hf_model_shape,
@@ -170,6 +171,7 @@ class MegatronTrainer(PolicyTrainer):
         self.tconfig = transformer_config(
             self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=mt.recompute,
             sequence_parallel=p.sequence_parallel, compiled_fusions=self.device_type == "cuda", moe_fields=moe_fields,
+            packed_attention=mt.packed_attention,
         )
         self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic",
                                  grouped_experts=mt.moe_grouped_gemm)
@@ -227,7 +229,8 @@ class MegatronTrainer(PolicyTrainer):
         if self.cfg.parallel.expert_model_parallel_size > 1:
             same_count = self._most_micro_batches
         return batching.micro_batches(batch, micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_gpu,
-                                      device=self.device, count_at_least=same_count)
+                                      device=self.device, count_at_least=same_count,
+                                      attention_weight=attention_cost_weight(self.shape))
 
     def _most_micro_batches(self, count: int) -> int:
         """The most micro-batches any data-parallel rank has (expert-parallel groups lie within it)."""
