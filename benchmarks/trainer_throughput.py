@@ -1,26 +1,49 @@
-"""Megatron trainer vs plain transformers: step time, tokens/s, MFU, and the log-prob pass's peak memory.
+"""Megatron trainer vs plain transformers: step time, tokens/s, MFU, kernels per step, micro-batch
+balance, and the log-prob pass's peak memory.
 
 CPU (checked here, tiny or SmolLM2-shaped random models):
     python benchmarks/trainer_throughput.py --device cpu --shape smollm2-135m --threads 1 2
-GPU (the H200 machine): equal lengths, padded (like for like), then RL-like lengths packed:
+    python benchmarks/trainer_throughput.py --device cpu --shape tiny --mix --samples 16 \\
+        --mix-prompt-len 10 50 --mix-response-len 10 350 --mix-response-median 60 --max-tokens-per-gpu 1024 \\
+        --threads 1 --skip-memory
+GPU (the H200 machine; scripts/gpu/run.sh stages bench-trainer, bench-trainer-packed, bench-trainer-short,
+bench-moe, bench-trainer-mix): equal lengths, padded (like for like), RL-like lengths packed, and the
+long-tailed RL mix (``--mix``):
     python benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16 \\
         --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384
     python benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 32 \\
         --prompt-len 256 --response-len 512 --jitter 240 --max-tokens-per-gpu 16384 \\
         --baseline-micro-batch-size 16 --skip-memory
+    python benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --mix --samples 128 \\
+        --max-tokens-per-gpu 16384 --skip-memory
 
 Table 1: one GRPO update as the loop runs it: ``compute_log_probs`` (old policy) then
 ``train_step`` (forward, backward, Adam), next to transformers doing the same work on
-the same batch (log-softmax of full logits under no_grad, then forward/backward with
-the same token-level loss, fused AdamW; SDPA attention, bf16 autocast when the trainer
-runs bf16: always on CUDA, with --dtype bfloat16 on the CPU, whose AMX units make bf16
-matmuls ~4x faster than fp32).
+the same batch (benchmarks/transformers_baseline.py: the same token-level loss, fused AdamW, SDPA
+attention, bf16 autocast when the trainer runs bf16: always on CUDA, with --dtype bfloat16 on the
+CPU, whose AMX units make bf16 matmuls ~4x faster than fp32). Which transformers baseline
+(``--baseline``):
+- ``padded`` (default for the fixed-length rows: like for like, short, packed, MoE):
+  ``--baseline-micro-batch-size`` consecutive samples padded together, full fp32 log-softmax.
+- ``sorted`` (default with ``--mix``): the best a user would write with transformers alone for
+  long-tailed lengths: samples sorted by length into micro-batches of the trainer's token budget
+  (``--max-tokens-per-gpu``, padded within a micro-batch), the LM head and log-softmax over the
+  response positions only, in chunks of tokens recomputed in backward.
+``--mix``: prompt and response lengths drawn (seeded) from a long-tailed distribution, printed as
+p50/p90/p99/max: prompts uniform in ``--mix-prompt-len``, responses log-normal (median
+``--mix-response-median``, ``--mix-sigma``; its quantiles, in a seeded order) clipped to
+``--mix-response-len``: by default p50 512, p90 ~2.4k, p99 ~7.8k, max 8192 tokens of 128 samples.
 MoE (``--shape tiny-moe``, ``--shape qwen3-30b-a3b-reduced``): the trainer's MoE layers next to
 transformers' own Qwen3-MoE; params in the FLOPs below are the active ones (router + top-k experts).
-Tokens/s counts every token of the batch per train step; MFU uses the standard
-6 * params + 12 * layers * hidden * seq FLOPs per token against --peak-tflops for both
-(the trainer skips the LM head on prompt tokens and packs instead of padding: work the
+Tokens/s counts every token of the batch per train step; MFU counts, for both contenders, the standard
+6 * params FLOPs per token plus each sample's attention, 12 * layers * heads * head_dim * L_i per
+token of a sample of L_i tokens (summed per sample: sum of L_i^2, not from the mean length), against
+--peak-tflops (the trainer skips the LM head on prompt tokens and packs instead of padding: work the
 formula counts that it never does, which is the point).
+After the table, per contender: the kernels one ``train_step`` launches (CUDA kernels by
+torch.profiler; on the CPU its leaf operators) and its micro-batches' balance: how many, the
+max over micro-batches of tokens and of sum L_i^2 divided by the mean, and padded / real tokens
+(the trainer's micro-batches as ``trainer_megatron.batching.group_rows`` makes them).
 
 Table 2: peak memory the log-prob pass adds beyond the weights, at --memory-tokens
 tokens: the trainer's chunked, fused head next to a naive full-logits pass
@@ -43,6 +66,8 @@ import time
 from pathlib import Path
 
 import torch
+from step_figures import balance, launches, percentiles  # sibling scripts
+from transformers_baseline import SortedBudgetBaseline, TransformersBaseline
 
 SHAPES = {
     # name: (family, vocab, hidden, intermediate, layers, heads, kv_heads, tied, rope_theta)
@@ -86,6 +111,8 @@ def make_model(shape: str, folder: Path, dtype: torch.dtype = torch.float32) -> 
 
 
 def model_flops_per_token(shape: str, seq_len: int) -> float:
+    """Training FLOPs of one token of a ``seq_len``-token sample: 6 x the (active) parameters plus
+    its attention scores and values, 12 x layers x (heads x head_dim) x seq_len."""
     family, vocab, hidden, inter, layers, heads, kv, tied, _ = SHAPES[shape]
     head_dim = hidden // heads
     mlp = 3 * hidden * inter
@@ -94,22 +121,66 @@ def model_flops_per_token(shape: str, seq_len: int) -> float:
         mlp = hidden * experts + 3 * hidden * moe_inter * topk
     attn = hidden * (heads + 2 * kv) * head_dim + heads * head_dim * hidden
     params = layers * (attn + mlp) + vocab * hidden  # the LM head's matmul; the embedding lookup is free
-    return 6 * params + 12 * layers * hidden * seq_len
+    # heads x head_dim, not hidden: Qwen3-30B-A3B's 32 heads of 128 are twice its hidden size
+    return 6 * params + 12 * layers * heads * head_dim * seq_len
 
 
-def make_samples(n: int, prompt_len: int, response_len: int, vocab: int, jitter: int, seed: int = 0):
+def model_flops(shape: str, lengths: list[int]) -> float:
+    """Training FLOPs of a batch of samples of ``lengths`` tokens: each sample's attention from its
+    own length (sum of L_i^2), not from the mean length."""
+    return sum(model_flops_per_token(shape, n) * n for n in lengths)
+
+
+def samples_of_lengths(prompts: list[int], responses: list[int], vocab: int, seed: int = 0):
+    """Samples of random tokens with these prompt and response lengths, one advantage each (N(0, 1))."""
     from slime_rl.core.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i in range(n):
-        p = prompt_len + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0)
-        r = response_len + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         tokens = torch.randint(0, vocab, (p + r,), generator=g).tolist()
         adv = float(torch.randn((), generator=g))
         out.append(Sample(index=i, group_index=i // 8, tokens=tokens, response_length=r, loss_mask=[1] * r,
                           rollout_log_probs=[0.0] * r, reward=adv, advantages=[adv] * r))
     return out
+
+
+def make_samples(n: int, prompt_len: int, response_len: int, vocab: int, jitter: int, seed: int = 0):
+    """``n`` samples of ``prompt_len`` and ``response_len`` tokens, each +- ``jitter`` (uniform)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def around(length: int) -> int:
+        return length + (int(torch.randint(-jitter, jitter + 1, (1,), generator=g)) if jitter else 0)
+
+    prompts, responses = [], []
+    for _ in range(n):
+        prompts.append(around(prompt_len))
+        responses.append(around(response_len))
+    return samples_of_lengths(prompts, responses, vocab, seed)
+
+
+def mix_lengths(n: int, prompt_range: tuple[int, int], response_range: tuple[int, int], median: float,
+                sigma: float, seed: int = 0) -> tuple[list[int], list[int]]:
+    """An RL batch's long tail: prompts uniform in ``prompt_range``; responses log-normal (``median``,
+    ``sigma``) clipped to ``response_range``, so most are short and a few run to the cap. The responses
+    are the distribution's n quantiles (i + 0.5) / n in a seeded order: every seed has the same tail
+    (128 draws would put the longest anywhere from 4k to past the cap)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(prompt_range[0], prompt_range[1] + 1, (n,), generator=g)
+    quantiles = torch.special.ndtri((torch.arange(n, dtype=torch.float64) + 0.5) / n)
+    responses = (median * torch.exp(sigma * quantiles)).round().clamp(*response_range).long()
+    return prompts.tolist(), responses[torch.randperm(n, generator=g)].tolist()
+
+
+def bench_samples(args):
+    """The benchmark's batch: the long-tailed mix (``--mix``) or lengths around the fixed ones."""
+    vocab = SHAPES[args.shape][1]
+    if args.mix:
+        prompt_range, response_range = tuple(args.mix_prompt_len), tuple(args.mix_response_len)
+        prompts, responses = mix_lengths(args.samples, prompt_range, response_range, args.mix_response_median,
+                                         args.mix_sigma, args.seed)
+        return samples_of_lengths(prompts, responses, vocab, args.seed)
+    return make_samples(args.samples, args.prompt_len, args.response_len, vocab, args.jitter, args.seed)
 
 
 def megatron_batch(samples):
@@ -159,71 +230,32 @@ def megatron_trainer(model_dir: Path, args):
     return MegatronTrainer.from_config(load_config(None, overrides, check=False))
 
 
-class TransformersBaseline:
-    """Plain transformers training of the same batch: padded micro-batches of ``micro_batch_size``
-    samples (gradients accumulated, the loss averaged over all response tokens), SDPA, fp32
-    weights with bf16 autocast (or plain fp32), fused AdamW."""
-
-    def __init__(self, model_dir: Path, device: str, autocast: bool, micro_batch_size: int):
-        import transformers
-
-        self.device, self.autocast, self.micro_batch_size = device, autocast, micro_batch_size
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32, attn_implementation="sdpa").to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, betas=(0.9, 0.99), fused=True)
-
-    def _micro_batches(self, samples):
-        for i in range(0, len(samples), self.micro_batch_size):
-            yield self._batch(samples[i : i + self.micro_batch_size])
-
-    def _batch(self, samples):
-        longest = max(len(s.tokens) for s in samples)
-        ids = torch.zeros(len(samples), longest, dtype=torch.long)
-        mask = torch.zeros(len(samples), longest - 1)
-        adv = torch.zeros(len(samples), longest - 1)
-        for j, s in enumerate(samples):
-            ids[j, : len(s.tokens)] = torch.tensor(s.tokens)
-            start = len(s.tokens) - s.response_length - 1
-            mask[j, start : start + s.response_length] = 1
-            adv[j, start : start + s.response_length] = s.advantages[0]
-        return ids.to(self.device), mask.to(self.device), adv.to(self.device)
-
-    def _token_log_probs(self, ids):
-        with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.autocast):
-            logits = self.model(ids).logits
-        return torch.log_softmax(logits.float(), -1)[:, :-1].gather(2, ids[:, 1:, None]).squeeze(-1)
-
-    def log_probs(self, samples) -> list[torch.Tensor]:
-        """Per micro-batch, ``[b, longest - 1]`` log-probs of each next token."""
-        with torch.no_grad():
-            return [self._token_log_probs(ids) for ids, _, _ in self._micro_batches(samples)]
-
-    def train_step(self, samples, old: list[torch.Tensor]):
-        total = sum(s.response_length for s in samples)
-        for (ids, mask, adv), old_mb in zip(self._micro_batches(samples), old, strict=True):
-            ratio = torch.exp(self._token_log_probs(ids) - old_mb)
-            (-(adv * ratio * mask).sum() / total).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-
 # ---------------------------------------------------------------- table 1
 
 
-def step_table(args, model_dir: Path) -> list[dict]:
-    vocab = SHAPES[args.shape][1]
-    samples = make_samples(args.samples, args.prompt_len, args.response_len, vocab, args.jitter)
+def make_baseline(args, model_dir: Path):
+    autocast = args.dtype == "bfloat16"
+    if args.baseline == "sorted":
+        return SortedBudgetBaseline(model_dir, args.device, autocast,
+                                    max_tokens=args.baseline_max_tokens or args.max_tokens_per_gpu)
+    return TransformersBaseline(model_dir, args.device, autocast,
+                                micro_batch_size=args.baseline_micro_batch_size or args.micro_batch_size)
+
+
+def step_table(args, model_dir: Path, samples) -> tuple[list[dict], dict]:
+    """(the table's rows, per contender: (kernel or op count of one train step, what it counts,
+    micro-batch `Balance`))."""
+    from slime_rl.trainer_megatron.batching import group_rows
+
     batch = megatron_batch(samples)
-    tokens = sum(len(s.tokens) for s in samples)
-    seq = tokens / len(samples)
-    flops = model_flops_per_token(args.shape, int(seq)) * tokens
+    lengths = [len(s.tokens) for s in samples]
+    tokens = sum(lengths)
+    flops = model_flops(args.shape, lengths)
     rows = []
     holder: dict = {}  # the timed lambdas leave the log-probs here; each iteration overwrites them
     trainer = megatron_trainer(model_dir, args)
     grouped_mm_calls = {"calls": 0}
-    baseline = TransformersBaseline(model_dir, args.device, autocast=args.dtype == "bfloat16",
-                                    micro_batch_size=args.baseline_micro_batch_size or args.micro_batch_size)
+    baseline = make_baseline(args, model_dir)
     for threads in args.threads if args.device == "cpu" else [None]:
         if threads:
             torch.set_num_threads(threads)
@@ -254,9 +286,18 @@ def step_table(args, model_dir: Path) -> list[dict]:
         updates = (args.warmup + args.steps) * len(args.threads if args.device == "cpu" else [None])
         print(f"MoE experts: {', '.join(experts)}; torch._grouped_mm calls per Megatron update:"
               f" {grouped_mm_calls['calls'] / updates:.0f}")
+    # one more update of each, profiled: what a train step launches (the old log-probs of the last timed one)
+    trainer_groups = group_rows(lengths, micro_batch_size=args.micro_batch_size,
+                                max_tokens=args.max_tokens_per_gpu)
+    figures = {
+        "megatron": (*launches(lambda: trainer.train_step(batch), args.device),
+                     balance(trainer_groups, lengths, padded=args.max_tokens_per_gpu is None)),
+        "transformers": (*launches(lambda: baseline.train_step(samples, holder["lp"]), args.device),
+                         balance(baseline.groups(lengths), lengths, padded=True)),
+    }
     if args.profile:
         profile_updates(args, samples, batch, trainer, baseline)
-    return rows
+    return rows, figures
 
 
 @contextlib.contextmanager
@@ -352,7 +393,7 @@ def memory_table(args, model_dir: Path) -> list[dict]:
         if args.device == "cuda":
             peak = memory_probe(args, model_dir, variant)
         else:  # a fresh process per variant: peak RSS cannot be reset
-            cmd = [sys.executable, __file__, "--probe", variant, "--model-dir", str(model_dir)] + sys.argv[1:]
+            cmd = [sys.executable, __file__, "--probe", variant, "--model-dir", str(model_dir)] + args.argv
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             if out.returncode != 0:
                 raise RuntimeError(f"memory probe {variant} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
@@ -366,7 +407,8 @@ def memory_table(args, model_dir: Path) -> list[dict]:
 # ---------------------------------------------------------------- main
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> tuple[list[dict], dict]:
+    """Runs the tables; returns table 1's rows and the per-contender figures (tests read them)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -379,6 +421,17 @@ def main() -> None:
     p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="packed dynamic micro-batches")
     p.add_argument("--baseline-micro-batch-size", type=int, default=None,
                    help="samples per transformers micro-batch (default: --micro-batch-size)")
+    p.add_argument("--baseline", choices=["padded", "sorted"], default=None,
+                   help="the transformers baseline (see above); default: sorted with --mix, else padded")
+    p.add_argument("--baseline-max-tokens", type=int, default=None,
+                   help="padded tokens per sorted-baseline micro-batch (default: --max-tokens-per-gpu)")
+    p.add_argument("--mix", action="store_true",
+                   help="long-tailed RL lengths (--mix-*) instead of --prompt-len/--response-len/--jitter")
+    p.add_argument("--mix-prompt-len", type=int, nargs=2, default=[100, 500], metavar=("MIN", "MAX"))
+    p.add_argument("--mix-response-len", type=int, nargs=2, default=[50, 8192], metavar=("MIN", "MAX"))
+    p.add_argument("--mix-response-median", type=float, default=512.0)
+    p.add_argument("--mix-sigma", type=float, default=1.2, help="log-normal sigma of the response lengths")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -389,23 +442,42 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print each contender's top N ops")
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--probe", choices=["megatron", "naive"], default=None, help=argparse.SUPPRESS)
-    args, _ = p.parse_known_args()
+    args, _ = p.parse_known_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv  # the memory probes' processes get the same options
     if args.device == "cuda" and args.peak_tflops is None:
         args.peak_tflops = 989.0
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.baseline = args.baseline or ("sorted" if args.mix else "padded")
+    if args.mix and not args.max_tokens_per_gpu:
+        p.error("--mix runs the trainer packed with a token budget: set --max-tokens-per-gpu (e.g. 16384)")
+    if args.baseline == "sorted" and not (args.baseline_max_tokens or args.max_tokens_per_gpu):
+        p.error("--baseline sorted cuts micro-batches by tokens:"
+                " set --max-tokens-per-gpu or --baseline-max-tokens")
+    for name in ("mix_prompt_len", "mix_response_len"):
+        low, high = getattr(args, name)
+        if not 1 <= low <= high:
+            p.error(f"--{name.replace('_', '-')} {low} {high}: need 1 <= MIN <= MAX")
 
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"slime-rl-bench-{args.shape}"
     if args.probe:
         torch.set_num_threads(1)
         print(json.dumps({"peak": memory_probe(args, model_dir, args.probe)}))
-        return
+        return [], {}
     make_model(args.shape, model_dir)
 
-    rows = step_table(args, model_dir)
-    tokens = sum(len(s.tokens) for s in make_samples(args.samples, args.prompt_len, args.response_len,
-                                                        SHAPES[args.shape][1], args.jitter))
+    samples = bench_samples(args)
+    rows, figures = step_table(args, model_dir, samples)
+    tokens = sum(len(s.tokens) for s in samples)
+    if args.mix:
+        prompts = [len(s.tokens) - s.response_length for s in samples]
+        lengths = (f"long-tailed mix, seed {args.seed}: prompt {percentiles(prompts)};"
+                   f" response {percentiles([s.response_length for s in samples])};"
+                   f" sample {percentiles([len(s.tokens) for s in samples])}")
+    else:
+        lengths = f"prompt ~{args.prompt_len}, response ~{args.response_len}"
+    budget = f"; token budget {args.max_tokens_per_gpu}" if args.max_tokens_per_gpu else ""
     print(f"\n## {args.shape} on {args.device} ({args.dtype}): {args.samples} samples, {tokens} tokens per step"
-          f" (prompt ~{args.prompt_len}, response ~{args.response_len})")
+          f" ({lengths}){budget}; transformers baseline: {args.baseline}")
     print("| contender | threads | compute_log_probs s | train_step s | total s | train tokens/s | MFU |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -419,6 +491,13 @@ def main() -> None:
               f" whole update {t['total_s'] / m['total_s']:.2f}x")
     if args.device == "cpu":
         print("(1 thread: CPU seconds of the process; 2 threads: wall seconds)")
+    what = next(iter(figures.values()))[1]
+    print(f"\n| contender | {what} per train_step | micro-batches | tokens, max / mean"
+          " | sum L_i^2, max / mean | padded / real tokens |")
+    print("|---|---|---|---|---|---|")
+    for name, (count, _, bal) in figures.items():
+        print(f"| {name} | {count:,} | {bal.micro_batches} | {bal.tokens_max_over_mean:.2f}"
+              f" | {bal.attention_max_over_mean:.2f} | {bal.padded_over_real:.2f} |")
 
     if not args.skip_memory:
         mem = memory_table(args, model_dir)
@@ -429,6 +508,7 @@ def main() -> None:
         for r in mem:
             print(f"| {r['variant']} | {r['peak_bytes'] / 2**20:.0f} |")
         print(f"trainer / naive: {mem[0]['peak_bytes'] / max(1, mem[1]['peak_bytes']):.2f} (target <= 0.25)")
+    return rows, figures
 
 
 if __name__ == "__main__":

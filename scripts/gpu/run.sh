@@ -6,7 +6,9 @@
 # megatron-lora (issue 20: bf16 LoRA TP=2 vs TP=1, base frozen, resume; 2 GPUs),
 # e2e (issue 7 b,f), e2e-offload (f with offload only), bench-trainer (like for like, with the
 # 16k-token memory table), bench-trainer-packed (RL-like lengths), bench-trainer-short (the real-model run's
-# micro-batch: 128 samples of ~40 tokens, SmolLM2-135M shape, with each side's top ops), bench-rollout,
+# micro-batch: 128 samples of ~40 tokens, SmolLM2-135M shape, with each side's top ops), bench-trainer-mix
+# (issue 35: the long-tailed RL mix, 128 samples, responses 50-8k tokens, 1.5B shape, packed at 16k tokens against
+# transformers sorted into 16k-token micro-batches; kernels per step, micro-batch balance; ~4 min), bench-rollout,
 # bench-sync, bench-sync-7b (default buckets only), bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
@@ -52,6 +54,8 @@ for stage in "$@"; do
     bench-trainer-packed) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b
                                --samples 32 --prompt-len 256 --response-len 512 --jitter 240
                                --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
+    bench-trainer-mix) cmd=(timeout 570 python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --mix
+                            --samples 128 --max-tokens-per-gpu 16384 --skip-memory --peak-tflops 989 --profile 15) ;;
     bench-moe) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen3-30b-a3b-reduced --samples 16
                     --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 8 --peak-tflops 989 --skip-memory) ;;
     moe-replay) cmd=(timeout 400 python3 benchmarks/moe_replay_gap.py --shape qwen3-30b-a3b-reduced --prompts 16

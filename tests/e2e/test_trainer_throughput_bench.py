@@ -1,0 +1,34 @@
+"""benchmarks/trainer_throughput.py's long-tailed RL mix row on the CPU at a tiny size, so its code runs in CI
+(the Megatron trainer and the sorted transformers baseline, the kernel/op counts and the balance); its real
+run is the GPU stage bench-trainer-mix (docs/gpu-results.md)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+
+
+def test_the_mix_row_runs_both_contenders_and_prints_their_figures(tmp_path, capsys):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("trainer_throughput")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    rows, figures = bench.main(["--device", "cpu", "--shape", "tiny", "--mix", "--samples", "8",
+                                "--mix-prompt-len", "5", "20", "--mix-response-len", "5", "120",
+                                "--mix-response-median", "30", "--max-tokens-per-gpu", "256",
+                                "--threads", "1", "--steps", "1", "--warmup", "0", "--skip-memory",
+                                "--peak-tflops", "1",
+                                "--model-dir", str(tmp_path / "model")])
+    assert [r["contender"] for r in rows] == ["megatron", "transformers"]
+    assert all(r["train_step_s"] > 0 and r["mfu"] > 0 for r in rows)
+    for name, (count, what, balance) in figures.items():
+        assert what == "CPU leaf ops" and count > 100, name
+        assert balance.micro_batches >= 2 and balance.tokens_max_over_mean >= 1
+    assert figures["megatron"][2].padded_over_real == 1.0  # packed
+    out = capsys.readouterr().out
+    assert "long-tailed mix, seed 0: prompt p50" in out and "transformers baseline: sorted" in out
+    assert "megatron / transformers tokens/s (1 thread(s)):" in out
