@@ -162,7 +162,7 @@ class SortedBudgetBaseline:
     def _response_log_probs(self, mb: ResponseMicroBatch) -> Tensor:
         """``[N]`` log-probs of the micro-batch's response tokens."""
         with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.autocast):
-            hidden = self.model.model(input_ids=mb.ids).last_hidden_state
+            hidden = self.model.model(input_ids=mb.ids, use_cache=False).last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])[mb.predictors]
             parts = []
             for start in range(0, len(mb.targets), self.chunk):
