@@ -206,6 +206,51 @@ def test_four_rank_expert_layouts_match_one_rank(layout, tmp_path):
         assert torch.allclose(t, multi["final"][name], atol=1e-5, rtol=0), name
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_local_dispatch_matches_megatron_dispatcher(family, tmp_path, monkeypatch):
+    """One rank holding every expert: moe.LocalDispatcher (counts kept where the router made them, no
+    identity sort by local expert) gives megatron-core's dispatcher's log-probs, loss, gradient norm
+    and updated weights bit for bit, and never copies the counts to the host."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    model_dir = make_hf_model(tmp_path / "m", family, vocab=VOCAB)
+    batch = to_batch(make_samples(6, VOCAB, prompt=(1, 12), response=(1, 20)))
+    trainers = {local: trainer_for(model_dir, COMMON) for local in (True, False)}  # the same weights
+    host_copies = []
+    to_host = token_dispatcher.maybe_move_tensor_to_cpu  # (set once the first trainer is built)
+    monkeypatch.setattr(token_dispatcher, "maybe_move_tensor_to_cpu",
+                        lambda t, *a, **k: host_copies.append(t) or to_host(t, *a, **k))
+    results = {}
+    for local, trainer in trainers.items():
+        dispatchers = [m.token_dispatcher for m in trainer.model.modules() if hasattr(m, "token_dispatcher")]
+        assert len(dispatchers) == 2 and all(type(d).__name__ == "LocalDispatcher" and d.local for d in dispatchers)
+        for d in dispatchers:
+            d.local = local
+        host_copies.clear()
+        log_probs = trainer.compute_log_probs(batch)
+        batch.old_log_probs = log_probs
+        metrics = trainer.train_step(batch)
+        weights = {n: t.clone() for bucket in trainer.named_weights(bucket_bytes=1 << 30) for n, t in bucket}
+        results[local] = (log_probs, metrics, weights, len(host_copies))
+    (lp_local, m_local, w_local, copies_local), (lp_mcore, m_mcore, w_mcore, copies_mcore) = results[True], results[False]
+    assert copies_local == 0 and copies_mcore > 0
+    assert torch.equal(lp_local, lp_mcore)
+    assert (m_local["loss"], m_local["grad_norm"]) == (m_mcore["loss"], m_mcore["grad_norm"])
+    assert sorted(w_local) == sorted(w_mcore) and all(torch.equal(w_local[n], w_mcore[n]) for n in w_local)
+
+
+def test_local_dispatch_only_where_one_rank_holds_every_expert(tmp_path):
+    model_dir = make_hf_model(tmp_path / "m", "qwen3_moe", vocab=VOCAB)
+    dispatcher = next(m.token_dispatcher for m in trainer_for(model_dir).model.modules()
+                      if hasattr(m, "token_dispatcher"))
+    assert dispatcher.can_stay_local()
+    for field, value in (("ep_size", 2), ("tp_size", 2), ("drop_and_pad", True)):
+        kept = getattr(dispatcher, field)
+        setattr(dispatcher, field, value)
+        assert not dispatcher.can_stay_local(), field
+        setattr(dispatcher, field, kept)
+
+
 def test_routing_replay_on_a_dense_model_is_refused(tmp_path):
     model_dir = make_hf_model(tmp_path / "m", "qwen3", vocab=VOCAB)
     with pytest.raises(ValueError, match="routing_replay: rollout needs a mixture-of-experts model"):

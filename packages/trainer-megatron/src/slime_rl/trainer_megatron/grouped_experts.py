@@ -84,7 +84,11 @@ class GroupedExperts(MegatronModule):
             raise ValueError(f"GroupedExperts: {int(tokens_per_expert.sum())} tokens counted for"
                              f" {hidden.shape[0]} dispatched")
         if _grouped_mm_fits(hidden, self.fc1_weight, self.fc2_weight):
-            ends = torch.cumsum(tokens_per_expert, 0).to(device=hidden.device, dtype=torch.int32)
+            # Counts from megatron's dispatcher are in pinned host memory (moe.LocalDispatcher's on the
+            # device): sent as they are, without waiting; a cumsum on the host first would be pageable
+            # memory, whose copy to the GPU syncs the stream once per layer.
+            counts = tokens_per_expert.to(hidden.device, non_blocking=True)
+            ends = torch.cumsum(counts, 0, dtype=torch.int32)
             fc1 = _grouped_linear(hidden.contiguous(), self.fc1_weight, ends)
             return _grouped_linear(self._activation(fc1, probs), self.fc2_weight, ends), None
         if hidden.device.type == "cuda" and hidden.shape[0]:

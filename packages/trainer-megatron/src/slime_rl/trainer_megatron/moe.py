@@ -11,6 +11,7 @@ router's top-k (``moe_enable_routing_replay``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -115,12 +116,70 @@ def check_expert_parallel(moe: MoEShape | None, *, tp: int, ep: int, etp: int) -
 
 
 def patch_megatron_without_te() -> None:
-    """megatron-core 0.16.1's router GEMM reads ``te_general_gemm``, which is only defined when
-    TransformerEngine imports: without TE the router raises NameError. None sends it to torch.mm."""
-    from megatron.core.transformer.moe import moe_utils
+    """What megatron-core's MoE layer lacks without TransformerEngine, for the MoE layers built from now on:
+
+    - 0.16.1's router GEMM reads ``te_general_gemm``, which is only defined when TransformerEngine
+      imports: without TE the router raises NameError. None sends it to torch.mm.
+    - Without TE's fused permutation the alltoall dispatcher copies the token counts to the host and
+      waits for them (a stream sync) in every layer, and sorts the tokens by local expert even when
+      they arrive sorted: `LocalDispatcher` skips both where one rank holds every expert."""
+    from megatron.core.transformer.moe import moe_layer, moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    moe_layer.MoEAlltoAllTokenDispatcher = local_dispatcher_class()
+
+
+@functools.cache
+def local_dispatcher_class() -> type:
+    """megatron-core's alltoall dispatcher, with `LocalDispatcher`'s shortcut (built on first use:
+    this module imports without megatron-core, for ``slime-cli doctor``)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    return type("LocalDispatcher", (LocalDispatcher, MoEAlltoAllTokenDispatcher), {})
+
+
+class LocalDispatcher:
+    """Mixed into megatron-core's ``MoEAlltoAllTokenDispatcher``: where this rank holds every expert
+    and the whole sequence (expert-parallel and expert-TP size 1, dropless), the token counts stay on
+    the device and the tokens go to the experts in the order the first permutation left them.
+
+    megatron-core, unfused, copies the counts to the host (a side stream, then an event sync before
+    its second permutation: the host waits for the GPU in every MoE layer) so that it can sort the
+    received tokens by local expert with ``torch.split``/``torch.cat``; with one rank the received
+    tokens are this rank's own, already sorted by expert, and that sort (and the unsort after the
+    experts) copies every routed token for nothing, forward and backward. GroupedExperts reads the
+    counts on the device (offsets of its grouped GEMM), so nothing here waits for the GPU; experts
+    that need host counts (SequentialMLP's split) take them from the device tensor themselves.
+    Same tokens, same order, same values. ``local`` False gives megatron-core's path back."""
+
+    local = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.local = self.can_stay_local()
+
+    def can_stay_local(self) -> bool:
+        config = self.config
+        return (self.ep_size == 1 and self.tp_size == 1 and not self.drop_and_pad
+                and config.moe_expert_capacity_factor is None and not config.moe_permute_fusion
+                and not getattr(config, "moe_router_padding_for_quantization", False))
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+        if self.local:  # nothing needs the counts on the host
+            return tokens_per_expert
+        return super()._maybe_dtoh_and_synchronize(point, tokens_per_expert)
+
+    def dispatch_postprocess(self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor):
+        if not self.local:
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self.local:
+            return super().combine_preprocess(hidden_states)
+        return hidden_states
 
 
 # ---------------------------------------------------------------- router statistics
