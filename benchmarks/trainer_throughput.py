@@ -43,7 +43,7 @@ formula counts that it never does, which is the point).
 After the table, per contender: the kernels one ``train_step`` launches (CUDA kernels by
 torch.profiler; on the CPU its leaf operators) and its micro-batches' balance: how many, the
 max over micro-batches of tokens and of sum L_i^2 divided by the mean, and padded / real tokens
-(the trainer's micro-batches as ``trainer_megatron.batching.group_rows`` makes them).
+(the trainer's micro-batches as its train step made them with ``trainer_megatron.batching.group_rows``).
 
 Table 2: peak memory the log-prob pass adds beyond the weights, at --memory-tokens
 tokens: the trainer's chunked, fused head next to a naive full-logits pass
@@ -245,8 +245,6 @@ def make_baseline(args, model_dir: Path):
 def step_table(args, model_dir: Path, samples) -> tuple[list[dict], dict]:
     """(the table's rows, per contender: (kernel or op count of one train step, what it counts,
     micro-batch `Balance`))."""
-    from slime_rl.trainer_megatron.batching import group_rows
-
     batch = megatron_batch(samples)
     lengths = [len(s.tokens) for s in samples]
     tokens = sum(lengths)
@@ -286,18 +284,42 @@ def step_table(args, model_dir: Path, samples) -> tuple[list[dict], dict]:
         updates = (args.warmup + args.steps) * len(args.threads if args.device == "cpu" else [None])
         print(f"MoE experts: {', '.join(experts)}; torch._grouped_mm calls per Megatron update:"
               f" {grouped_mm_calls['calls'] / updates:.0f}")
-    # one more update of each, profiled: what a train step launches (the old log-probs of the last timed one)
-    trainer_groups = group_rows(lengths, micro_batch_size=args.micro_batch_size,
-                                max_tokens=args.max_tokens_per_gpu)
+    # one more train step of each, profiled: what it launches (the old log-probs of the last timed update),
+    # and the micro-batches the trainer made for it, as it made them
+    trainer_groups: list[list[list[int]]] = []
+    with recording_group_rows(trainer_groups):
+        trainer_launches = launches(lambda: trainer.train_step(batch), args.device)
+    if not trainer_groups:
+        raise RuntimeError("the trainer's train_step made its micro-batches without"
+                           " trainer_megatron.batching.group_rows: update recording_group_rows")
     figures = {
-        "megatron": (*launches(lambda: trainer.train_step(batch), args.device),
-                     balance(trainer_groups, lengths, padded=args.max_tokens_per_gpu is None)),
+        "megatron": (*trainer_launches,
+                     balance(trainer_groups[-1], lengths, padded=args.max_tokens_per_gpu is None)),
         "transformers": (*launches(lambda: baseline.train_step(samples, holder["lp"]), args.device),
                          balance(baseline.groups(lengths), lengths, padded=True)),
     }
     if args.profile:
         profile_updates(args, samples, batch, trainer, baseline)
     return rows, figures
+
+
+@contextlib.contextmanager
+def recording_group_rows(calls: list):
+    """Keep what ``trainer_megatron.batching.group_rows`` returns inside the block: the trainer's
+    micro-batches (rows of each), made with the trainer's own arguments."""
+    from slime_rl.trainer_megatron import batching
+
+    real = batching.group_rows
+
+    def recorded(*args, **kwargs):
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    batching.group_rows = recorded
+    try:
+        yield
+    finally:
+        batching.group_rows = real
 
 
 @contextlib.contextmanager
