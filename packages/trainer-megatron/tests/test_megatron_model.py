@@ -206,7 +206,7 @@ def _cpu_varlen_standin(calls: list, gqa_flag: bool):
     return varlen_attn, frozenset(names)
 
 
-def test_auto_packed_kernel_is_padded_on_the_cpu_and_never_pads_a_long_tail_on_cuda():
+def test_auto_packed_kernel_without_varlen_pads_short_rows_and_never_a_long_tail():
     from types import SimpleNamespace
 
     from slime_rl.trainer_megatron.attention import choose_packed_kernel, packed_seq_params
@@ -217,14 +217,13 @@ def test_auto_packed_kernel_is_padded_on_the_cpu_and_never_pads_a_long_tail_on_c
     def query(where: str, dtype: torch.dtype, params) -> SimpleNamespace:  # what the choice reads of a query
         return SimpleNamespace(device=torch.device(where), dtype=dtype, shape=(sum(params.seq_lens), 2, 16))
 
-    for params in (short, tail):
-        assert choose_packed_kernel("auto", query("cpu", torch.bfloat16, params), params, 0.0) == "padded"
+    # one padded call for short rows; a long tail would pad 128 x 8000 for 33k real tokens: a call per sample
+    for where, dtype in (("cpu", torch.bfloat16), ("cpu", torch.float32), ("cuda", torch.float32)):
+        assert choose_packed_kernel("auto", query(where, dtype, short), short, 0.0) == "padded"
+        assert choose_packed_kernel("auto", query(where, dtype, tail), tail, 0.0) == "per_sequence"
     assert choose_packed_kernel("per_sequence", query("cpu", torch.bfloat16, short), short, 0.0) == "per_sequence"
     with pytest.raises(ValueError, match="trainer.megatron.packed_attention: varlen needs CUDA"):
         choose_packed_kernel("varlen", query("cpu", torch.bfloat16, short), short, 0.0)
-    # fp32 on CUDA has no flash varlen: pad short rows, but 128 x 8000 would be 23x the 33k real tokens
-    assert choose_packed_kernel("auto", query("cuda", torch.float32, short), short, 0.0) == "padded"
-    assert choose_packed_kernel("auto", query("cuda", torch.float32, tail), tail, 0.0) == "per_sequence"
 
 
 def test_compiled_rope_takes_transformer_engines_place_with_the_same_values(tmp_path):

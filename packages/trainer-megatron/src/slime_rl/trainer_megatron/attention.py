@@ -5,9 +5,8 @@ stay inside each sequence, and how it runs decides the step's speed (docs/traine
 
 - ``varlen`` (CUDA, bf16/fp16): one flash-attention call for the whole packed row per layer,
   forward and backward (``torch.nn.attention.varlen.varlen_attn``), K/V heads left unrepeated.
-- ``padded``: the packed rows are scattered into a ``[batch, longest]`` layout for one SDPA call.
-  The CPU's choice (per-call overhead dominates short sequences there), and CUDA's without varlen
-  while padding stays small.
+- ``padded``: the packed rows are scattered into a ``[batch, longest]`` layout for one SDPA call,
+  where padding stays small (per-call overhead dominates short sequences; the CPU has no varlen).
 - ``per_sequence``: one SDPA call per sequence; exact work, no padding, but a launch-bound
   Python loop (3,840 attention calls per step for 128 short samples and 30 layers): the last resort.
 
@@ -32,7 +31,10 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 PackedKernel = Literal["varlen", "padded", "per_sequence"]
 PACKED_ATTENTION_CHOICES = ("auto", "varlen", "padded", "per_sequence")
 _CPU_MATMUL_ATTENTION_BYTES = 64 << 20  # fp32 scores of one call
-_PADDING_ALLOWED = 2.0  # CUDA without varlen pads while batch x longest <= this x the packed tokens
+# Without varlen, pad while batch x longest <= this x the packed tokens. CPU, fp32, one layer forward and
+# backward (benchmarks/packed_attention.py): 128 x ~40 tokens (1.1x padding) padded is 3.7x faster than per
+# sequence; 32 x 50-4,000 (2.4x padding) 3.3x slower.
+_PADDING_ALLOWED = 2.0
 
 
 @dataclass
@@ -139,7 +141,7 @@ def choose_packed_kernel(setting: str, query: torch.Tensor, params: PackedSequen
         return setting  # type: ignore[return-value]
     if varlen_applies(query, dropout):
         return "varlen"
-    if query.device.type == "cpu" or params.padded_tokens <= _PADDING_ALLOWED * query.shape[0]:
+    if params.padded_tokens <= _PADDING_ALLOWED * query.shape[0]:
         return "padded"
     return "per_sequence"
 
