@@ -10,6 +10,9 @@
 # (issue 35: the long-tailed RL mix, 128 samples, responses 50-8k tokens, 1.5B shape, packed at 16k tokens against
 # transformers sorted into 16k-token micro-batches; kernels per step, micro-batch balance; ~4 min), bench-rollout,
 # bench-sync, bench-sync-7b (default buckets only), bench-sync-small, bench-sync-1.5b, bench-step, bench-step-nographs (issue 16), bench-moe (issue 19),
+# bench-moe-ab (issue 35: bench-moe by the code of the 4342bcc record and by this tree in turns; first, here:
+# scripts/gpu/build_moe_ab.sh, and carry .gpu/ab-4342bcc), profile-moe (one MoE update of bench-moe's batch:
+# ops, kernels, host syncs by line, each MoE piece's time, top ops, for the RoPE and dispatcher variants),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
 # SGLangEngine), bench-sync-lora, e2e-lora (issue 20: GRPO with LoRA through SGLang's adapters, tiny and
@@ -58,6 +61,10 @@ for stage in "$@"; do
                             --samples 128 --max-tokens-per-gpu 16384 --skip-memory --peak-tflops 989 --profile 15) ;;
     bench-moe) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen3-30b-a3b-reduced --samples 16
                     --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 8 --peak-tflops 989 --skip-memory) ;;
+    bench-moe-ab) cmd=(bash scripts/gpu/moe_ab.sh "$logs") ;;
+    profile-moe) cmd=(timeout 300 python3 benchmarks/moe_step_profile.py --device cuda --shape qwen3-30b-a3b-reduced
+                      --samples 16 --prompt-len 512 --response-len 512 --micro-batch-size 8 --top 25
+                      --variants as-is rope-per-sequence rope-device-positions megatron-dispatch) ;;
     moe-replay) cmd=(timeout 400 python3 benchmarks/moe_replay_gap.py --shape qwen3-30b-a3b-reduced --prompts 16
                      --new-tokens 64 --work-dir /tmp/moe-replay) ;;
     bench-sync-1.5b) cmd=(timeout 200 python3 benchmarks/weight_sync.py --shape qwen2.5-1.5b --bucket-mb 2048
