@@ -13,6 +13,8 @@
 # bench-moe-ab (issue 35: bench-moe by the code of the 4342bcc record and by this tree in turns; first, here:
 # scripts/gpu/build_moe_ab.sh, and carry .gpu/ab-4342bcc), profile-moe (one MoE update of bench-moe's batch:
 # ops, kernels, host syncs by line, each MoE piece's time, top ops, for the RoPE and dispatcher variants),
+# bench-attention (issue 35: one layer's packed attention by varlen, flex, padded and per-sequence kernels),
+# trainer-varlen (issue 35: the trainer's packed varlen log-probs and GRPO step against the per-sequence path),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
 # SGLangEngine), bench-sync-lora, e2e-lora (issue 20: GRPO with LoRA through SGLang's adapters, tiny and
@@ -51,6 +53,9 @@ for stage in "$@"; do
     e2e-offload) cmd=(python3 -m pytest -x -q -s -m gpu "tests/e2e/test_gpu_e2e.py::test_f_colocated_grpo_through_slime_cli[offload]" -p no:cacheprovider) ;;
     bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16
                         --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384 --profile 25) ;;
+    bench-attention) cmd=(python3 benchmarks/packed_attention.py --device cuda --repeats 20) ;;
+    trainer-varlen) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py
+                         -k "varlen or log_probs_match" -p no:cacheprovider) ;;
     bench-trainer-short) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape smollm2-135m --samples 128
                               --prompt-len 34 --response-len 6 --jitter 4 --max-tokens-per-gpu 8192
                               --baseline-micro-batch-size 128 --skip-memory --peak-tflops 989 --profile 15) ;;
