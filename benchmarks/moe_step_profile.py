@@ -209,31 +209,35 @@ def run_variant(args, trainer, batch, variant: str, rope_as_is) -> dict:
         batch.old_log_probs = trainer.compute_log_probs(batch)
 
     walls = {"compute_log_probs": [], "train_step": []}
+    cpu = {"compute_log_probs": [], "train_step": []}  # this process's CPU seconds: ~wall when launch-bound
     for it in range(args.warmup + args.steps):
         for phase, fn in (("compute_log_probs", log_probs), ("train_step", lambda: trainer.train_step(batch))):
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             if args.device == "cuda":
                 torch.cuda.synchronize()
             if it >= args.warmup:
                 walls[phase].append(time.perf_counter() - start)
+                cpu[phase].append(time.process_time() - start_cpu)
     with labelled_moe(trainer):
         profiles = {"compute_log_probs": profile_phase(args, log_probs),
                     "train_step": profile_phase(args, lambda: trainer.train_step(batch))}
-    return dict(walls=walls, profiles=profiles)
+    return dict(walls=walls, cpu=cpu, profiles=profiles)
 
 
 def report(args, variant: str, result: dict, tokens: int) -> None:
     print(f"\n## {variant}: {args.shape} on {args.device} ({args.dtype}), {tokens} tokens per update")
-    print("| phase | wall s (min / median) | tokens/s | aten ops | device kernels | host syncs | host-read ops |")
-    print("|---|---|---|---|---|---|---|")
+    print("| phase | wall s (min / median) | CPU s (median) | tokens/s | aten ops | device kernels | host syncs |"
+          " host-read ops |")
+    print("|---|---|---|---|---|---|---|---|")
     for phase, prof in result["profiles"].items():
         walls = result["walls"][phase]
         reads = ", ".join(f"{k.split('::')[1]} {v}" for k, v in sorted(prof["host_reads"].items())) or "-"
         syncs = sum(prof["syncs"].values()) if args.device == "cuda" else "-"
-        print(f"| {phase} | {min(walls):.4f} / {statistics.median(walls):.4f} | {tokens / min(walls):.0f} |"
+        print(f"| {phase} | {min(walls):.4f} / {statistics.median(walls):.4f} |"
+              f" {statistics.median(result['cpu'][phase]):.4f} | {tokens / min(walls):.0f} |"
               f" {prof['ops']} | {prof['kernels'] if args.device == 'cuda' else '-'} | {syncs} | {reads} |")
     for phase, prof in result["profiles"].items():
         if prof["syncs"]:

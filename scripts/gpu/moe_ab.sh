@@ -18,7 +18,11 @@ case $where in "$PWD/$old"/*) echo "moe_ab: $commit's code from $old" ;; *) echo
 status=0
 for round in $(seq "$rounds"); do
   for side in "$commit" tree; do
-    echo "## round $round: $side ($(date -u +%TZ))"
+    echo "## round $round: $side ($(date -u +%TZ)); load $(cut -d' ' -f1-3 /proc/loadavg); busiest processes:"
+    # what else holds this machine's CPUs or GPU: a leftover server slows a launch-bound trainer, not a GPU-bound one
+    top -b -n 1 -o %CPU 2>/dev/null | sed -n '7,10p'
+    nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu,memory.used --format=csv,noheader 2>/dev/null
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null
     if [ "$side" = tree ]; then
       timeout 240 python3 benchmarks/trainer_throughput.py "${args[@]}" > "$logs/bench-moe-ab-$side-$round.log" 2>&1
     else
