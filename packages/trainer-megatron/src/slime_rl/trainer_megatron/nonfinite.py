@@ -35,11 +35,24 @@ def nonfinite_update(loss: float, model: torch.nn.Module, dtype: torch.dtype, de
         return f"loss ({loss})"
     if dtype == torch.float16:  # Megatron's loss scaler skips inf/nan gradients and lowers the scale
         return None
-    grads = [g for p in model.parameters() if (g := getattr(p, "main_grad", None)) is not None]
+    grads = _grad_buffers(model)
     all_finite = torch.stack([finite(g) for g in grads]).all() if grads else torch.tensor(True)
     all_finite = all_finite.to(device=device, dtype=torch.int32)
     dist.all_reduce(all_finite, op=dist.ReduceOp.MIN)  # a DP or TP/PP peer may hold the bad shard
     return None if all_finite.item() else "gradient"
+
+
+def _grad_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors holding the gradients, each once. Megatron's DDP makes every ``main_grad`` a view
+    into a few contiguous buffers: checking those whole is a few kernels, not two per parameter
+    (hundreds of tiny launches a step on a GPU). Padding in a buffer is zeros, which are finite."""
+    buffers: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        g = getattr(p, "main_grad", None)
+        if g is not None:
+            whole = g._base if g._base is not None else g
+            buffers.setdefault(id(whole), whole)
+    return list(buffers.values())
 
 
 def check_finite_state(model: torch.nn.Module, optimizer, what: str, fix: str) -> None:
