@@ -202,6 +202,20 @@ def profile_phase(args, fn) -> dict:
                 syncs=syncs, pieces=pieces, events=events)
 
 
+def same_log_probs(trainer, batch, variants: list[str], rope_as_is) -> dict[str, float]:
+    """Before any update (same weights): each variant's log-probs against the first's, max |difference|."""
+    first = None
+    diffs = {}
+    for variant in variants:
+        use_variant(trainer, variant, rope_as_is)
+        log_probs = trainer.compute_log_probs(batch).float()
+        first = log_probs if first is None else first
+        diffs[variant] = float((log_probs - first).abs().max())
+    print("log-probs of each variant against " + variants[0] + ", same weights (max |diff|): "
+          + ", ".join(f"{v} {d:.3g}" for v, d in diffs.items()))
+    return diffs
+
+
 def run_variant(args, trainer, batch, variant: str, rope_as_is) -> dict:
     use_variant(trainer, variant, rope_as_is)
 
@@ -282,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
     from megatron.core.models.common.embeddings import rope_utils
 
     rope_as_is = rope_utils.fused_apply_rotary_pos_emb_thd
-    results = {}
+    results = {"log_probs_vs_first": same_log_probs(trainer, batch, args.variants, rope_as_is)}
     for variant in args.variants:
         results[variant] = run_variant(args, trainer, batch, variant, rope_as_is)
         report(args, variant, results[variant], tokens)

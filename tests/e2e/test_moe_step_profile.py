@@ -20,6 +20,7 @@ def test_the_profile_counts_each_variants_ops_and_moe_pieces(tmp_path, capsys):
     results = bench.main(["--device", "cpu", "--shape", "tiny-moe", "--samples", "4", "--prompt-len", "12",
                           "--response-len", "6", "--micro-batch-size", "2", "--steps", "1", "--warmup", "0",
                           "--top", "5", "--variants", "as-is", "megatron-dispatch", "--model-dir", str(tmp_path / "m")])
+    assert results["log_probs_vs_first"] == {"as-is": 0.0, "megatron-dispatch": 0.0}
     local, mcore = results["as-is"]["profiles"], results["megatron-dispatch"]["profiles"]
     for phase in ("compute_log_probs", "train_step"):
         assert 0 < local[phase]["ops"] < mcore[phase]["ops"], phase  # no identity sort by local expert
