@@ -1,0 +1,184 @@
+"""Delta weight syncs: send only the elements that changed since the version the engines hold.
+
+After one optimizer step at RL learning rates most bf16 elements of an fp32 master are bit-identical
+to the last synced version (benchmarks/delta_sync.py measures how many), so a sync can carry, per
+tensor, the smallest of
+
+- ``full``: the tensor itself;
+- ``sparse``: the flat indices (int32) of the changed elements and their new values;
+- ``xor``: the XOR of the new and the old bit patterns, zlib-compressed (level 1): zero runs and the
+  mostly-zero high bits of small changes compress well.
+
+A delta travels as ordinary named tensors, so every transport carries it unchanged: ``name#idx`` and
+``name#val``, or ``name#xor`` (uint8), and each delta bucket starts with a ``#delta`` header tensor
+(int64 ``[base_version, version]``). An engine applies a delta only onto ``base_version``
+(`apply_delta_bucket`); any other version raises `DeltaChainBroken` and the sync is redone in full.
+The trainer side (`DeltaEncoder`) keeps the last synced version's bytes on the host and sends a
+delta only when the engines report that version (`SyncStats` says what moved).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from slime_rl.core.contracts import NamedTensors
+
+HEADER = "#delta"
+MARK = "#"  # HF parameter names never hold one
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> integer view
+ENCODINGS = ("full", "sparse", "xor")
+
+
+class DeltaChainBroken(RuntimeError):
+    """A delta arrived for a base version the engine does not hold: it needs a full sync."""
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit pattern as a flat integer tensor of the same element size (a view when contiguous)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(_BITS[flat.element_size()])
+
+
+def is_delta_bucket(named_tensors: NamedTensors) -> bool:
+    return bool(named_tensors) and named_tensors[0][0] == HEADER
+
+
+def header(base_version: int, version: int) -> tuple[str, torch.Tensor]:
+    return HEADER, torch.tensor([base_version, version], dtype=torch.int64)
+
+
+@dataclass
+class TensorDelta:
+    """One tensor of a sync as it travels: its parts (named tensors) and what they cost."""
+
+    name: str
+    encoding: str  # one of ENCODINGS
+    parts: NamedTensors
+    changed: int  # elements that differ from the base
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.parts)
+
+
+def encode_tensor(name: str, new: torch.Tensor, old: torch.Tensor | None,
+                  encodings: tuple[str, ...] = ENCODINGS) -> TensorDelta:
+    """``new`` against ``old`` (the engine's copy) by the smallest of ``encodings``; ``full`` whenever no
+    delta is smaller, or there is no comparable ``old``."""
+    numel = new.numel()
+    full = TensorDelta(name, "full", [(name, new)], numel, numel)
+    if old is None or old.shape != new.shape or old.dtype != new.dtype:
+        return full
+    new_bits, old_bits = bits(new), bits(old)
+    diff = torch.bitwise_xor(new_bits, old_bits)
+    changed_mask = diff != 0
+    changed = int(changed_mask.sum())
+    full.changed = changed
+    best = full
+    if "sparse" in encodings and changed * (4 + new.element_size()) < best.nbytes:
+        index = changed_mask.nonzero().reshape(-1).to(torch.int32)
+        best = TensorDelta(name, "sparse", [(f"{name}#idx", index), (f"{name}#val", new.reshape(-1)[index.long()])],
+                           changed, numel)
+    if "xor" in encodings and changed < numel:  # all changed: XOR compresses no better than the values
+        packed = zlib.compress(diff.numpy().tobytes(), 1)
+        if len(packed) < best.nbytes:
+            best = TensorDelta(name, "xor", [(f"{name}#xor", torch.frombuffer(bytearray(packed), dtype=torch.uint8))],
+                               changed, numel)
+    return best
+
+
+def apply_delta_bucket(named_tensors: NamedTensors, current: Callable[[str], torch.Tensor], *,
+                       held_version: int) -> NamedTensors:
+    """The full tensors a delta bucket stands for, built from ``current(name)`` (the engine's tensor now,
+    left unchanged). Raises `DeltaChainBroken` unless the engine holds the bucket's base version."""
+    (name, head), rest = named_tensors[0], named_tensors[1:]
+    if name != HEADER:
+        raise ValueError("apply_delta_bucket: the bucket has no #delta header; load it as full tensors")
+    base_version = int(head[0])
+    if base_version != held_version:
+        raise DeltaChainBroken(f"a delta onto weight version {base_version} reached an engine at version "
+                               f"{held_version}; it needs a full sync")
+    out: NamedTensors = []
+    i = 0
+    while i < len(rest):
+        part, tensor = rest[i]
+        base, _, kind = part.partition(MARK)
+        if not kind:
+            out.append((part, tensor))
+            i += 1
+            continue
+        held = current(base)
+        if kind == "idx":
+            values = rest[i + 1][1]
+            new = held.detach().clone()
+            new.reshape(-1)[tensor.long()] = values.to(held.device)
+            i += 2
+        elif kind == "xor":
+            diff = torch.frombuffer(bytearray(zlib.decompress(tensor.numpy().tobytes())), dtype=bits(held).dtype)
+            new = torch.bitwise_xor(bits(held).cpu(), diff).view(held.dtype).reshape(held.shape).to(held.device)
+            i += 1
+        else:
+            raise ValueError(f"apply_delta_bucket: unknown part {part!r}")
+        out.append((base, new))
+    return out
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved (the step's ``weights/*`` metrics)."""
+
+    version: int = 0
+    delta: bool = False  # sent against the engines' version (else: every tensor in full)
+    numel: int = 0
+    changed: int = 0
+    bytes_moved: int = 0
+    full_bytes: int = 0
+    encodings: dict[str, int] = field(default_factory=dict)  # tensors sent by each encoding
+
+    def metrics(self) -> dict[str, float]:
+        out = {"weights/delta": float(self.delta), "weights/bytes_moved": float(self.bytes_moved),
+               "weights/full_bytes": float(self.full_bytes),
+               "weights/changed_fraction": self.changed / self.numel if self.numel else 0.0}
+        out.update({f"weights/tensors_{k}": float(v) for k, v in self.encodings.items()})
+        return out
+
+
+class DeltaEncoder:
+    """The trainer side: the last synced version's tensors on the host, and buckets as deltas onto them.
+
+    `encode` is given the version every engine reports holding (None: they differ, or one is new); it sends
+    deltas only when that is the version kept here, and full tensors otherwise. Either way the kept copy
+    becomes ``version``: a sync that fails part-way leaves the engines on another version, which the next
+    sync sees and answers in full."""
+
+    def __init__(self, encodings: tuple[str, ...] = ENCODINGS):
+        self.encodings = encodings
+        self.kept: dict[str, torch.Tensor] = {}
+        self.kept_version: int | None = None
+        self.last = SyncStats()
+
+    def encode(self, buckets: Iterator[NamedTensors], *, version: int, engines_hold: int | None
+               ) -> Iterator[NamedTensors]:
+        as_delta = engines_hold is not None and engines_hold == self.kept_version
+        stats = self.last = SyncStats(version=version, delta=as_delta)
+        self.kept_version = None  # until every bucket is through
+        for bucket in buckets:
+            out: NamedTensors = [header(engines_hold, version)] if as_delta else []
+            for name, tensor in bucket:
+                host = tensor.detach().to("cpu", copy=True)
+                # a full sync still counts what changed against the kept copy (the step's change fraction)
+                delta = encode_tensor(name, host, self.kept.get(name), self.encodings if as_delta else ())
+                self.kept[name] = host
+                out.extend(delta.parts if as_delta else [(name, tensor)])
+                stats.numel += delta.numel
+                stats.changed += delta.changed
+                stats.full_bytes += host.numel() * host.element_size()
+                stats.bytes_moved += delta.nbytes
+                stats.encodings[delta.encoding] = stats.encodings.get(delta.encoding, 0) + 1
+            yield out
+        self.kept_version = version
