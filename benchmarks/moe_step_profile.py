@@ -137,26 +137,20 @@ def labelled_moe(trainer):
 
 @contextlib.contextmanager
 def counting_syncs(device: str, counter: collections.Counter):
-    """CUDA: every host sync inside the block, by the Python line that made it (torch's sync debug
-    mode, CUDA event and device synchronizes). Nothing on the CPU (the profile's host-read ops count)."""
+    """CUDA: every host sync inside the block, by the Python line that made it: torch's sync debug mode
+    (item, nonzero, blocking copies, stream and device synchronizes) and CUDA event synchronizes, which
+    it does not see (megatron's dispatcher waits on one). Nothing on the CPU (the host-read ops count)."""
     if device != "cuda":
         yield
         return
-    real_event_sync, real_device_sync = torch.cuda.Event.synchronize, torch.cuda.synchronize
-
-    def where(depth: int) -> str:
-        frame = sys._getframe(depth)
-        return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+    real_event_sync = torch.cuda.Event.synchronize
 
     def event_sync(self):
-        counter[f"event.synchronize @ {where(2)}"] += 1
+        frame = sys._getframe(1)
+        counter[f"event.synchronize @ {Path(frame.f_code.co_filename).name}:{frame.f_lineno}"] += 1
         return real_event_sync(self)
 
-    def device_sync(*args, **kwargs):
-        counter[f"cuda.synchronize @ {where(2)}"] += 1
-        return real_device_sync(*args, **kwargs)
-
-    torch.cuda.Event.synchronize, torch.cuda.synchronize = event_sync, device_sync
+    torch.cuda.Event.synchronize = event_sync
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -167,7 +161,7 @@ def counting_syncs(device: str, counter: collections.Counter):
                 counter[f"{str(w.message).split(',')[0][:40]} @ {Path(w.filename).name}:{w.lineno}"] += 1
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.Event.synchronize, torch.cuda.synchronize = real_event_sync, real_device_sync
+        torch.cuda.Event.synchronize = real_event_sync
 
 
 # ---------------------------------------------------------------- one variant

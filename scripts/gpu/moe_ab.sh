@@ -6,6 +6,9 @@
 # wheels) and its own benchmark script runs them. megatron-core, torch and transformers are the machine's.
 #   bash scripts/gpu/moe_ab.sh LOGDIR        (AB_COMMIT=4342bcc, AB_ROUNDS=1; AB_ARGS replaces bench-moe's
 #                                             arguments, e.g. "--device cpu --shape tiny-moe" for a dry run)
+# Each side is one bench-moe run (the first also writes the random model to /tmp, which the others reuse),
+# at most 240 s each; with profile-moe after it a call may reach its 600 s: then run the two stages in two
+# calls, the second within 30 s of the first (the machine and /tmp stay).
 set -u
 logs=${1:-/tmp/gpu-logs}; commit=${AB_COMMIT:-4342bcc}; rounds=${AB_ROUNDS:-1}; old=.gpu/ab-$commit
 if [ ! -d "$old/packages" ]; then
