@@ -2,7 +2,11 @@
 
 On GPUs: one ``{GPU: 1}`` bundle per planned GPU, packed, as slime does; trainer rank i
 takes its planned bundle with the plan's share of its GPU, and the rollout worker goes to
-the node of engine 0's first bundle, where it starts the engines on their planned GPUs. On the CPU: nothing to reserve while the plan has one node
+the node of engine 0's first bundle, where it starts the engines on their planned GPUs. PACK does not keep
+the group's bundle order by node (the scale simulation found 4-GPU engines and tensor-parallel groups spread
+over two nodes, docs/scale.md): planned bundle i takes the i-th of the group's bundles ordered by node
+(`node_order`, as slime reorders its bundles), so a planned node's bundles share a Ray node wherever
+Ray gave that node whole planned nodes. On the CPU: nothing to reserve while the plan has one node
 (every process runs on the driver's Ray node); a plan over several nodes
 (``cluster.num_gpus_per_node`` smaller than what the run needs) reserves one bundle per
 planned node, each on a different Ray node (STRICT_SPREAD), and every process goes to its
@@ -26,6 +30,7 @@ class Reservation:
     plan: Placement
     group: Any = None  # a Ray placement group, or None: schedule anywhere
     by_node: bool = False  # CPU over several nodes: one bundle per node
+    order: list[int] | None = None  # GPUs: planned bundle -> the group's bundle on the right node (node_order)
 
     def trainer_options(self, rank: int) -> dict[str, Any]:
         """ray.remote options for trainer rank ``rank`` (actor or critic: they share the bundle)."""
@@ -47,7 +52,17 @@ class Reservation:
     def _in_bundle(self, index: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, index)}
+        bundle = self.order[index] if self.order is not None else index
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, bundle)}
+
+
+def node_order(bundle_nodes: dict[int, str], count: int) -> list[int]:
+    """The group's bundle indexes with those of one Ray node together: nodes in the order their first bundle
+    comes, a node's bundles in index order (``bundle_nodes``: placement_group_table's bundles_to_node_id)."""
+    by_node: dict[str, list[int]] = {}
+    for index in range(count):
+        by_node.setdefault(bundle_nodes[index], []).append(index)
+    return [index for indexes in by_node.values() for index in indexes]
 
 
 def reserve(plan: Placement, timeout_s: float = 120.0) -> Reservation:
@@ -70,4 +85,9 @@ def reserve(plan: Placement, timeout_s: float = 120.0) -> Reservation:
     if not ready:
         remove_placement_group(group)
         raise RuntimeError(f"Ray could not reserve {len(bundles)} {unit} in {timeout_s:.0f} s ({have})")
-    return Reservation(plan, group, by_node=plan.device != "cuda")
+    if plan.device != "cuda":
+        return Reservation(plan, group, by_node=True)
+    from ray.util import placement_group_table
+
+    order = node_order(placement_group_table(group)["bundles_to_node_id"], len(bundles))
+    return Reservation(plan, group, order=order)
