@@ -66,22 +66,29 @@ class EngineRecovery:
                                                     for s in self.control.servers)
 
     async def _monitor(self) -> None:
-        while not self.hold.shut:
-            await asyncio.sleep(self.health_interval)
-            for server in list(self.control.servers):
-                given_up = self._recovery_failures.get(server.index, 0) >= self.max_recovery_attempts
-                if server.index in self.control.recovering or given_up or self.hold.shut:
-                    continue
-                if await self._is_dead(server):
-                    self.control.recovering.add(server.index)
-                    asyncio.get_running_loop().create_task(self._recover(server))
+        # One client for every check, all servers at once: with a fresh client per check, one after another, the
+        # rollout process spent 0.43 s of CPU per 10 s on 8 idle servers' checks, 0.08 s so (docs/scale.md).
+        async with httpx.AsyncClient(timeout=5.0, limits=httpx.Limits(max_connections=None)) as http:
+            while not self.hold.shut:
+                await asyncio.sleep(self.health_interval)
+                servers = [s for s in list(self.control.servers) if s.index not in self.control.recovering
+                           and self._recovery_failures.get(s.index, 0) < self.max_recovery_attempts]
+                dead = await asyncio.gather(*(self._is_dead(s, http=http) for s in servers))
+                for server, is_dead in zip(servers, dead, strict=True):
+                    if is_dead and not self.hold.shut and server.index not in self.control.recovering:
+                        self.control.recovering.add(server.index)
+                        asyncio.get_running_loop().create_task(self._recover(server))
 
-    async def _is_dead(self, server: SGLangServer, failures_allowed: int = 3) -> bool:
+    async def _is_dead(self, server: SGLangServer, failures_allowed: int = 3,
+                       http: httpx.AsyncClient | None = None) -> bool:
         if server.process is not None and not server.process.alive():
             return True
         try:
-            async with httpx.AsyncClient(timeout=5.0) as http:
+            if http is not None:
                 ok = (await http.get(f"{server.url}/health")).status_code == 200
+            else:
+                async with httpx.AsyncClient(timeout=5.0) as own:
+                    ok = (await own.get(f"{server.url}/health")).status_code == 200
         except httpx.HTTPError:
             ok = False
         self._failures[server.index] = 0 if ok else self._failures.get(server.index, 0) + 1
