@@ -121,33 +121,42 @@ class TurnTemplate:
         text, the ids are those of the whole text tokenised at once (as the template's rendering of the
         conversation is), so plain observations keep exact parity."""
         end = {"ended_on_end_of_turn": ended_on_end_of_turn}
-        slots = [(m, key) for m, message in enumerate(tool_messages) for key in ("content", "name")
-                 if isinstance(message.get(key), str)]
-        masked = [dict(message) for message in tool_messages]
-        for k, (m, key) in enumerate(slots):
-            masked[m][key] = _SLOT.format(k)
-        masked_text = self.observation_text(masked, **end)
-        rendered: dict[str, str] = {}  # slot marker -> the slot's text as the template renders it
-        for k, (m, key) in enumerate(slots):
-            marker = _SLOT.format(k)
-            if marker not in masked_text:
-                continue  # the template does not show it (a tool's name, often)
-            one_real = [dict(message) for message in masked]
-            one_real[m][key] = tool_messages[m][key]
-            rendered[marker] = _slot_text(masked_text, marker, self.observation_text(one_real, **end))
-        pieces = re.split("(" + "|".join(map(re.escape, rendered)) + ")", masked_text) if rendered else [masked_text]
-        text = "".join(rendered.get(piece, piece) for piece in pieces)
-        if text != self.observation_text(tool_messages, **end):
-            raise TemplateError("the chat template renders one tool result differently depending on another;"
-                                " the agent cannot keep tool output apart from the template's own tokens")
-        ids: list[int] = []
-        for piece in pieces:
-            ids += encode_plain(self.tokenizer, rendered[piece]) if piece in rendered else encode(self.tokenizer, piece)
-        whole = encode(self.tokenizer, text)
-        specials = special_ids(self.tokenizer)
-        if [i for i in whole if i in specials] == [i for i in ids if i in specials]:
-            return whole
-        return ids
+        return plain_content_ids(self.tokenizer, lambda messages: self.observation_text(messages, **end),
+                                 tool_messages)
+
+
+def plain_content_ids(tokenizer: Any, render_messages: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The ids of ``render_messages(messages)`` (a template's text) with every message's ``content`` and
+    ``name`` tokenised as plain text (special-token strings in them stay characters) and only the
+    template's own text with special tokens parsed. Each such text is found in the rendering by putting a
+    marker in its place; when no special token comes from them, the whole text is tokenised at once."""
+    slots = [(m, key) for m, message in enumerate(messages) for key in ("content", "name")
+             if isinstance(message.get(key), str)]
+    masked = [dict(message) for message in messages]
+    for k, (m, key) in enumerate(slots):
+        masked[m][key] = _SLOT.format(k)
+    masked_text = render_messages(masked)
+    rendered: dict[str, str] = {}  # slot marker -> the slot's text as the template renders it
+    for k, (m, key) in enumerate(slots):
+        marker = _SLOT.format(k)
+        if marker not in masked_text:
+            continue  # the template does not show it (a tool's name, often)
+        one_real = [dict(message) for message in masked]
+        one_real[m][key] = messages[m][key]
+        rendered[marker] = _slot_text(masked_text, marker, render_messages(one_real))
+    pieces = re.split("(" + "|".join(map(re.escape, rendered)) + ")", masked_text) if rendered else [masked_text]
+    text = "".join(rendered.get(piece, piece) for piece in pieces)
+    if text != render_messages(messages):
+        raise TemplateError("the chat template renders one message's content differently depending on another;"
+                            " the agent cannot keep message text apart from the template's own tokens")
+    ids: list[int] = []
+    for piece in pieces:
+        ids += encode_plain(tokenizer, rendered[piece]) if piece in rendered else encode(tokenizer, piece)
+    whole = encode(tokenizer, text)
+    specials = special_ids(tokenizer)
+    if [i for i in whole if i in specials] == [i for i in ids if i in specials]:
+        return whole
+    return ids
 
 
 def _slot_text(masked_text: str, marker: str, real_text: str) -> str:

@@ -1,4 +1,6 @@
-"""Tool calls in the model's text: the Hermes / Qwen form ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+"""Tool calls in the model's text: the Hermes / Qwen form ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+and (for the agent gateway, ``split_tool_calls(text, "llama3")``) Llama 3.1's JSON form: the whole turn is
+``{"name": ..., "parameters": {...}}`` (after an optional ``<|python_tag|>``), several joined by ``;``.
 
 Parsing reads the decoded text of the ids the model sampled; it never changes those ids. A call
 that is not valid JSON, or lacks a name, is still a call: the model meant to use a tool, so it
@@ -49,3 +51,41 @@ def _parse_one(body: str) -> ToolCall:
     if not isinstance(arguments, dict):
         return ToolCall(data["name"], error=f'"arguments" must be a JSON object, got {type(arguments).__name__}')
     return ToolCall(data["name"], arguments)
+
+
+TOOL_PARSERS = ("hermes", "llama3")
+LLAMA_PYTHON_TAG = "<|python_tag|>"
+
+
+def split_tool_calls(text: str, parser: str = "hermes") -> tuple[str, list[ToolCall]]:
+    """``text`` (an assistant turn, its end-of-turn token removed) as the content outside the calls and the
+    calls, by the model family's format (`TOOL_PARSERS`). No call: ``(text, [])``."""
+    if parser == "hermes":
+        calls = parse_tool_calls(text)
+        return (_CALL.sub("", text).strip() if calls else text), calls
+    if parser == "llama3":
+        return _split_llama3(text)
+    raise ValueError(f"tool parser {parser!r}: use one of {', '.join(TOOL_PARSERS)}")
+
+
+def _split_llama3(text: str) -> tuple[str, list[ToolCall]]:
+    body = text.strip()
+    tagged = body.startswith(LLAMA_PYTHON_TAG)
+    body = body.removeprefix(LLAMA_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while position < len(body):
+        try:
+            data, end = decoder.raw_decode(body, position)
+        except json.JSONDecodeError as err:
+            if not calls and not tagged:
+                return text, []  # a turn that merely starts with a brace: content, not a call
+            return "", calls + [ToolCall("", error=f"the tool call is not valid JSON ({err.msg} at char {err.pos})")]
+        if not isinstance(data, dict) or "name" not in data:
+            return (text, []) if not calls and not tagged else ("", calls + [_parse_one(json.dumps(data))])
+        calls.append(_parse_one(json.dumps(data)))
+        position = end
+        while position < len(body) and body[position] in " \n\t;":
+            position += 1
+    return "", calls
