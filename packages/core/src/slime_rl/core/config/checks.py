@@ -150,6 +150,9 @@ def check_config(cfg: Config) -> None:
     if r.tools and r.generate_fn != "multi_turn":
         raise ConfigError("rollout.tools", "only the built-in agent loop calls tools; set rollout.generate_fn="
                                            "multi_turn, or drop rollout.tools")
+    if r.generate_fn == "gateway" and (r.gateway.agent is None) == (not r.gateway.command):
+        raise ConfigError("rollout.gateway.agent", "rollout.generate_fn: gateway runs your agent; give one of"
+                          " rollout.gateway.agent (module:attr) and rollout.gateway.command")
     check_model(cfg)
     check_memory(cfg)  # a model that clearly cannot fit its trainer ranks' memory (config/memory.py)
     plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)

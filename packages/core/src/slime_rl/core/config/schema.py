@@ -151,6 +151,18 @@ class SandboxConfig(_Section):
     uid_base: int = Field(200_000, ge=1000, le=2**31 - 4096)  # calls run as uid_base, uid_base + 1, ...
 
 
+class GatewayConfig(_Section):
+    """rollout.gateway: the agent gateway (core/gateway, docs/agents.md): the user's own agent, run per sample against an
+    OpenAI-compatible server in front of the engines, with ``rollout.generate_fn: gateway``."""
+    agent: str | None = None  # module:attr: async def run(base_url, api_key, sample) -> reward or final state
+    command: list[str] = Field(default_factory=list)  # or a program per sample: OPENAI_BASE_URL/OPENAI_API_KEY in its env
+    samples: Literal["trajectory", "per_call"] = "trajectory"  # one sample per episode (loss masks), or per model call
+    agent_timeout: float = Field(600.0, gt=0)  # seconds per episode; then the sample fails
+    model: str = "policy"  # the model name the gateway answers to (GET /v1/models lists it)
+    tool_parser: Literal["hermes", "llama3"] = "hermes"  # the model family's tool-call format, into OpenAI tool_calls
+    api_key: Secret | None = None  # the run's gateway key (each episode's key derives from it); unset: a fresh one
+
+
 class RolloutConfig(_BackendSection):
     section_name = "rollout"
     engine: str = "hf"  # rollout engine plugin name or module:attr
@@ -168,6 +180,8 @@ class RolloutConfig(_BackendSection):
     max_turns: int = Field(4, ge=1)  # multi_turn: assistant turns per episode
     tools: list[str] = Field(default_factory=list)  # multi_turn: tools, each module:attr or the built-in "python"
     tool_timeout: float = Field(30.0, gt=0)  # multi_turn: seconds per tool call; then its error is the observation
+    environment: str | None = None  # generate_fn environment: "tool_math", "guess_number" or module:attr (core/agent)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)  # generate_fn gateway: the user's agent
     reward: str = "math"  # built-in reward name or module:attr
     group_reward: bool = False  # the reward takes a whole group
     reward_key: str | None = None  # for dict rewards

@@ -83,7 +83,7 @@ async def generate_single_turn(sample: Sample, params: SamplingParams, engine: R
     return sample
 
 
-BUILTIN_GENERATE_FNS = ("multi_turn",)  # built by load_generate_fn: they need the config and tokenizer
+BUILTIN_GENERATE_FNS = ("multi_turn", "gateway")  # built by load_generate_fn: they need the config and tokenizer
 
 
 def load_generate_fn(cfg: Config, tokenizer: Any = None) -> GenerateFn:
@@ -98,6 +98,13 @@ def load_generate_fn(cfg: Config, tokenizer: Any = None) -> GenerateFn:
             raise PluginError("rollout.generate_fn: multi_turn renders tool results with the model's tokenizer,"
                               " and this rollout has none")
         return MultiTurnGenerate.from_config(cfg, tokenizer)
+    if spec == "gateway":  # the user's own agent against the run's OpenAI-compatible gateway
+        from slime_rl.core.gateway import GatewayGenerate
+
+        if tokenizer is None:
+            raise PluginError("rollout.generate_fn: gateway renders chat requests with the model's tokenizer,"
+                              " and this rollout has none")
+        return GatewayGenerate.from_config(cfg, tokenizer)
     return load_function(spec, {}, what="rollout.generate_fn")
 
 
