@@ -19,7 +19,8 @@ def fake_trainer(calls: Counter, log: list, node: str, ranks: int = 2) -> Traine
     """The trainer's ranks: a real `TrainerGroup` over fake ranks (logged as ``rank<r>.<method>``);
     rank 0 answers ``weight_buckets`` with the buckets, the other ranks with None."""
 
-    def buckets(bucket_bytes: int, folder: str | None) -> list[str]:
+    def buckets(bucket_bytes: int, folder: str | None, version: int = 0, engines_hold: int | None = None
+                ) -> list[str]:
         if folder is None:
             return ["host arrays"]
         (Path(folder) / "bucket-0").write_text("weights")
@@ -28,7 +29,9 @@ def fake_trainer(calls: Counter, log: list, node: str, ranks: int = 2) -> Traine
     group = TrainerGroup.__new__(TrainerGroup)
     group.role, group.watch = "actor", fake_watch()
     group.workers = [FakeActor(calls, log, f"rank{r}.", node_id=node, push_weights=None,
-                               weight_buckets=buckets if r == 0 else None) for r in range(ranks)]
+                               weight_buckets=buckets if r == 0 else None,
+                               weight_sync_metrics={"weights/bytes_moved": 7.0} if r == 0 else None)
+                       for r in range(ranks)]
     return group
 
 
@@ -112,4 +115,24 @@ def test_without_a_sender_across_nodes_buckets_go_through_the_object_store(fake_
     assert sync.path == "object_store"
     assert [sync.sync(version=v) for v in (1, 2, 3)] == ["object_store"] * 3
     assert calls["weight_sender"] == calls["node_id"] == calls["rank0.node_id"] == 1
-    assert [args for method, args in log if method == "rank1.weight_buckets"] == [(3 * 1024**2, None)] * 3
+    assert [args for method, args in log if method == "rank1.weight_buckets"] == [
+        (3 * 1024**2, None, v, None) for v in (1, 2, 3)]  # full mode: never a delta
+    assert sync.metrics == {"weights/bytes_moved": 7.0}  # rank 0's, every sync
+
+
+def test_delta_mode_builds_on_the_engines_version_and_redoes_a_broken_chain_in_full(fake_ray):
+    from slime_rl.core.weights.delta import DeltaChainBroken
+
+    cfg, plan, trainer, rollout, calls, log = make(sender=None, same_node=False)
+    cfg.rollout.update_weight_mode = "delta"
+    broken = iter([True, False, False])
+
+    def update_weights(buckets, version):
+        if version == 2 and next(broken):
+            raise DeltaChainBroken("engine-1 restarted")
+
+    rollout.answers.update(delta_base=1, update_weights=update_weights)
+    sync = WeightSync(cfg, plan, trainer, rollout, trainer.watch)
+    sync.sync(version=2)
+    asked = [args[2:] for method, args in log if method == "rank0.weight_buckets"]
+    assert asked == [(2, 1), (2, None)]  # a delta onto version 1, then the same version in full

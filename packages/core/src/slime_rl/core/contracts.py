@@ -118,6 +118,14 @@ class RolloutEngine(ABC):
     @abstractmethod
     def weight_version(self) -> int: ...
 
+    #: Whether `update_weights` takes delta buckets (core/weights/delta.py) itself. Otherwise the rollout
+    #: worker rebuilds full tensors from `current_weight` first; an engine with neither gets full syncs only.
+    loads_delta_buckets: ClassVar[bool] = False
+
+    def current_weight(self, name: str) -> torch.Tensor:
+        """The tensor this engine serves under HF name ``name`` (read-only), for a delta sync. Optional."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its weights; syncs are full")
+
     async def pause_generation(self) -> bool:
         """Hold every running request where it is (no abort, no re-prefill) until
         `continue_generation`, so a weight update can land mid-request. Returns False when this

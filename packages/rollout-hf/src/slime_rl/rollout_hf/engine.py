@@ -237,6 +237,13 @@ class HFEngine(RolloutEngine):
             self.adapters.finish()
             self._version = version
 
+    def current_weight(self, name: str) -> torch.Tensor:
+        """The parameter served under HF name ``name`` (tied aliases too): a delta sync's base."""
+        target = weight_target(name, self.model.state_dict(keep_vars=True))
+        if target is None:
+            raise KeyError(f"update_weights: unknown weight name {name!r}")
+        return target.detach()
+
     async def release_memory(self) -> None:
         """On CUDA, move the weights to host memory and empty the cache allocator; on CPU a no-op.
         Call it with no request in flight (the colocated loop does: it releases after rollout)."""

@@ -151,6 +151,13 @@ class SandboxConfig(_Section):
     uid_base: int = Field(200_000, ge=1000, le=2**31 - 4096)  # calls run as uid_base, uid_base + 1, ...
 
 
+class ElasticConfig(_Section):
+    """rollout.elastic: rollout engines added and removed while a run goes (docs/elastic.md)."""
+    enabled: bool = False  # the run takes `slime-cli engines add/remove` through its control endpoint
+    grow_on_new_nodes: bool = False  # add an engine for each GPU node Ray reports after the start
+    max_engines: int = Field(8, ge=1)  # adds beyond this are refused
+
+
 class GatewayConfig(_Section):
     """rollout.gateway: the agent gateway (core/gateway, docs/agents.md): the user's own agent, run per sample against an
     OpenAI-compatible server in front of the engines, with ``rollout.generate_fn: gateway``."""
@@ -199,6 +206,9 @@ class RolloutConfig(_BackendSection):
     max_concurrency: int = Field(512, ge=1)  # in-flight generate requests
     update_weight_transport: Literal["auto", "tensor", "nccl", "disk"] = "auto"
     update_weight_buffer_mb: int = Field(2048, ge=1)  # bucket size; 512 MiB buckets made a 7B sync 3.4x slower
+    # delta: send only the elements changed since the engines' version (core/weights/delta.py; docs/elastic.md)
+    update_weight_mode: Literal["full", "delta"] = "full"
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)  # engines joining and leaving a run
     lora_sync: Literal["adapter", "merged"] = "adapter"  # with trainer.lora: send the adapters, or merged weights
     max_staleness: int | None = Field(None, ge=0)  # eta: tokens more than this many versions behind are stale
     staleness_policy: Literal["drop", "mask", "downweight"] = "drop"  # what happens to stale tokens (core/staleness.py)

@@ -40,6 +40,7 @@ from slime_rl.core.run.fully_async import FullyAsyncRollout
 from slime_rl.core.run.metrics import phase
 from slime_rl.core.run.rollout import RolloutRunner
 from slime_rl.core.sample import Sample
+from slime_rl.core.weights.delta import DeltaEncoder, apply_delta_bucket, delta_base, is_delta_bucket
 from slime_rl.core.weights.transport import (
     HostArrays,
     from_host_arrays,
@@ -89,6 +90,10 @@ class TrainerWorker(KeepsInitMistake):
         _cap_onednn_cache()
         self.rank, self.cfg = rank, cfg
         self.sender: WeightSender | None = None
+        # rank 0: the last synced version on the host (delta syncs), or every 64th element (full syncs'
+        # change fraction); core/weights/delta.py
+        self.delta = (DeltaEncoder(measure_only_every=0 if cfg.rollout.update_weight_mode == "delta" else 64)
+                      if rank == 0 else None)
         self.batch: RolloutBatch | None = None  # this rank's shard of the step being trained on
         trainer_cls = load_plugin("slime_rl.trainers", cfg.trainer.backend)
         self.trainer = trainer_cls.from_config(cfg, role=role)
@@ -146,14 +151,23 @@ class TrainerWorker(KeepsInitMistake):
         metrics = self.trainer.train_step(batch)
         return metrics if self.rank == 0 else None
 
-    def weight_buckets(self, bucket_bytes: int, folder: str | None = None) -> list[HostArrays] | list[str] | None:
+    def weight_buckets(self, bucket_bytes: int, folder: str | None = None, version: int = 0,
+                       engines_hold: int | None = None) -> list[HostArrays] | list[str] | None:
         """All buckets on rank 0 (None elsewhere); every rank takes part in the gather. With
-        ``folder`` (the engine runs on this machine), each bucket is a file there instead."""
+        ``folder`` (the engine runs on this machine), each bucket is a file there instead. Rank 0 sends
+        deltas onto ``engines_hold`` when it kept that version (update_weight_mode=delta)."""
         buckets = []
-        for bucket in self.trainer.named_weights(bucket_bytes):
+        named = self.trainer.named_weights(bucket_bytes)
+        if self.delta is not None:
+            named = self.delta.encode(named, version=version, engines_hold=engines_hold)
+        for bucket in named:
             if self.rank == 0:
                 buckets.append(write_bucket_file(bucket, folder) if folder else to_host_arrays(bucket))
         return buckets if self.rank == 0 else None
+
+    def weight_sync_metrics(self) -> dict[str, float]:
+        """The last sync's ``weights/*`` metrics (rank 0; change fraction, bytes moved)."""
+        return self.delta.last.metrics() if self.delta is not None else {}
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -304,6 +318,9 @@ class RolloutWorker(KeepsInitMistake):
         try:
             for i, bucket in enumerate(buckets):
                 tensors = read_bucket_file(bucket) if isinstance(bucket, str) else from_host_arrays(bucket)
+                if is_delta_bucket(tensors) and not self.engine.loads_delta_buckets:
+                    tensors = apply_delta_bucket(tensors, self.engine.current_weight,
+                                                 held_version=self.engine.weight_version)
                 await self.engine.update_weights(tensors, version=version, last=i == len(buckets) - 1)
         finally:
             if paused:
@@ -318,6 +335,10 @@ class RolloutWorker(KeepsInitMistake):
 
     def weight_sender(self) -> str | None:
         return self.engine.weight_sender
+
+    def delta_base(self) -> int | None:
+        """The version a delta sync may build on: every engine's, when they agree and can take a delta."""
+        return delta_base(self.engine)
 
     async def begin_weight_sync(self, version: int, transport: str) -> Any:
         return await self.engine.begin_weight_sync(version, transport=transport)

@@ -96,10 +96,17 @@ class TrainerGroup:
         per_rank = returns if returns is not None else [None] * len(self.workers)
         return self._rank0("train", [w.train.remote(r) for w, r in zip(self.workers, per_rank, strict=True)])
 
-    def weight_buckets(self, bucket_bytes: int, folder: str | None) -> list[ObjectRef]:
+    def weight_buckets(self, bucket_bytes: int, folder: str | None, version: int = 0,
+                       engines_hold: int | None = None) -> list[ObjectRef]:
         """`TrainerWorker.weight_buckets` on every rank, unread: rank 0's reference holds the buckets
-        (arrays, or files in ``folder``), the others' say when each rank is done with the gather."""
-        return [w.weight_buckets.remote(bucket_bytes, folder) for w in self.workers]
+        (arrays, or files in ``folder``; deltas onto ``engines_hold`` where it can), the others' say when
+        each rank is done with the gather."""
+        return [w.weight_buckets.remote(bucket_bytes, folder, version, engines_hold) for w in self.workers]
+
+    def weight_sync_metrics(self) -> dict[str, float]:
+        """Rank 0's ``weights/*`` metrics of the last sync (core/weights/delta.py)."""
+        return self.watch.get(f"{self.role} weight_sync", [self.workers[0].weight_sync_metrics.remote()],
+                              self.workers[:1])[0]
 
     def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
         """`TrainerWorker.push_weights` on every rank: the weights straight to the engine's servers."""
@@ -234,6 +241,7 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
                 with phase(timings, "wait_rollout"):
                     run.ask_rollout("wait_rollout", pending)  # no weight update in the middle of a rollout
             summary["weight_sync"] = _sync_after_train(run, step + 1, timings)
+            metrics.update(run.weight_sync.metrics)  # change fraction and bytes moved (core/weights/delta.py)
             step += 1
             timings["time/step"] = time.perf_counter() - step_start
             metrics["perf/tokens_per_s"] = rollout.num_tokens / timings["time/step"]

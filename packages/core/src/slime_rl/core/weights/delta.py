@@ -22,10 +22,11 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from slime_rl.core.contracts import NamedTensors
+from slime_rl.core.contracts import NamedTensors, RolloutEngine
 
 HEADER = "#delta"
 MARK = "#"  # HF parameter names never hold one
@@ -128,6 +129,15 @@ def apply_delta_bucket(named_tensors: NamedTensors, current: Callable[[str], tor
     return out
 
 
+def delta_base(engine: Any) -> int | None:
+    """The version a delta sync to ``engine`` (a `RolloutEngine`) builds on: its version when it can take
+    a delta (`loads_delta_buckets`, or `current_weight` to rebuild from) and, for an engine of several
+    (``member_versions``), every one of them is at it; None otherwise (the sync is full)."""
+    takes = engine.loads_delta_buckets or type(engine).current_weight is not RolloutEngine.current_weight
+    versions = set(getattr(engine, "member_versions", lambda: [engine.weight_version])())
+    return versions.pop() if takes and len(versions) == 1 else None
+
+
 @dataclass
 class SyncStats:
     """What one sync moved (the step's ``weights/*`` metrics)."""
@@ -156,20 +166,27 @@ class DeltaEncoder:
     becomes ``version``: a sync that fails part-way leaves the engines on another version, which the next
     sync sees and answers in full."""
 
-    def __init__(self, encodings: tuple[str, ...] = ENCODINGS):
+    def __init__(self, encodings: tuple[str, ...] = ENCODINGS, *, measure_only_every: int = 0):
         self.encodings = encodings
+        # >0: never send deltas; keep every n-th element only, enough to estimate the change fraction
+        # (a full-sync run's metric) at 1/n of the host memory
+        self.measure_only_every = measure_only_every
         self.kept: dict[str, torch.Tensor] = {}
         self.kept_version: int | None = None
         self.last = SyncStats()
 
     def encode(self, buckets: Iterator[NamedTensors], *, version: int, engines_hold: int | None
                ) -> Iterator[NamedTensors]:
-        as_delta = engines_hold is not None and engines_hold == self.kept_version
+        as_delta = engines_hold is not None and engines_hold == self.kept_version and not self.measure_only_every
         stats = self.last = SyncStats(version=version, delta=as_delta)
         self.kept_version = None  # until every bucket is through
         for bucket in buckets:
             out: NamedTensors = [header(engines_hold, version)] if as_delta else []
             for name, tensor in bucket:
+                if self.measure_only_every:
+                    self._measure(name, tensor, stats)
+                    out.append((name, tensor))
+                    continue
                 host = tensor.detach().to("cpu", copy=True)
                 # a full sync still counts what changed against the kept copy (the step's change fraction)
                 delta = encode_tensor(name, host, self.kept.get(name), self.encodings if as_delta else ())
@@ -182,3 +199,17 @@ class DeltaEncoder:
                 stats.encodings[delta.encoding] = stats.encodings.get(delta.encoding, 0) + 1
             yield out
         self.kept_version = version
+
+    def _measure(self, name: str, tensor: torch.Tensor, stats: SyncStats) -> None:
+        """A full sync's tensor: counted as sent whole, its change estimated from every n-th element."""
+        sample = tensor.detach().reshape(-1)[::self.measure_only_every].to("cpu", copy=True)
+        old = self.kept.get(name)
+        changed = (int((bits(sample) != bits(old)).sum()) if old is not None and old.shape == sample.shape
+                   and old.dtype == sample.dtype else sample.numel())
+        self.kept[name] = sample
+        nbytes = tensor.numel() * tensor.element_size()
+        stats.numel += tensor.numel()
+        stats.changed += round(changed * tensor.numel() / max(1, sample.numel()))
+        stats.full_bytes += nbytes
+        stats.bytes_moved += nbytes
+        stats.encodings["full"] = stats.encodings.get("full", 0) + 1

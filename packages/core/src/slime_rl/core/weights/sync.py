@@ -19,6 +19,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from slime_rl.core.infra.leftovers import weights_folder
+from slime_rl.core.weights.delta import DeltaChainBroken
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -38,7 +39,10 @@ class TrainerRanks(Protocol):
 
     def node_ids(self) -> list[str]: ...
 
-    def weight_buckets(self, bucket_bytes: int, folder: str | None) -> list[ObjectRef]: ...
+    def weight_buckets(self, bucket_bytes: int, folder: str | None, version: int = 0,
+                       engines_hold: int | None = None) -> list[ObjectRef]: ...
+
+    def weight_sync_metrics(self) -> dict[str, float]: ...
 
     def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
         ...
@@ -63,6 +67,8 @@ class WeightSync:
     def __init__(self, cfg: Config, plan: Placement, actor: TrainerRanks, rollout: Any, watch: StallWatch):
         self.actor, self.rollout, self.watch = actor, rollout, watch
         self.bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
+        self.delta = cfg.rollout.update_weight_mode == "delta"
+        self.metrics: dict[str, float] = {}  # the last sync's weights/* (change fraction, bytes moved)
         self.sender: str | None = self._ask("start", rollout.weight_sender.remote())  # module:attr of a WeightSender
         self.transport: str | None = None  # the engine path's transport
         self.path: SyncPath
@@ -81,13 +87,21 @@ class WeightSync:
             self.actor.push_weights(self.sender, handle, self.bucket_bytes, version, self.transport)
             self._ask("end_weight_sync", self.rollout.end_weight_sync.remote(version))
             return self.path
+        engines_hold = self._ask("weight_sync", self.rollout.delta_base.remote()) if self.delta else None
+        try:
+            self._send_buckets(version, engines_hold)
+        except DeltaChainBroken:  # an engine moved off the version asked for meanwhile (restarted, joined)
+            self._send_buckets(version, None)
+        self.metrics = self.actor.weight_sync_metrics()
+        return self.path
+
+    def _send_buckets(self, version: int, engines_hold: int | None) -> None:
         files = weights_folder() if self.path == "files" else contextlib.nullcontext()
         with files as folder:  # None: through the object store
-            refs = self.actor.weight_buckets(self.bucket_bytes, folder)
+            refs = self.actor.weight_buckets(self.bucket_bytes, folder, version, engines_hold)
             # the rollout loads rank 0's buckets; the other ranks answer once their part of the gather is done
             self.watch.get("weight_sync", [self.rollout.update_weights.remote(refs[0], version), *refs[1:]],
                            [self.rollout, *self.actor.workers[1:]])
-        return self.path
 
     def _ask(self, call: str, ref: ObjectRef) -> Any:
         return self.watch.get(call, [ref], [self.rollout])[0]
