@@ -44,6 +44,15 @@ def whole_step(batch, per_token: torch.Tensor) -> tuple[list[list[float]], bool]
     return step, peers_agree
 
 
+def shortened(sample, prompt: int, response: int):
+    """``sample`` cut to ``prompt`` prompt and ``response`` response tokens (its per-token fields too)."""
+    keep = len(sample.tokens) - sample.response_length
+    tokens = sample.tokens[: min(prompt, keep)] + sample.tokens[keep : keep + response]
+    return dataclasses.replace(sample, tokens=tokens, response_length=response, loss_mask=[1] * response,
+                               rollout_log_probs=sample.rollout_log_probs[:response],
+                               advantages=sample.advantages[:response])
+
+
 def local_expert_count(model: torch.nn.Module) -> int:
     """Experts held by this rank, over its layers: SequentialMLP's one module each, or the leading
     dimension of the grouped experts' stacked weight."""
@@ -67,6 +76,8 @@ def run_scenario(spec: dict) -> dict:
     cfg = make_config(Path(spec["model"]), spec.get("overrides", []))
     samples = make_samples(spec["num_samples"], spec["vocab"], seed=spec.get("seed", 1),
                            prompt=tuple(spec.get("prompt", (3, 9))), response=tuple(spec.get("response", (2, 12))))
+    if spec.get("short_first"):  # (prompt, response) tokens: e.g. shorter than 2 * CP
+        samples[0] = shortened(samples[0], *spec["short_first"])
     trainer = MegatronTrainer.from_config(cfg)
     batch = shard_for(trainer, samples)
     result: dict = {}

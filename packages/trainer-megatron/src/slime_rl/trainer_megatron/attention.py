@@ -28,6 +28,9 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from slime_rl.trainer_megatron import context_parallel
+from slime_rl.trainer_megatron.context_parallel import ContextParallelSplit
+
 PackedKernel = Literal["varlen", "padded", "per_sequence"]
 PACKED_ATTENTION_CHOICES = ("auto", "varlen", "padded", "per_sequence")
 _CPU_MATMUL_ATTENTION_BYTES = 64 << 20  # fp32 scores of one call
@@ -44,6 +47,9 @@ class PackedSequences(PackedSeqParams):
     sits in a padded ``[batch, longest]`` layout for the padded kernel."""
 
     seq_lens: tuple[int, ...] = ()
+    # parallel.context_parallel_size > 1: this rank's chunks of the sequences (context_parallel.py);
+    # cu_seqlens_q_padded then holds the padded full lengths, for Megatron's RoPE
+    context_parallel: ContextParallelSplit | None = None
     _device_cu: dict = field(default_factory=dict, repr=False)
     _pad_index: dict = field(default_factory=dict, repr=False)
 
@@ -65,10 +71,18 @@ class PackedSequences(PackedSeqParams):
         return len(self.seq_lens) * self.max_seqlen_q
 
 
-def packed_seq_params(seq_lens: list[int]) -> PackedSequences:
+def packed_seq_params(seq_lens: list[int], split: ContextParallelSplit | None = None) -> PackedSequences:
     """thd parameters for sequences of ``seq_lens`` packed into one row. ``cu_seqlens`` stay on the
     host: RoPE and the padded and per-sequence kernels read them as Python numbers; varlen takes a
-    device copy made once per micro-batch."""
+    device copy made once per micro-batch. With a context-parallel ``split``, the cu_seqlens (padded
+    too, which Megatron's RoPE prefers) are those of the padded full sequences, of which this rank
+    holds two chunks each."""
+    if split is not None:
+        cu = torch.tensor([0, *itertools.accumulate(split.padded_lens)], dtype=torch.int32)
+        longest = max(split.padded_lens)
+        return PackedSequences(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                               cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+                               seq_lens=tuple(seq_lens), context_parallel=split)
     cu = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32)
     longest = max(seq_lens)
     return PackedSequences(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
@@ -96,10 +110,18 @@ _GQA_WITHOUT_FLAG: bool | None = None
 def varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSequences,
                   scale: float) -> torch.Tensor:
     """Causal attention within each packed sequence in one flash call: ``[t, heads, dim]`` each (K/V may
-    have fewer heads) -> ``[t, heads, dim]``. Adapts to the varlen signature of the torch at hand."""
+    have fewer heads) -> ``[t, heads, dim]``."""
+    cu = params.cu_seqlens_on(query.device)
+    return varlen_attention(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv, scale)
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,
+                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """One flash varlen call, causal; where a segment has fewer queries than keys (context parallelism's
+    chunks), flash aligns the mask bottom-right: the queries are the segment's last ones. Adapts to the
+    varlen signature of the torch at hand."""
     global _GQA_WITHOUT_FLAG
     function, names = _varlen_function()
-    cu = params.cu_seqlens_on(query.device)
     kwargs = {}
     if "window_size" in names:  # torch >= 2.11: causal is a window reaching back without limit
         kwargs["window_size"] = (-1, 0)
@@ -111,8 +133,7 @@ def varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, p
         query = query * (scale * query.shape[-1] ** 0.5)  # the kernel's own scale is 1/sqrt(dim)
     q, k, v = (x.contiguous() for x in (query, key, value))
     rep = q.shape[1] // k.shape[1]
-    call = functools.partial(function, cu_seq_q=cu, cu_seq_k=cu, max_q=params.max_seqlen_q,
-                             max_k=params.max_seqlen_kv, **kwargs)
+    call = functools.partial(function, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max_q, max_k=max_k, **kwargs)
     if rep == 1:
         return call(q, k, v)
     if "enable_gqa" in names:
@@ -158,7 +179,16 @@ class SDPAttention(DotProductAttention):
     """Core attention over flash varlen (packed, CUDA) or torch's scaled_dot_product_attention, causal,
     with GQA. Padded batches (``[s, b, heads, dim]``) use ``is_causal`` (right padding never reaches a
     real token); packed batches (``thd``) attend within each sequence by the kernel the module
-    docstring describes."""
+    docstring describes, or with context parallelism over the CP group (context_parallel.py)."""
+
+    def __init__(self, config, *args, **kwargs):
+        # megatron's DotProductAttention asserts CP == 1 (its CP is TransformerEngine's); ours is in forward
+        cp = config.context_parallel_size
+        config.context_parallel_size = 1
+        try:
+            super().__init__(config, *args, **kwargs)
+        finally:
+            config.context_parallel_size = cp
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -169,6 +199,14 @@ class SDPAttention(DotProductAttention):
             return self._padded(query, key, value, dropout, gqa)
         params = packed_seq_params  # thd: [t, heads, dim]
         setting = getattr(self.config, "packed_attention", "auto")
+        if params.context_parallel is not None:
+            assert dropout == 0.0, "context parallelism: attention dropout is not supported"
+            use_varlen = setting in ("auto", "varlen") and varlen_applies(query, dropout)
+            if setting == "varlen" and not use_varlen:
+                choose_packed_kernel(setting, query, params, dropout)  # raises, naming the fix
+            out = context_parallel.attention(query, key, value, params.context_parallel, self.softmax_scale,
+                                             use_varlen=use_varlen)
+            return out.reshape(query.shape[0], -1)
         kernel = choose_packed_kernel(setting, query, params, dropout)
         if kernel == "varlen":
             return varlen_causal(query, key, value, params, self.softmax_scale).reshape(query.shape[0], -1)

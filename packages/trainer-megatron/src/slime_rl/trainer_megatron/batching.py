@@ -17,6 +17,7 @@ from torch import Tensor
 
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.trainer_megatron.attention import PackedSequences, packed_seq_params
+from slime_rl.trainer_megatron.context_parallel import TokenGather, split_sequences
 
 
 @dataclass
@@ -31,6 +32,9 @@ class MicroBatch:
     # routing replay: the engine's experts for each token the model sees, in the router's order
     # (``[s * b, layers, top-k]`` padded, ``[t, layers, top-k]`` packed); None without replay
     routed_experts: Tensor | None = None
+    # context parallelism: ``input_ids`` hold this CP rank's chunks, ``hidden_index`` and ``targets`` its own
+    # predicting positions; this puts their per-token results back in the micro-batch's order
+    cp_gather: TokenGather | None = None
 
 
 def check_batch(batch: RolloutBatch) -> None:
@@ -97,8 +101,10 @@ def imbalance(groups: list[list[int]], costs: list[float]) -> float:
     return max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) else 1.0
 
 
-def collate(batch: RolloutBatch, rows: list[int], *, packed: bool, device: torch.device) -> MicroBatch:
-    """The model's inputs for ``rows`` of ``batch``; the hidden state at position p predicts token p + 1."""
+def collate(batch: RolloutBatch, rows: list[int], *, packed: bool, device: torch.device,
+            context_parallel: tuple[int, int] = (1, 0)) -> MicroBatch:
+    """The model's inputs for ``rows`` of ``batch``; the hidden state at position p predicts token p + 1.
+    ``context_parallel``: (CP size, this rank's CP rank); packed only."""
     index = torch.tensor(rows, dtype=torch.int64)
     lengths, responses = batch.lengths[index], batch.response_lengths[index]
     count, longest = len(rows), int(lengths.max())
@@ -127,7 +133,15 @@ def collate(batch: RolloutBatch, rows: list[int], *, packed: bool, device: torch
     routed = None
     if batch.routed_experts is not None:
         routed = _routed_in_layout(batch.routed_experts, token_rows, real, packed=packed)
+    cp_gather = None
+    if context_parallel[0] > 1:
+        if not packed:
+            raise ValueError("parallel.context_parallel_size: > 1 needs packed micro-batches; set"
+                             " trainer.max_tokens_per_gpu")
+        input_ids, params, hidden_index, targets, routed, cp_gather = _split_over_cp(
+            ids, lengths.tolist(), hidden_index, targets, routed, *context_parallel)
     return MicroBatch(
+        cp_gather=cp_gather,
         routed_experts=routed,
         rows=index,
         response_index=response_index,
@@ -153,6 +167,41 @@ def _routed_in_layout(routed: Tensor, token_rows: Tensor, real: Tensor, *, packe
     return out.transpose(0, 1).reshape(longest * count, routed.shape[1], k)
 
 
+def _split_over_cp(ids: Tensor, lengths: list[int], hidden_index: Tensor, targets: Tensor,
+                   routed: Tensor | None, size: int, rank: int):
+    """A packed micro-batch's inputs cut down to CP rank ``rank``'s chunks (context_parallel.py): its
+    input ids, thd parameters, predicting rows and targets, routed experts, and the per-token gather."""
+    split = split_sequences(lengths, size, rank)
+    total = sum(split.padded_lens)
+    real_starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    padded_starts = torch.tensor([0, *split.padded_lens[:-1]]).cumsum(0)
+    shift = torch.repeat_interleave(padded_starts - real_starts, torch.tensor(lengths))
+    padded_row = torch.arange(len(ids)) + shift  # each real token's row in the padded layout
+    holder, local_row = torch.empty(total, dtype=torch.int64), torch.empty(total, dtype=torch.int64)
+    for s in range(size):
+        rows = split.local_rows(s)
+        holder[rows], local_row[rows] = s, torch.arange(len(rows))
+    padded_ids = torch.zeros(total, dtype=ids.dtype)
+    padded_ids[padded_row] = ids
+    mine = split.local_rows()
+    predictor = padded_row[hidden_index]
+    owner = holder[predictor]
+    counts = torch.bincount(owner, minlength=size)
+    most = int(counts.max())
+    gather_rows = torch.empty(len(owner), dtype=torch.int64)
+    for s in range(size):
+        at = (owner == s).nonzero().squeeze(1)
+        gather_rows[at] = s * most + torch.arange(len(at))
+    own = owner == rank
+    if routed is not None:  # padding goes to experts 0..k-1, as in the padded layout
+        k = routed.shape[-1]
+        full = torch.arange(k).expand(total, routed.shape[1], k).clone()
+        full[padded_row] = routed
+        routed = full[mine]
+    return (padded_ids[mine][None], packed_seq_params(lengths, split), local_row[predictor[own]], targets[own],
+            routed, TokenGather(counts=tuple(counts.tolist()), rows=gather_rows))
+
+
 def split_to_count(groups: list[list[int]], lengths: list[int], count: int) -> list[list[int]]:
     """``groups`` split further (the one with the most tokens, in halves) until there are ``count``.
     Expert parallelism needs it: every rank of an EP group must run as many micro-batches (each
@@ -173,15 +222,20 @@ def split_to_count(groups: list[list[int]], lengths: list[int], count: int) -> l
 
 
 def micro_batches(batch: RolloutBatch, *, micro_batch_size: int, max_tokens: int | None,
-                  device: torch.device, count_at_least=None, attention_weight: float = 0.0) -> list[MicroBatch]:
+                  device: torch.device, count_at_least=None, attention_weight: float = 0.0,
+                  context_parallel: tuple[int, int] = (1, 0)) -> list[MicroBatch]:
     """All of ``batch``'s samples as micro-batches. ``count_at_least(n) -> m``: the number the
-    caller needs (m >= n, the same on every rank of an expert-parallel group), reached by splitting."""
+    caller needs (m >= n, the same on every rank of an expert-parallel group), reached by splitting.
+    ``context_parallel`` (CP size, CP rank): ``max_tokens`` is per CP rank, so a micro-batch packs up to
+    CP times as many tokens, each of its sequences split over the CP ranks."""
     lengths = batch.lengths.tolist()
-    groups = group_rows(lengths, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+    budget = max_tokens * context_parallel[0] if max_tokens is not None else None
+    groups = group_rows(lengths, micro_batch_size=micro_batch_size, max_tokens=budget,
                         attention_weight=attention_weight)
     if count_at_least is not None:
         groups = split_to_count(groups, lengths, count_at_least(len(groups)))
-    return [collate(batch, g, packed=max_tokens is not None, device=device) for g in groups]
+    return [collate(batch, g, packed=max_tokens is not None, device=device, context_parallel=context_parallel)
+            for g in groups]
 
 
 def padded_field(column: Tensor | None, mb: MicroBatch, *, device: torch.device) -> Tensor | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from slime_rl.trainer_megatron.context_parallel import local_positions
 from slime_rl.trainer_megatron.device import compiled
 
 
@@ -34,16 +35,19 @@ def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: boo
 
 def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1, cp_rank: int = 0,
              interleaved: bool = False) -> torch.Tensor:
-    """Packed ``t [tokens, heads, dim]``: positions restart at every sequence of ``cu_seqlens``."""
-    if cp_size != 1:
-        raise ValueError("parallel: context parallelism is not supported with the compiled RoPE")
+    """Packed ``t [tokens, heads, dim]``: positions restart at every sequence of ``cu_seqlens``. With
+    context parallelism ``cu_seqlens`` are the padded full sequences' and ``t`` holds this CP rank's two
+    chunks of each (context_parallel.py); every token keeps its position in its own sequence."""
     if interleaved:
         raise ValueError("rotary_interleaved: the compiled RoPE does not do interleaved rotary")
     # One call for the whole row, each token with the freqs of its position in its own sequence: a call per
     # sequence cost a few kernels and a compiled-guard check per sequence, per layer, forward and backward
     # (hundreds of short RL samples in a micro-batch). The same values, token for token.
     cu = cu_seqlens.long()  # on the host (attention.packed_seq_params); anywhere works
-    positions = torch.arange(t.shape[0], device=cu.device) - torch.repeat_interleave(cu[:-1], cu.diff())
+    if cp_size != 1:
+        positions = local_positions(cu, cp_size, cp_rank)
+    else:
+        positions = torch.arange(t.shape[0], device=cu.device) - torch.repeat_interleave(cu[:-1], cu.diff())
     return compiled(_rope)(t.unsqueeze(1), freqs[positions.to(freqs.device)]).squeeze(1)
 
 

@@ -150,7 +150,7 @@ def check_parallel_fits(shape: HFModelShape, tp: int, pp: int) -> None:
 def transformer_config(
     shape: HFModelShape, *, tp: int, pp: int, dtype: torch.dtype, recompute: bool | list[str] = False,
     sequence_parallel: bool = False, compiled_fusions: bool = False, moe_fields: dict | None = None,
-    packed_attention: str = "auto",
+    packed_attention: str = "auto", context_parallel_size: int = 1,
 ) -> TransformerConfig:
     """The TransformerConfig for ``shape``: RMSNorm, SwiGLU, RoPE, GQA, no biases but Qwen's QKV.
     ``compiled_fusions``: Megatron's torch.compile'd SwiGLU (one kernel each way, and backward
@@ -158,7 +158,8 @@ def transformer_config(
     for CUDA, where inductor's Triton kernels pay. ``recompute``: True for full recompute,
     or Megatron's selective recompute of the modules named (e.g. ``["core_attn", "mlp"]``).
     ``moe_fields``: the MoE layer's fields (`moe.transformer_config_fields`) for an MoE model.
-    ``packed_attention``: how packed micro-batches attend (attention.py), ``auto`` by default."""
+    ``packed_attention``: how packed micro-batches attend (attention.py), ``auto`` by default.
+    ``context_parallel_size``: CP (context_parallel.py; our attention, not TransformerEngine's)."""
     if packed_attention not in PACKED_ATTENTION_CHOICES:
         raise ValueError(f"trainer.megatron.packed_attention: {packed_attention!r}; use one of"
                          f" {', '.join(PACKED_ATTENTION_CHOICES)}")
@@ -169,7 +170,8 @@ def transformer_config(
         )
     if compiled_fusions:
         fused_rope.install()  # before the config: its checks look for the fused RoPE functions
-    extra = {"bias_activation_fusion": compiled_fusions, "apply_rope_fusion": compiled_fusions, **(moe_fields or {})}
+    extra = {"bias_activation_fusion": compiled_fusions, "apply_rope_fusion": compiled_fusions, **(moe_fields or {}),
+             "context_parallel_size": context_parallel_size}
     if recompute is True:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute:

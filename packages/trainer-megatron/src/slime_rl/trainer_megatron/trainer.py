@@ -44,6 +44,7 @@ from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
 from slime_rl.trainer_megatron import batching, checkpointing, convert, lora, moe
 from slime_rl.trainer_megatron import device as dev
+from slime_rl.trainer_megatron.context_parallel import gather_tokens
 from slime_rl.trainer_megatron.logprobs import token_log_probs
 from slime_rl.trainer_megatron.model import (
     attention_cost_weight,
@@ -130,19 +131,26 @@ class MegatronTrainer(PolicyTrainer):
         self.device = dev.current_device(self.device_type)
         tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
         ep, etp = cfg.parallel.expert_model_parallel_size, cfg.parallel.expert_tensor_parallel_size
+        cp = cfg.parallel.context_parallel_size
         world = dist.get_world_size()
-        if world % (tp * pp):
-            raise ValueError(f"parallel: TP * PP = {tp * pp} must divide the {world} trainer ranks")
+        if cp > 1 and cfg.trainer.max_tokens_per_gpu is None:
+            raise ValueError("parallel.context_parallel_size: > 1 splits packed sequences; set"
+                             " trainer.max_tokens_per_gpu (tokens per CP rank)")
+        if world % (tp * pp * cp):
+            raise ValueError(f"parallel: TP * CP * PP = {tp * cp * pp} must divide the {world} trainer ranks")
         if world % (ep * etp * pp):
             raise ValueError(f"parallel: EP * ETP * PP = {ep * etp * pp} must divide the {world} trainer ranks")
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+                                                     expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                                     context_parallel_size=cp)
         elif (parallel_state.get_tensor_model_parallel_world_size(),
               parallel_state.get_pipeline_model_parallel_world_size(),
               parallel_state.get_expert_model_parallel_world_size(),
-              parallel_state.get_expert_tensor_parallel_world_size()) != (tp, pp, ep, etp):
-            raise RuntimeError("parallel: this process already initialised Megatron with another TP/PP/EP layout")
+              parallel_state.get_expert_tensor_parallel_world_size(),
+              parallel_state.get_context_parallel_world_size()) != (tp, pp, ep, etp, cp):
+            raise RuntimeError("parallel: this process already initialised Megatron with another TP/PP/EP/CP layout")
+        self.cp_size, self.cp_rank = cp, parallel_state.get_context_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
@@ -171,7 +179,7 @@ class MegatronTrainer(PolicyTrainer):
         self.tconfig = transformer_config(
             self.shape, tp=tp, pp=pp, dtype=self.dtype, recompute=mt.recompute,
             sequence_parallel=p.sequence_parallel, compiled_fusions=self.device_type == "cuda", moe_fields=moe_fields,
-            packed_attention=mt.packed_attention,
+            packed_attention=mt.packed_attention, context_parallel_size=p.context_parallel_size,
         )
         self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic",
                                  grouped_experts=mt.moe_grouped_gemm)
@@ -230,7 +238,8 @@ class MegatronTrainer(PolicyTrainer):
             same_count = self._most_micro_batches
         return batching.micro_batches(batch, micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_gpu,
                                       device=self.device, count_at_least=same_count,
-                                      attention_weight=attention_cost_weight(self.shape))
+                                      attention_weight=attention_cost_weight(self.shape),
+                                      context_parallel=(self.cp_size, self.cp_rank))
 
     def _most_micro_batches(self, count: int) -> int:
         """The most micro-batches any data-parallel rank has (expert-parallel groups lie within it)."""
@@ -329,7 +338,7 @@ class MegatronTrainer(PolicyTrainer):
             logp, _ = token_log_probs(
                 self._hidden_rows(mb, hidden), self.model.output_weight(), mb.targets, temperature=temperature
             )
-            return hidden.new_zeros(()), {"values": logp}
+            return hidden.new_zeros(()), {"values": gather_tokens(logp, mb.cp_gather)}
 
         self.ddp.eval()
         with self._weights(model):
@@ -357,7 +366,8 @@ class MegatronTrainer(PolicyTrainer):
 
     def _values(self, mb: batching.MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
         rows = self._hidden_rows(mb, hidden)
-        return self.model.value_head(rows.to(self.model.value_head.weight.dtype)).squeeze(-1)
+        values = self.model.value_head(rows.to(self.model.value_head.weight.dtype)).squeeze(-1)
+        return gather_tokens(values, mb.cp_gather)  # context parallelism: the micro-batch's, on every CP rank
 
     # ---------------------------------------------------------------- training
 
@@ -410,6 +420,7 @@ class MegatronTrainer(PolicyTrainer):
                 self._hidden_rows(mb, hidden), self.model.output_weight(), mb.targets,
                 temperature=temperature, with_entropy=algo.loss_type != "sft",
             )
+            logp, entropy = gather_tokens(logp, mb.cp_gather), gather_tokens(entropy, mb.cp_gather)
             log_probs = batching.scatter_padded(logp, mb)
             mask = field(mb, part.loss_mask)
             if part.token_weights is not None:  # staleness_policy=downweight: stale tokens count less (the
@@ -446,7 +457,7 @@ class MegatronTrainer(PolicyTrainer):
         lr = self.optimizer.param_groups[0]["lr"]
         metrics = self._share_metrics(outputs if self.is_last_stage else [])  # the same on every rank
         if self.router_stats is not None:
-            metrics.update(self.router_stats.take(parallel_state.get_data_parallel_group()))
+            metrics.update(self.router_stats.take(parallel_state.get_data_parallel_group(with_context_parallel=True)))
         if self.routing_replay is not None:  # 1.0: every micro-batch ran on the engine's experts
             metrics["moe_routing_replayed"] = float(all(mb.routed_experts is not None for mb in mbs))
         bad = nonfinite_update(metrics["loss"], self.model, self.dtype, self.device)

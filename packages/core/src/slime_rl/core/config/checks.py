@@ -67,13 +67,17 @@ def check_config(cfg: Config) -> None:
             f" = {cfg.global_batch_size} * {t.num_steps_per_rollout}; set global_batch_size to"
             f" {samples_per_rollout // t.num_steps_per_rollout} or leave it unset",
         )
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    model_parallel = p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
     if cfg.actor_num_gpus % model_parallel:
         raise ConfigError(
             "parallel.tensor_model_parallel_size",
-            f"TP * PP = {p.tensor_model_parallel_size} * {p.pipeline_model_parallel_size} must divide the trainer's"
+            f"TP * CP * PP = {p.tensor_model_parallel_size} * {p.context_parallel_size} *"
+            f" {p.pipeline_model_parallel_size} must divide the trainer's"
             f" {cfg.actor_num_gpus} GPUs (cluster.actor_num_nodes * cluster.actor_num_gpus_per_node)",
         )
+    if p.context_parallel_size > 1 and t.max_tokens_per_gpu is None:
+        raise ConfigError("parallel.context_parallel_size",
+                          "> 1 splits packed sequences; set trainer.max_tokens_per_gpu (tokens per CP rank)")
     expert_parallel = p.expert_model_parallel_size * p.expert_tensor_parallel_size * p.pipeline_model_parallel_size
     if cfg.actor_num_gpus % expert_parallel:
         raise ConfigError(

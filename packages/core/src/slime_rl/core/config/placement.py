@@ -16,8 +16,9 @@ and the rollout engines take their planned GPUs (rollout_sglang's launch reads `
 
 Trainer ranks follow megatron-core's default rank order ``tp-cp-ep-dp-pp``
 (``parallel_state.initialize_model_parallel``): tensor-parallel rank varies
-fastest, then data-parallel, then pipeline stage. Without context or expert
-parallelism, ``rank = tp + TP * (dp + DP * pp)``.
+fastest, then context-parallel, then data-parallel, then pipeline stage:
+``rank = tp + TP * (cp + CP * (dp + DP * pp))`` (expert parallelism regroups the same ranks).
+The CP ranks of one DP rank share its shard of the batch, each holding part of every sequence.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class TrainerRank:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    cp_rank: int = 0  # context-parallel rank: which 2 of the 2 * CP chunks of each sequence it holds
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Placement:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
 
     @property
     def num_nodes(self) -> int:
@@ -83,16 +86,19 @@ class Placement:
         share = f"; each trainer process takes {self.trainer_gpu_share:g} of its GPU" if self.device == "cuda" else ""
         lines = [
             f"placement on {self.device}: {len(self.bundles)} {unit}s on {self.num_nodes} node(s), {mode}",
-            f"trainer: {len(self.trainer)} ranks, TP={self.tp} PP={self.pp} DP={self.dp} (megatron order tp-dp-pp)"
+            f"trainer: {len(self.trainer)} ranks, TP={self.tp}" + (f" CP={self.cp}" if self.cp > 1 else "")
+            + f" PP={self.pp} DP={self.dp} (megatron order {'tp-cp-dp-pp' if self.cp > 1 else 'tp-dp-pp'})"
             + ("; the PPO critic shares these ranks" if self.critic else "") + share,
             f"rollout: {len(self.engines)} engine(s) x {len(self.engines[0].bundles) if self.engines else 0} {unit}(s)",
         ]
-        rows = [("bundle", "node", unit.lower(), "trainer rank (tp, pp, dp)", "engine")]
+        coordinates = "(tp, cp, pp, dp)" if self.cp > 1 else "(tp, pp, dp)"
+        rows = [("bundle", "node", unit.lower(), f"trainer rank {coordinates}", "engine")]
         trainer_at = {r.bundle: r for r in self.trainer}
         engine_at = {b: (e.index, i) for e in self.engines for i, b in enumerate(e.bundles)}
         for b in self.bundles:
             r = trainer_at.get(b.index)
-            rank = f"{r.rank} ({r.tp_rank}, {r.pp_rank}, {r.dp_rank})" if r else "-"
+            cp = f"{r.cp_rank}, " if self.cp > 1 else ""
+            rank = f"{r.rank} ({r.tp_rank}, {cp}{r.pp_rank}, {r.dp_rank})" if r else "-"
             eng = f"{engine_at[b.index][0]} (rank {engine_at[b.index][1]})" if b.index in engine_at else "-"
             rows.append((str(b.index), str(b.node), str(b.gpu), rank, eng))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -115,13 +121,14 @@ def plan_placement(cfg: Config, device: Device | None = None) -> Placement:
     total = max(actor, rollout) if c.colocate else actor + rollout
     bundles = [Bundle(index=i, node=i // per_node, gpu=i % per_node) for i in range(total)]
 
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    dp = actor // (tp * pp)
+    tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
+    dp = actor // (tp * cp * pp)
     trainer = []
     for rank in range(actor):
         b = bundles[rank]
-        trainer.append(TrainerRank(rank=rank, bundle=b.index, node=b.node, gpu=b.gpu,
-                                   tp_rank=rank % tp, dp_rank=(rank // tp) % dp, pp_rank=rank // (tp * dp)))
+        trainer.append(TrainerRank(rank=rank, bundle=b.index, node=b.node, gpu=b.gpu, tp_rank=rank % tp,
+                                   cp_rank=(rank // tp) % cp, dp_rank=(rank // (tp * cp)) % dp,
+                                   pp_rank=rank // (tp * cp * dp)))
 
     engines = []
     for e in range(rollout // engine_size):
@@ -144,5 +151,5 @@ def plan_placement(cfg: Config, device: Device | None = None) -> Placement:
     return Placement(
         device=device or resolve_device(c.device), colocate=c.colocate, num_gpus_per_node=per_node, bundles=bundles,
         trainer=trainer, engines=engines, rollout_offset=offset, critic=critic, trainer_gpu_share=share,
-        tp=tp, pp=pp, dp=dp,
+        tp=tp, pp=pp, dp=dp, cp=cp,
     )

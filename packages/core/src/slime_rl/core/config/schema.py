@@ -295,6 +295,9 @@ class TrainerConfig(_BackendSection):
 class ParallelConfig(_Section):
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
+    # Megatron trainer: each packed sequence split over this many ranks (2 * CP chunks, causal load balance;
+    # trainer_megatron/context_parallel.py, docs/long-context.md); needs trainer.max_tokens_per_gpu
+    context_parallel_size: int = Field(1, ge=1)
     sequence_parallel: bool = False
     expert_model_parallel_size: int = Field(1, ge=1)  # MoE: experts spread over this many ranks
     expert_tensor_parallel_size: int = Field(1, ge=1)  # MoE: each expert split over this many ranks
@@ -424,7 +427,8 @@ class Config(_Section):
     @property
     def data_parallel_size(self) -> int:
         p = self.parallel
-        return self.actor_num_gpus // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        return self.actor_num_gpus // (p.tensor_model_parallel_size * p.context_parallel_size
+                                       * p.pipeline_model_parallel_size)
 
     def to_dict(self, *, reveal_secrets: bool = False) -> dict[str, Any]:
         """The config as plain data, keys redacted (config/secrets.py); ``reveal_secrets`` only for
