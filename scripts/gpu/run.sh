@@ -15,6 +15,8 @@
 # ops, kernels, host syncs by line, each MoE piece's time, top ops, for the RoPE and dispatcher variants),
 # bench-attention (issue 35: one layer's packed attention by varlen, flex, padded and per-sequence kernels),
 # trainer-varlen (issue 35: the trainer's packed varlen log-probs and GRPO step against the per-sequence path),
+# cp-varlen (issue 36: context parallelism's flash varlen chunks, 2 and 4 simulated CP ranks on one GPU, against
+# one causal varlen call; ~1 min),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
 # SGLangEngine), bench-sync-lora, e2e-lora (issue 20: GRPO with LoRA through SGLang's adapters, tiny and
@@ -56,6 +58,8 @@ for stage in "$@"; do
     bench-attention) cmd=(python3 benchmarks/packed_attention.py --device cuda --repeats 20) ;;
     trainer-varlen) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py
                          -k "varlen or log_probs_match" -p no:cacheprovider) ;;
+    cp-varlen) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py
+                    -k context_parallel -p no:cacheprovider) ;;
     bench-trainer-short) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape smollm2-135m --samples 128
                               --prompt-len 34 --response-len 6 --jitter 4 --max-tokens-per-gpu 8192
                               --baseline-micro-batch-size 128 --skip-memory --peak-tflops 989 --profile 15) ;;
