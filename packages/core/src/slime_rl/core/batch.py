@@ -17,6 +17,7 @@ a reduction over data-parallel ranks (group statistics, whitening) scatters into
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -107,12 +108,14 @@ class RolloutBatch:
             if len(step) < dp_size:
                 raise ValueError(f"an optimizer step of {len(step)} samples cannot give each of {dp_size} "
                                  "data-parallel ranks one; make trainer.global_batch_size a multiple of the DP size")
-            load = [0] * dp_size
+            # (tokens so far, rank): the least loaded rank, the lowest of equals, in log(dp) a sample; a scan of
+            # every rank a sample grew as samples x DP (0.05 s a step at 1,024 GPUs, docs/scale.md)
+            load = [(0, rank) for rank in range(dp_size)]
             mine: list[list[int]] = [[] for _ in range(dp_size)]
             for i in sorted(step, key=lambda i: (-lengths[i], i)):
-                rank = min(range(dp_size), key=lambda r: (load[r], r))
+                tokens, rank = heapq.heappop(load)
                 mine[rank].append(i)
-                load[rank] += lengths[i]
+                heapq.heappush(load, (tokens + lengths[i], rank))
             for rank in range(dp_size):
                 rows[rank] += sorted(mine[rank])
                 step_samples[rank].append(len(mine[rank]))
