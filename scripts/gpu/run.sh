@@ -16,7 +16,7 @@
 # bench-attention (issue 35: one layer's packed attention by varlen, flex, padded and per-sequence kernels),
 # trainer-varlen (issue 35: the trainer's packed varlen log-probs and GRPO step against the per-sequence path),
 # cp-varlen (issue 36: context parallelism's flash varlen chunks, 2 and 4 simulated CP ranks on one GPU, against
-# one causal varlen call; ~1 min),
+# one causal varlen call; ~1 min; on a 2-GPU machine also 3 bf16 GRPO steps at CP=2 against one GPU),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
 # SGLangEngine), bench-sync-lora, e2e-lora (issue 20: GRPO with LoRA through SGLang's adapters, tiny and

@@ -124,6 +124,18 @@ def test_batch_identity(prompts):
     assert err.field == "trainer.num_steps_per_rollout" and "fewer than 1" in str(err)
 
 
+def test_context_parallel_takes_its_share_of_the_gpus_and_needs_packing(prompts):
+    base = [f"data.prompt_data={prompts}", "cluster.actor_num_gpus_per_node=8", "data.rollout_batch_size=4",
+            "data.n_samples_per_prompt=4"]
+    cfg = load_config(None, base + ["parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2"])
+    assert cfg.data_parallel_size == 2
+    err = refused(None, base + ["parallel.context_parallel_size=3"])
+    assert err.field == "parallel.tensor_model_parallel_size" and "TP * CP * PP = 1 * 3 * 1" in str(err)
+    err = refused(None, base + ["parallel.context_parallel_size=2", "trainer.max_tokens_per_gpu=null",
+                                "trainer.micro_batch_size=2"])
+    assert err.field == "parallel.context_parallel_size" and "trainer.max_tokens_per_gpu" in str(err)
+
+
 def test_parallel_sizes_divide_the_gpus(prompts):
     base = [f"data.prompt_data={prompts}", "cluster.actor_num_gpus_per_node=4", "data.rollout_batch_size=4",
             "data.n_samples_per_prompt=4"]

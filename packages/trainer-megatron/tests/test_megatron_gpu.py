@@ -146,3 +146,21 @@ def test_context_parallel_varlen_chunks_match_causal_varlen(size):
         diff, top = (a.float() - b.float()).abs().max().item(), b.float().abs().max().item()
         print(f"\nCP={size} varlen chunks vs CP=1 varlen, {name}: max |diff| {diff:.2e} (max |CP=1| {top:.2e})")
         assert diff <= 2e-2 * top, name
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_bf16_context_parallel_train_steps_match_one_gpu(qwen_05b, tmp_path):
+    """CP=2 over NCCL (varlen chunks, K/V all-gather, reduce-scatter backward) against one GPU, bf16, packed."""
+    spec = dict(model=str(qwen_05b), num_samples=16, vocab=QWEN25_05B["vocab"], ref=True, steps=3,
+                prompt=(64, 128), response=(64, 1024), short_first=[1, 2])
+    common = CUDA + ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01", "trainer.lr=1e-5",
+                     "trainer.max_tokens_per_gpu=4096"]
+    one = launch(1, {**spec, "overrides": common}, tmp_path)
+    two = launch(2, {**spec, "overrides": common + ["parallel.context_parallel_size=2",
+                                                      "cluster.actor_num_gpus_per_node=2"]}, tmp_path)
+    print("\nCP=1 bf16 (loss, grad_norm):", [(round(m["loss"], 5), round(m["grad_norm"], 4)) for m in one["metrics"]])
+    print("CP=2 bf16 (loss, grad_norm):", [(round(m["loss"], 5), round(m["grad_norm"], 4)) for m in two["metrics"]])
+    assert two["peers_agree"]
+    for a, b in zip(one["metrics"], two["metrics"], strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 2e-2 * max(1.0, abs(a["loss"]))
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-2 * a["grad_norm"]
