@@ -123,6 +123,15 @@ def check_user_function(cfg: Config, dotted: str, spec: str) -> None:
         from slime_rl.core.agent import load_tools
 
         load_tools(list(r.tools), cfg)  # each tool imports; the built-in `python` tool finds the sandbox
+    elif dotted == "rollout.generate_fn" and spec == "gateway":
+        if r.gateway.agent:  # the user's agent imports (a command is the user's to run)
+            load_function(r.gateway.agent, {}, what="rollout.gateway.agent")
+    elif dotted == "rollout.generate_fn" and spec == "environment":
+        from slime_rl.core.agent import load_tools
+        from slime_rl.core.agent.environment import environment_factory
+
+        environment_factory(r.environment or "", cfg)  # a built-in name, or an Environment class that imports
+        load_tools(list(r.tools), cfg)  # tool_math's tools
     elif dotted == "rollout.generate_fn":
         from slime_rl.core.run.rollout import BUILTIN_GENERATE_FNS
 

@@ -9,6 +9,11 @@ loss mask 0; repeat. The episode ends on a turn without a tool call (``final_ans
 (``context_limit``); ``sample.metadata["episode_end"]`` says which, and the reward sees the whole
 trajectory. Sampled ids are never decoded and re-encoded into what the trainer scores.
 
+With an `Environment` (environment.py; ``rollout.generate_fn: environment``) the environment takes the
+place of the tools: it may replace the prompt at ``reset``, gets each turn's text at ``step`` and gives the
+observation (appended the same way, loss mask 0), a reward and whether the episode is done
+(``final_answer``); the rewards add up in ``sample.metadata["env_reward"]``.
+
 Turns of one episode share a request-id prefix (``<session>/<turn>``) so an engine with several
 servers can send them all to the one that holds the episode's prefix in its cache.
 """
@@ -17,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from slime_rl.core.agent.template import TurnTemplate, tool_message
+from slime_rl.core.agent.environment import Environment, StepResult
+from slime_rl.core.agent.template import TurnTemplate, plain_content_ids, render, tool_message
 from slime_rl.core.agent.tool_calls import TOOL_CALL_CLOSE, parse_tool_calls
 from slime_rl.core.agent.tools import Tool, ToolResult, call_tool, load_tools
 from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams
@@ -41,10 +48,13 @@ class EpisodeStats:
     prompt_tokens: int = 0  # input ids sent to the engine over all turns
     cached_tokens: int = 0  # of those, what the engine served from its prefix cache (where it reports it)
     cache_reported: bool = False
+    env_reward: float | None = None  # an environment's episode: its summed step rewards
 
     def record(self, sample: Sample, end: str) -> None:
         sample.metadata.update({"episode_end": end, "turns": self.turns, "tool_calls": self.tool_calls,
                                 "tool_errors": self.tool_errors})
+        if self.env_reward is not None:
+            sample.metadata["env_reward"] = self.env_reward
         if self.cache_reported:
             sample.metadata.update({"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens})
 
@@ -53,17 +63,23 @@ class MultiTurnGenerate:
     """The built-in multi-turn generate function; `from_config` builds it in the rollout process."""
 
     def __init__(self, tokenizer: Any, tools: dict[str, Tool], *, max_turns: int = 4, tool_timeout: float = 30.0,
-                 stop_on_tool_call: bool = True, **template_kwargs: Any):
+                 stop_on_tool_call: bool = True, environment: Callable[[], Environment] | None = None,
+                 **template_kwargs: Any):
         self.tokenizer = tokenizer
         self.template = TurnTemplate.from_tokenizer(tokenizer, **template_kwargs)
         self.tools = tools
         self.max_turns = max_turns
         self.tool_timeout = tool_timeout
-        self.stop_on_tool_call = stop_on_tool_call
+        self.stop_on_tool_call = stop_on_tool_call and environment is None
+        self.environment = environment  # a maker of fresh environments, one per episode
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any) -> MultiTurnGenerate:
         r = cfg.rollout
+        if r.generate_fn == "environment":
+            from slime_rl.core.agent.environment import environment_factory
+
+            return cls(tokenizer, {}, max_turns=r.max_turns, environment=environment_factory(r.environment or "", cfg))
         return cls(tokenizer, load_tools(list(r.tools), cfg), max_turns=r.max_turns, tool_timeout=r.tool_timeout)
 
     def _turn_params(self, params: SamplingParams, remaining: int) -> SamplingParams:
@@ -78,6 +94,12 @@ class MultiTurnGenerate:
             sample.reset_to_prompt()
         session = f"s{sample.index}-{next(_sessions)}"
         stats = EpisodeStats()
+        env = self.environment() if self.environment is not None else None
+        if env is not None:
+            stats.env_reward = 0.0
+            first = await env.reset(sample)
+            if first is not None:
+                self._set_prompt(sample, first)
         budget = params.max_new_tokens
         for turn in range(1, self.max_turns + 1):
             remaining = budget - sample.response_length
@@ -95,6 +117,24 @@ class MultiTurnGenerate:
                 return self._end(sample, stats, "aborted", SampleStatus.ABORTED)
             if out.finish_reason == "length":
                 return self._end(sample, stats, "context_limit", SampleStatus.TRUNCATED)
+            ended_on_eot = bool(out.token_ids) and out.token_ids[-1] in self.template.end_of_turn_ids
+            if env is not None:
+                text = self.tokenizer.decode(out.token_ids[:-1] if ended_on_eot else out.token_ids,
+                                             skip_special_tokens=False)
+                result: StepResult = await env.step(text)
+                stats.env_reward += float(result.reward)
+                if result.done:
+                    return self._end(sample, stats, "final_answer", SampleStatus.COMPLETED)
+                if turn == self.max_turns:
+                    return self._end(sample, stats, "max_turns", SampleStatus.COMPLETED)
+                messages = ([{"role": env.observation_role, "content": result.observation or ""}]
+                            if not isinstance(result.observation, list) else result.observation)
+                stats.tool_calls += sum(m.get("role") == "tool" for m in messages)
+                observation = self.template.observation_ids(messages, ended_on_end_of_turn=ended_on_eot)
+                if sample.response_length + len(observation) >= budget:
+                    return self._end(sample, stats, "context_limit", SampleStatus.TRUNCATED)
+                sample.append_response(observation, None, trained=False)
+                continue
             calls = parse_tool_calls(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
             if not calls:
                 return self._end(sample, stats, "final_answer", SampleStatus.COMPLETED)
@@ -104,13 +144,20 @@ class MultiTurnGenerate:
                 *(call_tool(self.tools, call, self.tool_timeout) for call in calls))
             stats.tool_calls += len(results)
             stats.tool_errors += sum(r.error for r in results)
-            ended_on_eot = bool(out.token_ids) and out.token_ids[-1] in self.template.end_of_turn_ids
             observation = self.template.observation_ids([tool_message(r.name, r.text) for r in results],
                                                         ended_on_end_of_turn=ended_on_eot)
             if sample.response_length + len(observation) >= budget:  # no room left for the model to answer
                 return self._end(sample, stats, "context_limit", SampleStatus.TRUNCATED)
             sample.append_response(observation, None, trained=False)
         raise AssertionError("unreachable: the last turn always ends the episode")
+
+    def _set_prompt(self, sample: Sample, first: str | list[dict[str, Any]]) -> None:
+        """The environment's first observation as the prompt: rendered by the chat template, its text plain."""
+        messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
+        sample.prompt = messages
+        sample.tokens = plain_content_ids(
+            self.tokenizer, lambda ms: render(self.tokenizer, ms, add_generation_prompt=True,
+                                              **self.template.template_kwargs), messages)
 
     @staticmethod
     def _end(sample: Sample, stats: EpisodeStats, end: str, status: SampleStatus) -> Sample:

@@ -151,9 +151,12 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("rollout.reward_url", f"{r.reward_url!r} is not an http(s) URL; give http://host:port/...")
     check_sandbox(cfg)
     check_backend_settings(cfg)
-    if r.tools and r.generate_fn != "multi_turn":
+    if r.tools and r.generate_fn not in ("multi_turn", "environment"):
         raise ConfigError("rollout.tools", "only the built-in agent loop calls tools; set rollout.generate_fn="
                                            "multi_turn, or drop rollout.tools")
+    if (r.generate_fn == "environment") != (r.environment is not None):
+        raise ConfigError("rollout.environment", "rollout.generate_fn: environment and rollout.environment go together;"
+                          " name the environment (tool_math, guess_number or module:attr), or drop it")
     if r.generate_fn == "gateway" and (r.gateway.agent is None) == (not r.gateway.command):
         raise ConfigError("rollout.gateway.agent", "rollout.generate_fn: gateway runs your agent; give one of"
                           " rollout.gateway.agent (module:attr) and rollout.gateway.command")

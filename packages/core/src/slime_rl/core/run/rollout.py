@@ -83,7 +83,7 @@ async def generate_single_turn(sample: Sample, params: SamplingParams, engine: R
     return sample
 
 
-BUILTIN_GENERATE_FNS = ("multi_turn", "gateway")  # built by load_generate_fn: they need the config and tokenizer
+BUILTIN_GENERATE_FNS = ("multi_turn", "gateway", "environment")  # built by load_generate_fn: they need the config and tokenizer
 
 
 def load_generate_fn(cfg: Config, tokenizer: Any = None) -> GenerateFn:
@@ -91,11 +91,11 @@ def load_generate_fn(cfg: Config, tokenizer: Any = None) -> GenerateFn:
     spec = cfg.rollout.generate_fn
     if not spec:
         return generate_single_turn
-    if spec == "multi_turn":
+    if spec in ("multi_turn", "environment"):  # environment: an Environment drives the same loop
         from slime_rl.core.agent import MultiTurnGenerate
 
         if tokenizer is None:
-            raise PluginError("rollout.generate_fn: multi_turn renders tool results with the model's tokenizer,"
+            raise PluginError(f"rollout.generate_fn: {spec} renders tool results with the model's tokenizer,"
                               " and this rollout has none")
         return MultiTurnGenerate.from_config(cfg, tokenizer)
     if spec == "gateway":  # the user's own agent against the run's OpenAI-compatible gateway
