@@ -3,6 +3,7 @@ refuses a model that clearly cannot fit (issue 34: a 70B full fine-tune was acce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -117,3 +118,50 @@ def test_no_config_json_means_no_estimate_and_no_refusal(tmp_path, ram_23gb):
     cfg = load(tmp_path, folder)
     assert memory.check_memory(cfg) is None
     assert memory.memory_line(cfg, "cpu") == f"memory: no estimate ({folder} has no config.json with the model's shape)"
+
+
+def long_config(**parallel) -> Config:
+    return Config.model_validate({
+        "rollout": {"max_prompt_len": 1024, "max_response_len": 31744},
+        "parallel": parallel, "cluster": {"actor_num_gpus_per_node": 8},
+        "data": {"rollout_batch_size": 4, "n_samples_per_prompt": 4}})
+
+
+def test_a_long_sample_is_split_over_the_context_parallel_ranks():
+    size = ModelSize.from_hf(LLAMA_70B)
+    one, four = (memory.micro_batch_tokens(long_config(context_parallel_size=cp)) for cp in (1, 4))
+    assert (one, four) == (32768, 8192)  # a 32k-token sample alone in a micro-batch, a quarter of it a rank
+    assert memory.micro_batch_tokens(long_config(), memory.TrainerLayout.of(long_config())) == 32768
+    estimates = [estimate_memory(long_config(context_parallel_size=cp), size, "cuda") for cp in (1, 4)]
+    logits = 3 * (1 << 30)  # a 1 GiB chunk of fp32 logits, and the backward's two
+    assert estimates[0].terms["activations"] - logits == pytest.approx(4 * (estimates[1].terms["activations"] - logits))
+
+
+def test_the_distributed_optimizer_divides_adams_state_by_dp_times_cp():
+    size = ModelSize.from_hf(LLAMA_70B)
+    cfg = long_config(tensor_model_parallel_size=2, context_parallel_size=2)  # DP 2 x CP 2 on 8 GPUs
+    layout = memory.TrainerLayout.of(cfg)
+    assert layout.dp_cp == 4 and layout.distributed_optimizer  # the Megatron trainer's default
+    sharded = estimate_memory(cfg, size, "cuda")
+    plain = estimate_memory(cfg, size, "cuda", layout=dataclasses.replace(layout, distributed_optimizer=False))
+    assert plain.terms["optimizer"] == pytest.approx(4 * sharded.terms["optimizer"], abs=4)
+    assert plain.terms["gradients"] == sharded.terms["gradients"]  # the fp32 gradient buffer stays whole
+
+
+def test_selective_recompute_of_the_mlp_drops_its_four_intermediate_tensors():
+    size = ModelSize.from_hf(TINY)
+    kwargs = dict(tokens=1000, tp=1, pp=1, sequence_parallel=False, dtype_bytes=2, device="cpu")
+    none, mlp, attn = (activation_bytes(size, recompute=r, **kwargs) for r in (False, ["mlp"], ["core_attn"]))
+    assert none - mlp == 1000 * 2 * 2 * 4 * 128  # tokens x bytes x layers x 4 I
+    assert attn == none  # flash attention keeps no scores: nothing to drop in this estimate
+
+
+def test_the_engine_estimate_is_weights_and_the_kv_cache_left():
+    size = ModelSize.from_hf(LLAMA_70B)
+    cfg = Config.model_validate({"rollout": {"max_response_len": 8192}, "cluster": {"rollout_num_gpus_per_engine": 8}})
+    cfg.rollout.engine = "sglang"
+    engine = memory.engine_estimate(cfg, size, "cuda")
+    assert engine.weights == size.total_params * 2 // 8  # bf16, an eighth per GPU
+    assert engine.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2  # K and V, 80 layers, 8 KV heads / 8, bf16
+    assert engine.context_len == 8192 and engine.static_fraction == memory.SGLANG_STATIC_FRACTION
+    assert memory.engine_estimate(cfg, size, "cpu") is None

@@ -190,19 +190,30 @@ def plan(
     config: Annotated[Path, typer.Argument(metavar="CONFIG", help="YAML config file.", show_default=False)],
     overrides: Annotated[list[str] | None, typer.Argument(
         metavar="KEY=VALUE", help="Dotted overrides, e.g. rollout.temperature=0.7")] = None,
+    gpu_memory: Annotated[float | None, typer.Option(
+        "--gpu-memory", metavar="GIB", min=1.0,
+        help="Compare the memory estimate with GPUs of this many GiB (H200: 139.8), for a cluster.device=cuda"
+             " plan made on a machine without those GPUs; a config that cannot fit is refused.")] = None,
 ) -> None:
-    """Validate CONFIG; print it resolved and the placement. Starts nothing.
+    """Validate CONFIG; print it resolved, the placement and the memory estimate. Starts nothing.
 
     The placement says which trainer ranks (with their TP, PP and DP ranks) and which rollout engines
-    use which GPU of which node."""
-    from slime_rl.core.config.memory import memory_line
+    use which GPU of which node; the memory lines what a trainer rank and an engine GPU hold."""
+    from slime_rl.core.config.memory import GiB, MemoryLimit, check_memory, memory_line
     from slime_rl.core.config.placement import plan_placement
 
     cfg = _load(config, overrides or [])
+    limit = None
     try:
         with _config_notices():
             wire(cfg)
         placement = plan_placement(cfg)
+        if gpu_memory is not None:
+            if placement.device != "cuda":
+                raise ConfigError("cluster.device", "--gpu-memory plans for GPUs; set cluster.device=cuda")
+            limit = MemoryLimit(int(gpu_memory * GiB), f"{gpu_memory:g} GiB on each GPU (--gpu-memory)")
+            with _config_notices():
+                check_memory(cfg, placement.device, limit)
     except (ConfigError, DataError) as err:
         fail(str(err), 2)
     derived = {
@@ -218,7 +229,7 @@ def plan(
     typer.echo("# derived: " + ", ".join(f"{k}={v}" for k, v in derived.items()))
     typer.echo("")
     typer.echo(placement.format())
-    typer.echo(memory_line(cfg, placement.device))
+    typer.echo(memory_line(cfg, placement.device, limit))
 
 
 def _releasing_folders(command: Callable[..., None]) -> Callable[..., None]:
@@ -343,6 +354,21 @@ def doctor(
         typer.echo(format_report(results))
         drift = any(r.status in (DIFFERS, UNUSABLE) for r in results)
     raise typer.Exit(1 if report.broken or drift else 0)
+
+
+@app.command()
+def engines(
+    action: Annotated[str, typer.Argument(help="list, add or remove")],
+    target: Annotated[str | None, typer.Argument(help="add: how many engines; remove: the engine's name")] = None,
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="the run's logging.dir (its control.json)")] = Path("."),
+) -> None:
+    """List, add or remove a running job's rollout engines (rollout.elastic.enabled; docs/elastic.md)."""
+    from slime_rl.cli.engines import ControlError, call, render
+
+    try:
+        typer.echo(render(call(run_dir, action, target)))
+    except (ControlError, FileNotFoundError) as err:
+        fail(str(err), 2 if isinstance(err, FileNotFoundError) else 1)
 
 
 def main() -> None:
