@@ -269,7 +269,31 @@ def run_packed_kernels(spec: dict) -> dict:
     return result
 
 
-SCENARIOS = {"train": run_scenario, "packed_kernels": run_packed_kernels, "hf_parity": run_hf_parity, "offload": run_offload,
+def run_critic(spec: dict) -> dict:
+    """A critic (value head from zeros) fitting returns: its values before, and the metrics and values after
+    each of ``steps`` steps, in step order."""
+    from megatron_testlib import make_config, make_samples
+
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    cfg = make_config(Path(spec["model"]), spec.get("overrides", []))
+    samples = make_samples(spec["num_samples"], spec["vocab"], prompt=tuple(spec["prompt"]),
+                           response=tuple(spec["response"]))
+    if spec.get("short_first"):
+        samples[0] = shortened(samples[0], *spec["short_first"])
+    critic = MegatronTrainer.from_config(cfg, role="critic")
+    batch = shard_for(critic, samples)
+    batch.returns = torch.linspace(-1.0, 1.0, batch.num_response_tokens)
+    result: dict = {"values": [], "metrics": []}
+    for _ in range(spec.get("steps", 2)):
+        batch.values = critic.compute_values(batch)
+        result["values"].append(whole_step(batch, batch.values)[0])
+        result["metrics"].append(critic.train_step(batch))
+    return result
+
+
+SCENARIOS = {"critic": run_critic, "train": run_scenario, "packed_kernels": run_packed_kernels, "hf_parity": run_hf_parity, "offload": run_offload,
              "nonfinite_on_one_rank": run_nonfinite_on_one_rank, "grouped_experts_kernel": run_grouped_experts_kernel}
 
 

@@ -59,6 +59,26 @@ def test_context_parallel_matches_one_rank(layout, tmp_path):
     assert all(torch.equal(t, multi["resumed_final"][n]) for n, t in multi["final"].items())
 
 
+@pytest.mark.slow
+def test_context_parallel_critic_matches_one_rank(tmp_path):
+    from megatron_worker import run_critic
+
+    model = make_hf_model(tmp_path / "model", "qwen2", vocab=256)
+    spec = dict(scenario="critic", model=str(model), num_samples=6, vocab=256, steps=2, short_first=SHORT,
+                prompt=(3, 20), response=(2, 24))
+    overrides = ["trainer.critic_lr=0.01", "algorithm.value_clip=100", "trainer.max_tokens_per_gpu=40"]
+    ensure_single_rank_group()
+    single = run_critic({**spec, "overrides": overrides})
+    multi = launch(2, {**spec, "overrides": overrides + ["parallel.context_parallel_size=2",
+                                                         "cluster.actor_num_gpus_per_node=2"]}, tmp_path)
+    for before_one, before_two in zip(single["values"], multi["values"], strict=True):
+        for a, b in zip(before_one, before_two, strict=True):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
+        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
+    assert single["values"][1] != single["values"][0]  # the first step moved the values
+
+
 # ---------------------------------------------------------------- the pieces, in one process
 
 

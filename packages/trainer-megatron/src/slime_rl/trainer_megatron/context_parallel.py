@@ -136,7 +136,8 @@ class _AllGatherRows(torch.autograd.Function):
             mine = grad.new_empty(grad.shape[0] // size, *grad.shape[1:])
             dist.reduce_scatter_tensor(mine, grad, group=group)
             return mine, None
-        dist.all_reduce(grad, group=group)  # gloo has no reduce-scatter
+        grad = grad.clone()  # gloo has no reduce-scatter: all-reduce a copy, keep this rank's slice
+        dist.all_reduce(grad, group=group)
         return grad.chunk(size)[rank].contiguous(), None
 
 
