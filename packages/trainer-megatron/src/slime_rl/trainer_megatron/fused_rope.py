@@ -48,7 +48,11 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
         positions = local_positions(cu, cp_size, cp_rank)
     else:
         positions = torch.arange(t.shape[0], device=cu.device) - torch.repeat_interleave(cu[:-1], cu.diff())
-    return compiled(_rope)(t.unsqueeze(1), freqs[positions.to(freqs.device)]).squeeze(1)
+    if positions.device != freqs.device:
+        # Pinned and sent without waiting: a blocking host-to-device copy waited on the GPU in every
+        # layer's forward (82d8156; docs/trainer-performance.md "bench-moe halving").
+        positions = positions.pin_memory().to(freqs.device, non_blocking=True)
+    return compiled(_rope)(t.unsqueeze(1), freqs[positions]).squeeze(1)
 
 
 def install() -> None:
