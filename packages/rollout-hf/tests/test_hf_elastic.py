@@ -10,7 +10,7 @@ import torch
 
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.run.engine_pool import EnginePool
-from slime_rl.core.weights.delta import DeltaChainBroken, DeltaEncoder, bits, delta_base
+from slime_rl.core.weights.delta import DeltaChainBroken, DeltaEncoder, bits, delta_base, engine_digests
 from slime_rl.rollout_hf.engine import HFEngine
 
 
@@ -102,4 +102,9 @@ def test_delta_syncs_stay_bit_exact_through_a_restart_and_a_late_joiner(tokenize
     assert kinds[0] is False  # the encoder kept nothing yet
     assert kinds[7] is False and kinds[12] is False  # the restart and the joiner broke the chain: full
     assert sum(kinds) == 17 and encoder.last.bytes_moved < encoder.last.full_bytes
+    names, want = encoder.kept_digest()
+    assert set(engine_digests(pool, names).values()) == {want}  # what rollout.elastic.verify_weights compares
+    old = pool.members["engine-1"].engine.current_weight(names[0])
+    old.view(-1)[0] += 1  # one element off: that engine's digest differs
+    assert engine_digests(pool, names)["engine-1"] != want == engine_digests(pool, names)["engine-0"]
     asyncio.run(pool.shutdown())

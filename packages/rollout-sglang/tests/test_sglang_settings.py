@@ -105,3 +105,38 @@ def test_engine_keys_are_secrets_for_attached_servers_only(prompts):
     cfg = load(prompts, "rollout.sglang.engine_urls=[http://127.0.0.1:1]", "rollout.sglang.api_key=sk-somekey123")
     assert cfg.rollout.settings.api_key.reveal() == "sk-somekey123"
     assert "sk-somekey123" not in cfg.to_yaml()
+
+
+def test_the_context_length_is_the_longest_sample_the_config_allows(prompts, tmp_path, monkeypatch):
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    hf = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256,
+          "max_position_embeddings": 32768}
+    (model / "config.json").write_text(json.dumps(hf))
+    bounded = load(prompts, f"model.path={model}", "rollout.max_prompt_len=2048", "rollout.max_response_len=16384")
+    assert fleet.engine_args(bounded)["context_length"] == 18432  # input + max_new_tokens may reach it, not pass it
+    assert "context_length" not in fleet.engine_args(load(prompts, f"model.path={model}"))  # unbounded prompts
+    user = load(prompts, f"model.path={model}", "rollout.max_prompt_len=2048",
+                "rollout.sglang.server_args={context_length: 20000}")
+    assert fleet.engine_args(user)["context_length"] == 20000  # the user's wins
+
+    # Qwen's YaRN recipe: SGLang counts max_position_embeddings only, so the reach is given and allowed
+    (model / "config.json").write_text(json.dumps({**hf, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}))
+    assert fleet.engine_args(load(prompts, f"model.path={model}"))["context_length"] == 131072
+    captured = {}
+
+    def fake_start(name, cmd, log_path, env):
+        captured.update(env)
+        raise RuntimeError("not started")
+
+    from slime_rl.rollout_sglang import server
+
+    monkeypatch.setattr(server, "start_process", fake_start)
+    for context, allowed in ((131072, "1"), (16384, None)):
+        captured.clear()
+        with pytest.raises(RuntimeError, match="not started"):
+            server.start_server(0, str(model), log_dir=tmp_path, engine_args={"context_length": context}, env={})
+        assert captured.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") == allowed

@@ -33,6 +33,7 @@ from slime_rl.core.config import (
 )
 from slime_rl.core.config.builtin_models import resolve_model_paths
 from slime_rl.core.config.memory import MemoryWarning, check_memory
+from slime_rl.core.config.positions import check_positions
 from slime_rl.core.config.secrets import redact
 from slime_rl.core.infra.plugins import PluginError, check_plugin, load_function
 from slime_rl.core.infra.private_files import keep_files_private
@@ -108,6 +109,7 @@ def wire(cfg: Config) -> None:
     check_data(cfg)
     resolve_model_paths(cfg)
     check_model(cfg)
+    check_positions(cfg)
     check_memory(cfg)  # again: a built-in model has its config.json only now
 
 

@@ -14,6 +14,7 @@ from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.config import ConfigError
 from slime_rl.core.config.device import resolve_device
 from slime_rl.core.config.dtype import model_dtype
+from slime_rl.core.config.positions import ModelPositions, asked_length
 from slime_rl.core.infra.net import LOOPBACK, node_address
 from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router, launch_router
@@ -68,6 +69,8 @@ def engine_args(cfg: Config) -> dict[str, Any]:
     args = {**settings.server_args, **settings.server_flags()}
     if cfg.model.tokenizer_path:
         args.setdefault("tokenizer_path", cfg.model.tokenizer_path)
+    if (context := context_length(cfg)) is not None:
+        args.setdefault("context_length", context)
     # Always a concrete dtype: SGLang's own auto (fp16 for an fp32 checkpoint) is not the trainer's.
     dtype = model_dtype(cfg.model.dtype, resolve_device(cfg.cluster.device))
     if args.setdefault("dtype", dtype) != dtype:
@@ -85,6 +88,21 @@ def engine_args(cfg: Config) -> dict[str, Any]:
         for key, value in lora_engine_args(lora_spec(cfg), versions).items():
             args.setdefault(key, value)
     return args
+
+
+def context_length(cfg: Config) -> int | None:
+    """SGLang's ``--context-length``: the longest sample the config allows when the prompt is bounded
+    (SGLang refuses a request whose input plus max_new_tokens exceeds it, and sizes its per-request token
+    table by it: a 128k-position model serving 16k-token samples holds 8x the table otherwise); the
+    positions the model's RoPE scaling reaches when SGLang would not count them itself (a ``factor`` with
+    an ``original_max_position_embeddings`` leaves SGLang at ``max_position_embeddings``); else SGLang's
+    own (None). check_config has refused a config asking for more than the model's positions."""
+    model = ModelPositions.of_folder(cfg.model.path)
+    if cfg.rollout.max_prompt_len is not None:
+        return asked_length(cfg)
+    if model is not None and model.positions > model.max_position_embeddings:
+        return model.positions
+    return None
 
 
 def router_args(request_timeout: float) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from slime_rl.core.config.positions import ModelPositions
 from slime_rl.core.infra.leftovers import KEYS_PREFIX, private_folder
 from slime_rl.core.infra.net import free_port
 from slime_rl.rollout_sglang.keys import EngineKeys, bearer
@@ -149,6 +150,11 @@ def start_server(index: int, model_path: str, *, log_dir: str | Path, python: st
     # which a busy server does during long generations: the health monitor then restarted healthy engines
     # in the middle of a rollout (docs/gpu-results.md, issue 16). A hung scheduler is SGLang's watchdog's to end.
     child_env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+    model = ModelPositions.of_folder(model_path)
+    if model is not None and int(engine_args.get("context_length") or 0) > model.max_position_embeddings:
+        # positions reached by the model's RoPE scaling (launch.context_length): SGLang refuses a context
+        # length above max_position_embeddings unless told the longer one is meant
+        child_env.setdefault("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
     if gpu_ids is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
     log_path = Path(log_dir) / f"sglang-engine-{index}-port{port}.log"

@@ -15,6 +15,7 @@ from slime_rl.core.config.backends import BACKEND_SECTIONS, section_key
 from slime_rl.core.config.builtin_models import BUILTIN_PREFIX, MODEL_PATH_FIELDS
 from slime_rl.core.config.memory import check_memory
 from slime_rl.core.config.placement import plan_placement
+from slime_rl.core.config.positions import check_positions
 from slime_rl.core.config.schema import Config, ConfigError
 from slime_rl.core.config.writable import check_writable
 from slime_rl.core.infra.plugins import PluginError
@@ -161,6 +162,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError("rollout.gateway.agent", "rollout.generate_fn: gateway runs your agent; give one of"
                           " rollout.gateway.agent (module:attr) and rollout.gateway.command")
     check_model(cfg)
+    check_positions(cfg)  # samples longer than the model's positions (config/positions.py)
     check_memory(cfg)  # a model that clearly cannot fit its trainer ranks' memory (config/memory.py)
     plan_placement(cfg, device="cpu")  # refuses layouts that cannot be placed (engines across nodes)
 

@@ -156,6 +156,7 @@ class ElasticConfig(_Section):
     enabled: bool = False  # the run takes `slime-cli engines add/remove` through its control endpoint
     grow_on_new_nodes: bool = False  # add an engine for each GPU node Ray reports after the start
     max_engines: int = Field(8, ge=1)  # adds beyond this are refused
+    verify_weights: bool = False  # after each delta-mode sync, every engine's weights hashed against the trainer's
 
 
 class GatewayConfig(_Section):

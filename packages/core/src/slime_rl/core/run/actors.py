@@ -35,12 +35,22 @@ from slime_rl.core.infra.net import is_loopback, use_interface_of
 from slime_rl.core.infra.plugins import load_attr, load_plugin
 from slime_rl.core.infra.private_files import keep_files_private
 from slime_rl.core.infra.ray_cluster import KeepsInitMistake, keep_init_mistake
+from slime_rl.core.roles.endpoints import ENV_ROLES_FILE, ROLES_FILE_NAME
+from slime_rl.core.roles.teacher import TeacherScorer
 from slime_rl.core.run import disk_full
+from slime_rl.core.run.control import ControlEndpoint, NodeWatch, grow_on_new_nodes
+from slime_rl.core.run.engine_pool import EnginePool
 from slime_rl.core.run.fully_async import FullyAsyncRollout
 from slime_rl.core.run.metrics import phase
 from slime_rl.core.run.rollout import RolloutRunner
 from slime_rl.core.sample import Sample
-from slime_rl.core.weights.delta import DeltaEncoder, apply_delta_bucket, delta_base, is_delta_bucket
+from slime_rl.core.weights.delta import (
+    DeltaEncoder,
+    apply_delta_bucket,
+    delta_base,
+    engine_digests,
+    is_delta_bucket,
+)
 from slime_rl.core.weights.transport import (
     HostArrays,
     from_host_arrays,
@@ -169,6 +179,10 @@ class TrainerWorker(KeepsInitMistake):
         """The last sync's ``weights/*`` metrics (rank 0; change fraction, bytes moved)."""
         return self.delta.last.metrics() if self.delta is not None else {}
 
+    def weight_digest(self) -> tuple[list[str], str] | None:
+        """Rank 0, delta mode: the names and digest of the weights the engines should now hold."""
+        return self.delta.kept_digest() if self.delta is not None else None
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -231,6 +245,11 @@ class RolloutWorker(KeepsInitMistake):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         engine_cls = load_plugin("slime_rl.rollout_engines", cfg.rollout.engine)
         self.engine = engine_cls.from_config(cfg)
+        if cfg.rollout.elastic.enabled:  # engines join and leave while the run goes (core/run/engine_pool.py)
+            self.engine = EnginePool(lambda: engine_cls.from_config(cfg), self.engine,
+                                     max_engines=cfg.rollout.elastic.max_engines)
+        self.control: ControlEndpoint | None = None
+        self._grow: asyncio.Task | None = None  # rollout.elastic.grow_on_new_nodes
         source_cls = load_plugin("slime_rl.data_sources", cfg.data.source)
         self.data_source = source_cls.from_config(cfg, tokenizer=self.tokenizer)
         Path(state_dir).mkdir(parents=True, exist_ok=True)
@@ -336,6 +355,10 @@ class RolloutWorker(KeepsInitMistake):
     def weight_sender(self) -> str | None:
         return self.engine.weight_sender
 
+    async def weight_digests(self, names: list[str]) -> dict[str, str]:
+        """Each serving engine's digest of ``names`` (core/weights/delta.py), for rollout.elastic.verify_weights."""
+        return await asyncio.to_thread(engine_digests, self.engine, names)
+
     def delta_base(self) -> int | None:
         """The version a delta sync may build on: every engine's, when they agree and can take a delta."""
         return delta_base(self.engine)
@@ -368,7 +391,26 @@ class RolloutWorker(KeepsInitMistake):
         if self.fully is not None and "fully_async" in state:
             self.fully.load_state_dict(state["fully_async"])
 
+    async def start_elastic(self) -> str:
+        """rollout.elastic.enabled: serve the control endpoint (core/run/control.py) and, with
+        grow_on_new_nodes, add an engine for each GPU node Ray reports later. Returns the endpoint's URL."""
+        gateway_key = self.cfg.rollout.gateway.api_key
+        self.control = ControlEndpoint(self.engine, run_key=gateway_key.reveal() if gateway_key else None,
+                                       folder=self.log_dir)
+        url = await self.control.start()
+        if self.cfg.rollout.elastic.grow_on_new_nodes:
+            self._grow = asyncio.get_running_loop().create_task(grow_on_new_nodes(self.engine, NodeWatch(ray.nodes)))
+        return url
+
+    async def add_engines(self, count: int) -> list[str]:
+        return await self.engine.add_engines(count)
+
+    async def remove_engine(self, name: str) -> int:
+        return await self.engine.remove_engine(name)
+
     async def shutdown(self) -> None:
+        if self.control is not None:
+            await self.control.stop()
         if self.fully is not None:
             await self.fully.stop()
         await self.engine.shutdown()

@@ -103,6 +103,11 @@ class TrainerGroup:
         each rank is done with the gather."""
         return [w.weight_buckets.remote(bucket_bytes, folder, version, engines_hold) for w in self.workers]
 
+    def weight_digest(self) -> tuple[list[str], str] | None:
+        """Rank 0's names and digest of the weights last synced (delta mode; core/weights/delta.py)."""
+        return self.watch.get(f"{self.role} weight_sync", [self.workers[0].weight_digest.remote()],
+                              self.workers[:1])[0]
+
     def weight_sync_metrics(self) -> dict[str, float]:
         """Rank 0's ``weights/*`` metrics of the last sync (core/weights/delta.py)."""
         return self.watch.get(f"{self.role} weight_sync", [self.workers[0].weight_sync_metrics.remote()],
@@ -319,15 +324,21 @@ def _start(cfg: Config, run_id: str, summary: dict[str, Any], watch: StallWatch)
         cfg.to_dict(reveal_secrets=True), str(rollout_state_dir(log_dir, run_id)), str(log_dir))
     watch.register(rollout, Party(f"the rollout worker (engine {cfg.rollout.engine})"))
     watch.get("rollout start", [rollout.ping.remote()], [rollout])
+    if cfg.rollout.elastic.enabled:  # the control endpoint, for `slime-cli engines` (core/run/control.py)
+        summary["control_url"] = watch.get("rollout start", [rollout.start_elastic.remote()], [rollout])[0]
     rollout_node, rollout_pid = watch.get("rollout start", [rollout.process.remote()], [rollout])[0]
     here = ray.get_runtime_context().get_node_id()
     watch.register(rollout, Party(watch.party(rollout).label, rollout_pid, local=rollout_node == here))
+    # Roles once the rollout engines are up: on a shared GPU the second server must see the first's memory taken.
+    roles = Roles(cfg, reservation, watch, rollout_state_dir(log_dir, run_id) / ROLES_FILE_NAME) if cfg.roles else None
+    if roles is not None:
+        roles.wait_ready()
     actor.wait_ready()
     if critic is not None:
         critic.wait_ready()
     summary["nodes"] = {"trainer": sorted(set(actor.node_ids())), "rollout": rollout_node}
     return Run(cfg, plan, actor, critic, rollout, WeightSync(cfg, plan, actor, rollout, watch), run_id,
-               hands_memory_over(cfg, plan), watch)
+               hands_memory_over(cfg, plan), watch, roles)
 
 
 def hands_memory_over(cfg: Config, plan: Placement) -> bool:

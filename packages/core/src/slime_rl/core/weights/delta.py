@@ -19,6 +19,7 @@ delta only when the engines report that version (`SyncStats` says what moved).
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -129,6 +130,23 @@ def apply_delta_bucket(named_tensors: NamedTensors, current: Callable[[str], tor
     return out
 
 
+def weights_digest(names: list[str], weight: Callable[[str], torch.Tensor]) -> str:
+    """SHA-256 over the bit patterns of ``names``' tensors, in that order: equal only when every bit is."""
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(name.encode())
+        digest.update(bits(weight(name)).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def engine_digests(engine: Any, names: list[str]) -> dict[str, str]:
+    """Each engine's `weights_digest` (an `EnginePool`'s serving members by name; a single engine as itself)."""
+    members = getattr(engine, "members", None)
+    if members is None:
+        return {"engine": weights_digest(names, engine.current_weight)}
+    return {m.name: weights_digest(names, m.engine.current_weight) for m in members.values() if m.state == "serving"}
+
+
 def delta_base(engine: Any) -> int | None:
     """The version a delta sync to ``engine`` (a `RolloutEngine`) builds on: its version when it can take
     a delta (`loads_delta_buckets`, or `current_weight` to rebuild from) and, for an engine of several
@@ -199,6 +217,13 @@ class DeltaEncoder:
                 stats.encodings[delta.encoding] = stats.encodings.get(delta.encoding, 0) + 1
             yield out
         self.kept_version = version
+
+    def kept_digest(self) -> tuple[list[str], str] | None:
+        """The names and `weights_digest` of the version kept (delta mode: the bytes the engines hold)."""
+        if self.measure_only_every or self.kept_version is None:
+            return None
+        names = sorted(self.kept)
+        return names, weights_digest(names, self.kept.__getitem__)
 
     def _measure(self, name: str, tensor: torch.Tensor, stats: SyncStats) -> None:
         """A full sync's tensor: counted as sent whole, its change estimated from every n-th element."""

@@ -44,6 +44,8 @@ class TrainerRanks(Protocol):
 
     def weight_sync_metrics(self) -> dict[str, float]: ...
 
+    def weight_digest(self) -> tuple[list[str], str] | None: ...
+
     def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
         ...
 
@@ -68,6 +70,7 @@ class WeightSync:
         self.actor, self.rollout, self.watch = actor, rollout, watch
         self.bucket_bytes = cfg.rollout.update_weight_buffer_mb * 1024**2
         self.delta = cfg.rollout.update_weight_mode == "delta"
+        self.verify = self.delta and cfg.rollout.elastic.verify_weights
         self.metrics: dict[str, float] = {}  # the last sync's weights/* (change fraction, bytes moved)
         self.sender: str | None = self._ask("start", rollout.weight_sender.remote())  # module:attr of a WeightSender
         self.transport: str | None = None  # the engine path's transport
@@ -93,7 +96,22 @@ class WeightSync:
         except DeltaChainBroken:  # an engine moved off the version asked for meanwhile (restarted, joined)
             self._send_buckets(version, None)
         self.metrics = self.actor.weight_sync_metrics()
+        if self.verify:
+            self._verify(version)
         return self.path
+
+    def _verify(self, version: int) -> None:
+        """rollout.elastic.verify_weights: every serving engine's weights bit-equal to the trainer's kept copy."""
+        kept = self.actor.weight_digest()
+        if kept is None:
+            return
+        names, want = kept
+        held = self._ask("weight_sync", self.rollout.weight_digests.remote(names))
+        wrong = sorted(name for name, digest in held.items() if digest != want)
+        if wrong:
+            raise RuntimeError(f"weight sync v{version}: {', '.join(wrong)} hold weights that differ from the "
+                               "trainer's (rollout.elastic.verify_weights); a full sync should have been sent")
+        self.metrics["weights/engines_verified"] = float(len(held))
 
     def _send_buckets(self, version: int, engines_hold: int | None) -> None:
         files = weights_folder() if self.path == "files" else contextlib.nullcontext()
