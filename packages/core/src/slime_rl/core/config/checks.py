@@ -151,6 +151,11 @@ def check_config(cfg: Config) -> None:
     if r.reward_url is not None and not is_http_url(r.reward_url):
         raise ConfigError("rollout.reward_url", f"{r.reward_url!r} is not an http(s) URL; give http://host:port/...")
     check_sandbox(cfg)
+    buffer = cfg.algorithm.overlong_buffer_len
+    if buffer is not None and buffer > r.max_response_len:
+        raise ConfigError("algorithm.overlong_buffer_len", f"{buffer} is longer than rollout.max_response_len"
+                          f" ({r.max_response_len}); DAPO penalizes the last tokens before the limit (its 20k-token"
+                          " runs: 4096 of 20480)")
     check_backend_settings(cfg)
     if r.tools and r.generate_fn not in ("multi_turn", "environment"):
         raise ConfigError("rollout.tools", "only the built-in agent loop calls tools; set rollout.generate_fn="

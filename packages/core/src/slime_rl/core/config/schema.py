@@ -239,6 +239,12 @@ class AlgorithmConfig(_Section):
     value_clip: float = Field(0.2, gt=0.0)
     use_rollout_logprobs: bool = False  # use the engine's log-probs as the old policy
     routing_replay: Literal["off", "rollout"] = "off"  # MoE: the trainer replays the engine's expert choices
+    # DAPO's overlong handling (core/algorithms/overlong.py): samples truncated at the length limit dropped from
+    # the loss (counted), and a reward penalty falling linearly to -overlong_penalty_factor over the last
+    # overlong_buffer_len tokens before rollout.max_response_len (null: off)
+    overlong_filter: bool = False
+    overlong_buffer_len: int | None = Field(None, ge=1)
+    overlong_penalty_factor: float = Field(1.0, ge=0.0)
 
 
 # Micro-batches packed up to this many tokens unless the user asks for micro-batches by count: one

@@ -25,6 +25,7 @@ import torch
 
 from slime_rl.core.algorithms import staleness
 from slime_rl.core.algorithms.advantages import compute_advantages
+from slime_rl.core.algorithms.overlong import apply_overlong
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import Config
 from slime_rl.core.config.checks import check_algorithm
@@ -313,8 +314,13 @@ class RolloutWorker(KeepsInitMistake):
         out.metrics["rollout/engine_busy_total_s"] = self.runner.engine_busy.seconds()
         out.metrics.update(staleness.metrics(samples, current_version))
         weights = staleness.apply_policy(samples, current_version, r.max_staleness, r.staleness_policy)
+        # DAPO's overlong filter (truncated samples out of the loss) before the batch counts its tokens
+        penalties, overlong_metrics = apply_overlong(samples, self.cfg.algorithm, r.max_response_len)
+        out.metrics.update(overlong_metrics)
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)
         batch.token_weights = weights
+        if penalties is not None:  # DAPO's soft overlong punishment, on the reward the advantages read
+            batch.rewards = batch.rewards + penalties
         out.shards = [ray.put(shard) for shard in batch.shard(self.cfg.data_parallel_size, self.cfg.global_batch_size)]
         out.num_samples, out.num_tokens = len(batch), len(batch.tokens)
         out.mean_weight_version = float(batch.weight_versions.double().mean())
