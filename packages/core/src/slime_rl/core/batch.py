@@ -30,7 +30,7 @@ from slime_rl.core.sample import Sample
 #: Per-response-token columns the trainer side fills in (float32, ``[num_response_tokens]``).
 TRAINER_COLUMNS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns")
 #: Optional per-response-token columns the rollout side fills in (None when unused).
-ROLLOUT_OPTIONAL_COLUMNS = ("token_versions", "token_weights")
+ROLLOUT_OPTIONAL_COLUMNS = ("token_versions", "token_weights", "teacher_log_probs")
 
 
 @dataclass
@@ -64,6 +64,8 @@ class RolloutBatch:
     token_versions: Tensor | None = None
     # [R] float32: each token's loss weight under rollout.staleness_policy=downweight; None: all 1.
     token_weights: Tensor | None = None
+    # [R] float32: on-policy distillation, the teacher's log-probs of the sampled tokens (core/roles/teacher.py)
+    teacher_log_probs: Tensor | None = None
 
     # ---------------------------------------------------------------- building
 

@@ -164,6 +164,13 @@ class HFEngine(RolloutEngine):
             device=cfg.cluster.device, **args,
         )
 
+    @classmethod
+    def serve_role(cls, cfg: Config, name: str, **where: Any) -> Any:
+        """``roles.<name>`` served by transformers in this process (role_server.py): a `RoleService`."""
+        from slime_rl.rollout_hf.role_server import HFRoleServer
+
+        return HFRoleServer.start(cfg, name, **where)
+
     # ------------------------------------------------------------------ the contract
 
     @property

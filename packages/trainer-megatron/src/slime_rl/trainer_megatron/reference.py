@@ -68,10 +68,28 @@ def load_policy_and_reference(model: torch.nn.Module, cfg: Config, shape: HFMode
     if needs_ref and cfg.model.ref_path not in (None, cfg.model.path):
         convert.load_hf(model, cfg.model.ref_path, shape)
         ref = ReferenceWeights.snapshot(model)
+    if role == "critic" and cfg.model.critic_path not in (None, cfg.model.path):
+        load_critic(model, cfg.model.critic_path, shape)
+        return None
     convert.load_hf(model, cfg.model.path, shape)
     if needs_ref and ref is None:
         ref = ReferenceWeights.snapshot(model)
     return ref
+
+
+def load_critic(model: torch.nn.Module, folder: str, shape: HFModelShape) -> None:
+    """model.critic_path: the critic's trunk from an HF causal-LM folder (a saved policy, or an earlier run's
+    critic exported as one); its value head from the folder's ``score.weight`` (``[1, hidden]``, a one-label
+    scalar head) when it has one, else the zero head it was built with."""
+    convert.load_hf(model, folder, shape)
+    reader = convert.SafetensorsFolder(folder)
+    head = getattr(model, "value_head", None)
+    if head is not None and "score.weight" in reader:
+        weight = reader.get("score.weight")
+        if tuple(weight.shape) != tuple(head.weight.shape):
+            raise ValueError(f"model.critic_path: {folder}'s score.weight is {tuple(weight.shape)}, the critic's value"
+                             f" head {tuple(head.weight.shape)}; give a one-label scalar head of the model's width")
+        head.weight.data.copy_(weight)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -145,6 +145,10 @@ class AdvantageInputs:
     step_size: int  # samples in the whole step (all ranks)
     positions: Tensor  # [B] each sample's position in the step
     sum_over_dp: SumOverDP = _local
+    # [B, T] on-policy distillation (an estimator that declares needs_teacher): the student's sampling
+    # log-probs (old, else the engine's) and the teacher's of the same tokens; None otherwise
+    log_probs: Tensor | None = None
+    teacher_log_probs: Tensor | None = None
     groups_checked: bool = False  # the step holds each group as one run of n (the estimator declares groups)
 
     def grouped(self, per_sample: Tensor) -> Tensor:
@@ -201,6 +205,24 @@ def reinforce_plus_plus_baseline_estimator(inputs: AdvantageInputs) -> Tensor:
     return centered * inputs.valid - inputs.algo.kl_coef * inputs.kl
 
 
+def opd_advantages(teacher_log_probs: Tensor, student_log_probs: Tensor, valid: Tensor) -> Tensor:
+    """On-policy distillation per token: ``log pi_T(y_t) - log pi_S(y_t)`` on the student's own sampled
+    tokens, 0 on padding. Its negative is the one-sample estimate of the reverse KL ``KL(pi_S || pi_T)`` at
+    that position; as an advantage in the policy gradient, ``E[A_t grad log pi_S] = -grad KL`` (the
+    ``E[grad log pi_S] = 0`` term drops out), so the update descends the student's reverse KL to the teacher."""
+    return (teacher_log_probs - student_log_probs) * valid
+
+
+def opd_estimator(inputs: AdvantageInputs) -> Tensor:
+    if inputs.teacher_log_probs is None or inputs.log_probs is None:
+        raise ValueError("opd needs the teacher's log-probs on the batch (a roles entry of kind teacher)")
+    algo = inputs.algo
+    advantages = algo.opd_kl_coef * opd_advantages(inputs.teacher_log_probs, inputs.log_probs, inputs.valid)
+    if algo.opd_reward_coef:
+        advantages = advantages + algo.opd_reward_coef * grpo_estimator(inputs)
+    return advantages
+
+
 def gae_estimator(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     assert inputs.values is not None  # the estimator declares needs_critic: compute_advantages checked
     return gae(_token_rewards(inputs), inputs.values, inputs.valid, inputs.algo.gamma, inputs.algo.lambd)
@@ -229,6 +251,8 @@ def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig, *, n_samples_
         if column is not None and len(column) != batch.num_response_tokens:
             raise ValueError(f"{name} has {len(column)} entries for the batch's {batch.num_response_tokens} "
                              "response tokens; the trainer must return one per response token")
+    if estimator.needs_teacher and batch.teacher_log_probs is None:
+        raise ValueError(f"{estimator.name} needs the teacher's log-probs (roles, kind teacher) on the batch")
     if estimator.needs_critic and batch.values is None:
         raise ValueError(f"{estimator.name} needs critic values (PolicyTrainer.compute_values) on the batch")
     loss_mask = batch.padded(batch.loss_mask, dtype=torch.float64)
@@ -237,6 +261,10 @@ def compute_advantages(batch: RolloutBatch, algo: AlgorithmConfig, *, n_samples_
         valid=batch.response_mask().to(torch.float64),
         values=None if batch.values is None else batch.padded(batch.values, dtype=torch.float64), algo=algo,
         n_samples_per_prompt=n, step_size=batch.step_size, positions=batch.positions, sum_over_dp=sum_over_dp)
+    if batch.teacher_log_probs is not None:
+        student = batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs
+        inputs.log_probs = batch.padded(student, dtype=torch.float64)
+        inputs.teacher_log_probs = batch.padded(batch.teacher_log_probs, dtype=torch.float64)
     if estimator.groups:
         if n < 1 or batch.step_size % n:
             raise ValueError(f"{batch.step_size} samples do not split into groups of n_samples_per_prompt={n}")

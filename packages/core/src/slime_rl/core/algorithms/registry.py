@@ -30,6 +30,7 @@ class AdvantageEstimator:
     function: Callable[..., Any] | str  # the function, or its `module:attr` (built-ins: imported on first use)
     groups: bool = False  # needs its prompt's group: the step is checked to hold each group as one run of n
     needs_critic: bool = False  # needs a critic's values: the run starts a critic trainer beside the actor
+    needs_teacher: bool = False  # needs a teacher's log-probs of the sampled tokens (a `roles` entry, kind teacher)
     whitens: bool = False  # always whitened over the batch (else only with algorithm.normalize_advantages)
     policy_loss: str | None = None  # the policy loss it implies, over algorithm.policy_loss (gspo)
     summary: str = ""  # the formula, for docs/algorithms.md
@@ -153,13 +154,13 @@ def _registering(registry: Registry[Entry], name: str | None, declared: dict[str
 
 
 def register_advantage_estimator(name: str | None = None, *, groups: bool = False, needs_critic: bool = False,
-                                 whitens: bool = False, policy_loss: str | None = None, summary: str = ""
-                                 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+                                 whitens: bool = False, policy_loss: str | None = None, summary: str = "",
+                                 needs_teacher: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn(inputs: AdvantageInputs)`` under ``name`` (default: the function's name) with what it
     declares. The config names it by that name in a process that imported it, or by `module:attr`
     anywhere (the trainer ranks import the module themselves)."""
     declared = dict(groups=groups, needs_critic=needs_critic, whitens=whitens, policy_loss=policy_loss,
-                    summary=summary)
+                    summary=summary, needs_teacher=needs_teacher)
     return _registering(ADVANTAGE_ESTIMATORS, name, declared)
 
 
@@ -215,6 +216,10 @@ for _estimator in (
         "token rewards as for REINFORCE++; GAE with the critic's `values`: `delta_t = s_t + gamma V_{t+1} - V_t`,"
         " `A_t = delta_t + gamma * lambd * A_{t+1}` (`V` is 0 past the end), `returns_t = A_t + V_t`. Config:"
         " `gamma`, `lambd`.")),
+    AdvantageEstimator("opd", _ADVANTAGES + "opd_estimator", groups=True, needs_teacher=True, summary=(
+        "on-policy distillation, per token: `A_t = opd_kl_coef * (log pi_T(y_t) - log pi_old(y_t))`, the negative"
+        " reverse-KL sample of the student's own token against the teacher's (roles, kind teacher), plus"
+        " `opd_reward_coef` times the GRPO advantage of the task reward; no discounting (docs/distillation.md).")),
 ):
     ADVANTAGE_ESTIMATORS.register(_estimator)
 

@@ -46,7 +46,7 @@ def default_cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "slime-rl") / "models"
 
 
-MODEL_PATH_FIELDS = ("path", "tokenizer_path", "ref_path")  # the model section's fields that name a model folder
+MODEL_PATH_FIELDS = ("path", "tokenizer_path", "ref_path", "critic_path")  # the model section's fields that name a model folder
 
 
 def resolve_model_paths(cfg: Config) -> None:
@@ -63,6 +63,16 @@ def resolve_model_paths(cfg: Config) -> None:
                     raise
                 raise ConfigError(f"model.{key}", str(err).removeprefix("model.path: ")) from None
             setattr(cfg.model, key, str(folder))
+    for name, role in cfg.roles.items():  # served roles (config/roles.py) name models the same way
+        for key in ("path", "tokenizer_path"):
+            spec = getattr(role, key)
+            if spec and spec.startswith(BUILTIN_PREFIX):
+                try:
+                    setattr(role, key, str(resolve_model_path(spec)))
+                except (ValueError, RuntimeError) as err:
+                    if not str(err).startswith("model.path: "):
+                        raise
+                    raise ConfigError(f"roles.{name}.{key}", str(err).removeprefix("model.path: ")) from None
 
 
 def resolve_model_path(spec: str, cache_dir: Path | None = None) -> Path:

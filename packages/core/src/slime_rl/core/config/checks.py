@@ -16,6 +16,7 @@ from slime_rl.core.config.builtin_models import BUILTIN_PREFIX, MODEL_PATH_FIELD
 from slime_rl.core.config.memory import check_memory
 from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.config.positions import check_positions
+from slime_rl.core.config.roles import check_roles
 from slime_rl.core.config.schema import Config, ConfigError
 from slime_rl.core.config.writable import check_writable
 from slime_rl.core.infra.plugins import PluginError
@@ -53,6 +54,7 @@ def read_model_shape(path: str) -> dict[str, Any] | None:
 def check_config(cfg: Config) -> None:
     """The checks slime users learn about from a hang or a crash an hour in; here, before anything starts."""
     d, t, c, p, r = cfg.data, cfg.trainer, cfg.cluster, cfg.parallel, cfg.rollout
+    check_roles(cfg)  # config/roles.py: the estimator's teacher, the reward model, the folders
     samples_per_rollout = d.rollout_batch_size * d.n_samples_per_prompt
     if cfg.global_batch_size < 1:
         raise ConfigError(

@@ -23,7 +23,7 @@ The CP ranks of one DP rank share its shard of the batch, each holding part of e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slime_rl.core.algorithms.registry import advantage_estimator_of
 from slime_rl.core.config.device import Device, resolve_device
@@ -58,6 +58,18 @@ class EnginePlacement:
     gpus: tuple[tuple[int, int], ...]  # (node, gpu) per engine rank
 
 
+@dataclass(frozen=True)
+class RolePlacement:
+    """A served role (config/roles.py): its own bundles after the rollout's, or the rollout engines' first ones."""
+
+    name: str
+    kind: str
+    engine: str
+    bundles: tuple[int, ...]
+    gpus: tuple[tuple[int, int], ...]  # (node, gpu) per engine rank
+    colocated: bool  # shares the rollout engines' GPUs
+
+
 @dataclass
 class Placement:
     device: Device
@@ -73,6 +85,7 @@ class Placement:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    roles: list[RolePlacement] = field(default_factory=list)  # served models beside the policy
 
     @property
     def num_nodes(self) -> int:
@@ -103,6 +116,9 @@ class Placement:
             rows.append((str(b.index), str(b.node), str(b.gpu), rank, eng))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+        lines += [f"role {r.name} ({r.kind}, engine {r.engine}, frozen): {unit.lower()}s "
+                  + ", ".join(f"{b} (node {n}, {unit.lower()} {g})" for b, (n, g) in zip(r.bundles, r.gpus, strict=True))
+                  + (", shared with the rollout engines" if r.colocated else ", its own") for r in self.roles]
         return "\n".join(lines)
 
 
@@ -119,6 +135,8 @@ def plan_placement(cfg: Config, device: Device | None = None) -> Placement:
     actor, rollout, engine_size = cfg.actor_num_gpus, cfg.rollout_num_gpus, c.rollout_num_gpus_per_engine
     offset = 0 if c.colocate else actor
     total = max(actor, rollout) if c.colocate else actor + rollout
+    own_role_gpus = sum(role.num_gpus for role in cfg.roles.values() if not role.colocate)
+    total += own_role_gpus
     bundles = [Bundle(index=i, node=i // per_node, gpu=i % per_node) for i in range(total)]
 
     tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
@@ -151,5 +169,25 @@ def plan_placement(cfg: Config, device: Device | None = None) -> Placement:
     return Placement(
         device=device or resolve_device(c.device), colocate=c.colocate, num_gpus_per_node=per_node, bundles=bundles,
         trainer=trainer, engines=engines, rollout_offset=offset, critic=critic, trainer_gpu_share=share,
-        tp=tp, pp=pp, dp=dp, cp=cp,
+        tp=tp, pp=pp, dp=dp, cp=cp, roles=_place_roles(cfg, bundles, total - own_role_gpus, offset),
     )
+
+
+def _place_roles(cfg: Config, bundles: list[Bundle], first_free: int, rollout_offset: int) -> list[RolePlacement]:
+    """Each role's bundles: its own ones from ``first_free`` on, in config order, or (colocate) the first ones
+    of the rollout engines; a role's GPUs share one node, like an engine's."""
+    placed, at = [], first_free
+    for name, role in cfg.roles.items():
+        start = rollout_offset if role.colocate else at
+        own = bundles[start:start + role.num_gpus]
+        if len(own) < role.num_gpus:
+            raise ConfigError(f"roles.{name}.num_gpus", f"{role.num_gpus} GPUs to share with the rollout engines,"
+                              f" which have {len(own)}; lower it or set roles.{name}.colocate=false")
+        if len({b.node for b in own}) > 1:
+            raise ConfigError(f"roles.{name}.num_gpus", f"the role would span nodes {sorted({b.node for b in own})};"
+                              " a role's GPUs must share a node: choose a size that fits the GPUs left on one node")
+        placed.append(RolePlacement(name=name, kind=role.kind, engine=role.engine, bundles=tuple(b.index for b in own),
+                                    gpus=tuple((b.node, b.gpu) for b in own), colocated=role.colocate))
+        if not role.colocate:
+            at += role.num_gpus
+    return placed

@@ -28,6 +28,7 @@ from slime_rl.core.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSE
 from slime_rl.core.config.backends import BACKEND_SECTIONS, section_key, settings_model, validate_sections
 from slime_rl.core.config.errors import ConfigError
 from slime_rl.core.config.renamed import move_renamed_keys
+from slime_rl.core.config.roles import RoleConfig
 from slime_rl.core.config.secrets import Secret, remember_url, serialize_url
 from slime_rl.core.infra.plugins import PluginError
 
@@ -111,6 +112,7 @@ class ModelConfig(_Section):
     path: str = "builtin:smollm2-135m-instruct"  # an HF folder, or "builtin:smollm2-135m-instruct"
     tokenizer_path: str | None = None  # defaults to path
     ref_path: str | None = None  # reference model; defaults to path
+    critic_path: str | None = None  # PPO's critic: an HF folder to start it from; defaults to path (the policy)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: resolved once a run (config/dtype.py)
 
 
@@ -239,6 +241,10 @@ class AlgorithmConfig(_Section):
     value_clip: float = Field(0.2, gt=0.0)
     use_rollout_logprobs: bool = False  # use the engine's log-probs as the old policy
     routing_replay: Literal["off", "rollout"] = "off"  # MoE: the trainer replays the engine's expert choices
+    # advantage_estimator=opd (docs/distillation.md): A_t = opd_kl_coef * (log pi_teacher - log pi_student)
+    # + opd_reward_coef * (the task reward's GRPO advantage)
+    opd_kl_coef: float = Field(1.0, ge=0.0)
+    opd_reward_coef: float = Field(0.0, ge=0.0)
     # DAPO's overlong handling (core/algorithms/overlong.py): samples truncated at the length limit dropped from
     # the loss (counted), and a reward penalty falling linearly to -overlong_penalty_factor over the last
     # overlong_buffer_len tokens before rollout.max_response_len (null: off)
@@ -379,6 +385,7 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    roles: dict[str, RoleConfig] = Field(default_factory=dict)  # served models beside the policy (config/roles.py)
 
     @model_validator(mode="before")
     @classmethod

@@ -49,6 +49,24 @@ class Reservation:
         first = self.plan.bundles[self.plan.engines[0].bundles[0]]
         return {"num_cpus": 0, **self._in_bundle(first.node if self.by_node else first.index)}
 
+    def role_options(self, name: str) -> dict[str, Any]:
+        """ray.remote options for role ``name``'s actor (core/run/role_workers.py): on its first planned bundle's
+        node; an hf role takes a tenth of that GPU (it shares the bundle with the trainer's 0.4 shares or an
+        engine's), an sglang role none (its server is a child process on the GPUs `role_gpu_ids` gives)."""
+        if self.group is None:
+            return {"num_cpus": 0}
+        planned = next(r for r in self.plan.roles if r.name == name)
+        first = self.plan.bundles[planned.bundles[0]]
+        if self.by_node:
+            return {"num_cpus": 0, **self._in_bundle(first.node)}
+        return {"num_cpus": 0, "num_gpus": 0.1 if planned.engine == "hf" else 0, **self._in_bundle(first.index)}
+
+    def role_gpu_ids(self, name: str) -> list[int] | None:
+        """The local GPU indexes role ``name``'s server runs on (None on the CPU)."""
+        if self.plan.device != "cuda":
+            return None
+        return [gpu for _, gpu in next(r for r in self.plan.roles if r.name == name).gpus]
+
     def _in_bundle(self, index: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

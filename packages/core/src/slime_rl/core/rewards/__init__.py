@@ -42,6 +42,7 @@ from slime_rl.core.rewards.code_tests import CodeTestsReward
 from slime_rl.core.rewards.math_answer import dapo_reward, deepscaler_reward, math_reward
 from slime_rl.core.rewards.remote import RemoteReward
 from slime_rl.core.rewards.text_match import exact_match_reward, f1_reward
+from slime_rl.core.roles.reward_model import reward_model_reward
 from slime_rl.core.sample import Reward, Sample, SampleStatus
 from slime_rl.core.sandbox import SandboxSettings
 
@@ -55,6 +56,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., Any]] = {
     "f1": f1_reward,
     "remote": RemoteReward,  # needs rollout.reward_url; built by load_reward
     "code_tests": CodeTestsReward,  # runs code in the sandbox (rollout.sandbox); built by load_reward
+    "reward_model": reward_model_reward,  # the run's reward-model role (roles, kind reward_model), batched
 }
 
 __all__ = ["BUILTIN_REWARDS", "MAX_REWARD_MAGNITUDE", "CodeTestsReward", "RemoteReward", "load_reward",

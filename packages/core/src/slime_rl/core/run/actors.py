@@ -264,6 +264,9 @@ class RolloutWorker(KeepsInitMistake):
         self.runner = RolloutRunner(cfg, self.engine, self._decode, self.tokenizer)
         self.fully = (FullyAsyncRollout(cfg, self.runner, self.data_source, lambda: self.engine.weight_version)
                       if cfg.cluster.async_mode == "fully" else None)
+        if cfg.roles:  # where the served roles answer, for this process and the reward workers it starts
+            os.environ[ENV_ROLES_FILE] = str(Path(state_dir) / ROLES_FILE_NAME)
+        self.teacher = TeacherScorer.from_config(cfg, self.tokenizer)  # OPD: None without a teacher
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -280,8 +283,9 @@ class RolloutWorker(KeepsInitMistake):
             _save_rollouts(self.log_dir / "rollouts" / f"step_{step:06d}.jsonl", samples)
         out = BatchRefs([], result.metrics, result.exhausted, result.failure)
         if result.failure is None and samples:
+            teacher = await self.teacher.score(samples, out.metrics) if self.teacher is not None else None
             # In a thread: a batch of millions of tokens takes a while, and requests keep being served meanwhile.
-            await asyncio.to_thread(self._put_shards, samples, out, self.engine.weight_version)
+            await asyncio.to_thread(self._put_shards, samples, out, self.engine.weight_version, teacher)
         return out
 
     async def start_fully_async(self) -> None:
@@ -304,10 +308,12 @@ class RolloutWorker(KeepsInitMistake):
             _save_rollouts(self.log_dir / "rollouts" / f"step_{step:06d}.jsonl", samples)
         out = BatchRefs([], result.metrics, result.exhausted, result.failure)
         if result.failure is None and samples:
-            await asyncio.to_thread(self._put_shards, samples, out, current_version)
+            teacher = await self.teacher.score(samples, out.metrics) if self.teacher is not None else None
+            await asyncio.to_thread(self._put_shards, samples, out, current_version, teacher)
         return out
 
-    def _put_shards(self, samples: list[Sample], out: BatchRefs, current_version: int) -> None:
+    def _put_shards(self, samples: list[Sample], out: BatchRefs, current_version: int,
+                    teacher: list[list[float]] | None = None) -> None:
         r = self.cfg.rollout
         out.metrics.update(self.engine.stats())
         # Cumulative, so a benchmark can take the engine's busy share of any stretch of steps.
@@ -319,6 +325,8 @@ class RolloutWorker(KeepsInitMistake):
         out.metrics.update(overlong_metrics)
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)
         batch.token_weights = weights
+        if teacher is not None:  # OPD: the teacher's log-prob of every response token (core/roles/teacher.py)
+            batch.teacher_log_probs = torch.tensor([lp for row in teacher for lp in row], dtype=torch.float32)
         if penalties is not None:  # DAPO's soft overlong punishment, on the reward the advantages read
             batch.rewards = batch.rewards + penalties
         out.shards = [ray.put(shard) for shard in batch.shard(self.cfg.data_parallel_size, self.cfg.global_batch_size)]

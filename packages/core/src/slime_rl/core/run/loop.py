@@ -27,10 +27,12 @@ from slime_rl.core.infra.private_files import keep_files_private
 from slime_rl.core.infra.ray_cluster import check_ray_environment, local_ray
 from slime_rl.core.infra.ray_placement import Reservation, reserve
 from slime_rl.core.infra.stall import Party, StallBounds, StallWatch
+from slime_rl.core.roles.endpoints import ROLES_FILE_NAME
 from slime_rl.core.run import checkpoint, disk_full, folder_lock
 from slime_rl.core.run.actors import BatchRefs, RolloutWorker, TrainerWorker
 from slime_rl.core.run.metrics import MetricsLogger, phase
 from slime_rl.core.run.resume_check import check_resume, data_identity
+from slime_rl.core.run.role_workers import Roles
 from slime_rl.core.run.run_dir import claim_logging_dir, new_run_id, record_logs, rollout_state_dir
 from slime_rl.core.run.stopping import ending_on_signals
 from slime_rl.core.weights.sync import WeightSync
@@ -155,6 +157,7 @@ class Run:
     run_id: str
     offload: bool  # colocated on GPUs: trainer and engines take turns with the memory (slime's --offload)
     watch: StallWatch  # every wait of the driver, bounded (infra/stall.py)
+    roles: Roles | None = None  # served models beside the policy (teacher, reward model, judges); frozen
 
     def ask_rollout(self, call: str, ref: ObjectRef) -> Any:
         """The rollout worker's answer to ``ref``, under the watch's bound for ``call``."""
@@ -206,6 +209,8 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
             run.ask_rollout("rollout", run.rollout.start_fully_async.remote())
         while cfg.data.num_rollout is None or step < cfg.data.num_rollout:
             timings: dict[str, float] = {}
+            for note in run.roles.check() if run.roles else []:  # a role that stopped answering is restarted
+                print(f"slime-rl: {note}", file=sys.stderr, flush=True)
             step_start = time.perf_counter()
             with phase(timings, "rollout"):
                 if pending is None:
@@ -271,6 +276,8 @@ def _train(cfg: Config, callback: Callback | None) -> dict[str, Any]:
             _save(run, step)
         logger.close()
         record_logs(cfg.logging.dir)
+        if run.roles is not None:
+            run.roles.shutdown()
         run.ask_rollout("shutdown", run.rollout.shutdown.remote())
         summary.update(steps=step, elapsed_s=time.perf_counter() - started, metrics_file=str(logger.jsonl_path))
         notify("done", summary)
