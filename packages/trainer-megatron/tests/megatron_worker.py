@@ -79,6 +79,12 @@ def run_scenario(spec: dict) -> dict:
     if spec.get("short_first"):  # (prompt, response) tokens: e.g. shorter than 2 * CP
         samples[0] = shortened(samples[0], *spec["short_first"])
     trainer = MegatronTrainer.from_config(cfg)
+    if spec.get("random_routes"):  # routing replay of experts no router would pick: the same on every rank
+        g = torch.Generator().manual_seed(7)
+        moe, layers = trainer.shape.moe, trainer.shape.num_layers
+        for sample in samples:
+            scores = torch.rand(len(sample.tokens) - 1, layers, moe.num_experts, generator=g)
+            sample.rollout_routed_experts = scores.argsort(-1)[..., : moe.topk].tolist()
     batch = shard_for(trainer, samples)
     result: dict = {}
 
@@ -116,6 +122,8 @@ def run_scenario(spec: dict) -> dict:
     for k in range(steps):
         if save_after is not None and k == save_after:
             trainer.save(spec["ckpt"])
+        if k == spec.get("offload_before"):  # what trainer.offload moves on a GPU, moved and back on the CPU
+            offload_and_back(trainer)
         result["metrics"].append(trainer.train_step(batch))
     result["final"] = {n: t.cpu().clone() for b in trainer.named_weights(1 << 20) for n, t in b}
     if spec.get("save_hf"):
@@ -123,11 +131,25 @@ def run_scenario(spec: dict) -> dict:
 
     if save_after is not None:
         del trainer
-        resumed = MegatronTrainer.from_config(cfg)
+        resumed = MegatronTrainer.from_config(make_config(Path(spec["model"]), spec.get("resume_overrides",
+                                                                                    spec.get("overrides", []))))
         resumed.load(spec["ckpt"])
         result["resumed_metrics"] = [resumed.train_step(batch) for _ in range(save_after, steps)]
         result["resumed_final"] = {n: t.cpu().clone() for b in resumed.named_weights(1 << 20) for n, t in b}
     return result
+
+
+def offload_and_back(trainer) -> None:
+    """The storages `MegatronTrainer.offload` frees (weights, optimizer tensors, gradient buffers without
+    their contents) freed and restored on the CPU, where the trainer's own offload does nothing."""
+    from slime_rl.trainer_megatron.offload import offload_storages, onload_storages
+    from slime_rl.trainer_megatron.optimizer import optimizer_tensors
+
+    grads = [g for p in trainer.model.parameters() if (g := getattr(p, "main_grad", None)) is not None]
+    moved = offload_storages([*trainer.model.parameters(), *optimizer_tensors(trainer.optimizer)])
+    moved += offload_storages(grads, keep=False)
+    assert all(item.storage.nbytes() == 0 for item in moved)
+    onload_storages(moved)
 
 
 def run_hf_parity(spec: dict) -> dict:

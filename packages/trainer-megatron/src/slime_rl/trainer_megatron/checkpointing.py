@@ -22,12 +22,22 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from slime_rl.core.infra.safe_pickle import check_dcp_folder, refusals_named
 from slime_rl.trainer_megatron.nonfinite import check_finite_state
-from slime_rl.trainer_megatron.optimizer import hyperparameters, restore_hyperparameters
+from slime_rl.trainer_megatron.optimizer import (
+    allocate_state_for_loading,
+    hyperparameters,
+    is_distributed,
+    restore_hyperparameters,
+    unshare_loaded_steps,
+)
 
 if TYPE_CHECKING:
     from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
 TRAINER_INFO = "slime_rl_trainer.json"
+# The distributed optimizer's state saved per parameter in model space (like the plain optimizer's),
+# so a resume on another TP/PP/DP layout reshards it; megatron-core's default format (per-rank flat
+# ranges, `fully_sharded_model_space`) cannot be written by 0.16's dist_checkpointing at all.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
@@ -66,7 +76,7 @@ def sharded_state(trainer: MegatronTrainer, *, loading: bool = False, with_rng: 
     state = {
         "model": model_sd,
         # is_loading: a fresh optimizer has no Adam moments yet; Megatron creates them to load into
-        "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=loading),
+        "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA),
         "scheduler": trainer.scheduler.state_dict(),
         "step": trainer.step_count,
     }
@@ -89,7 +99,7 @@ def save(trainer: MegatronTrainer, path: str) -> None:
     dist_checkpointing.save(sharded_state(trainer), path, sharded_strategy=InProcessTorchDistSave())
     if dist.get_rank() == 0:
         info = {"role": trainer.role, "step": trainer.step_count, "architecture": trainer.shape.architecture,
-                "world_size": dist.get_world_size()}
+                "world_size": dist.get_world_size(), "distributed_optimizer": is_distributed(trainer.optimizer)}
         (Path(path) / TRAINER_INFO).write_text(json.dumps(info))
     dist.barrier()
 
@@ -102,13 +112,20 @@ def load(trainer: MegatronTrainer, path: str) -> None:
     info = json.loads(info_file.read_text())
     if info["role"] != trainer.role:
         raise ValueError(f"checkpoint: {path} holds a {info['role']}, this trainer is a {trainer.role}")
+    saved_sharded = info.get("distributed_optimizer", False)  # checkpoints from before the setting: plain
+    if saved_sharded != is_distributed(trainer.optimizer):
+        # megatron-core saves the two differently (the distributed one's state has an fp32 "param" per tensor)
+        raise ValueError(f"checkpoint: {path} holds a {'distributed' if saved_sharded else 'plain'} optimizer's"
+                         f" state; resume with trainer.megatron.use_distributed_optimizer={str(saved_sharded).lower()}")
     same_world = info["world_size"] == dist.get_world_size()
     check_dcp_folder(Path(path))  # every pickle in it is plain data before Megatron unpickles any
+    allocate_state_for_loading(trainer.optimizer)
     with refusals_named(path):  # tensor items: torch reads them weights-only; a refusal names the folder
         state = dist_checkpointing.load(sharded_state(trainer, loading=True, with_rng=same_world), path)
     trainer.model.load_state_dict(state["model"])
     built = hyperparameters(trainer.optimizer)
     trainer.optimizer.load_state_dict(state["optimizer"])
+    unshare_loaded_steps(trainer.optimizer)
     restore_hyperparameters(trainer.optimizer, built)  # the config's lr, betas, eps; the saved moments
     trainer.scheduler.load_state_dict(state["scheduler"])  # the saved step count, the config's schedule
     trainer.step_count = int(state["step"])

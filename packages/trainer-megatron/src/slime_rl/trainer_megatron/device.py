@@ -30,6 +30,7 @@ _CUDA_MODULES = (
     "megatron.core.utils",
     "megatron.core.parallel_state",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.pipeline_parallel.schedules",
@@ -288,17 +289,31 @@ def _cpu_tensors_report_cuda_types():
 
 
 def _let_mixed_precision_optimizer_wrap_cpu_params() -> None:
-    """bf16 training: Megatron's mixed-precision optimizer sorts its parameters by
-    ``param.type()`` against the CUDA type names; on the CPU the same sort by the CPU names."""
+    """bf16 training, and the distributed optimizer (trainer.megatron.use_distributed_optimizer) in any
+    dtype: Megatron sorts the parameters by ``param.type()`` against the CUDA type names; on the CPU
+    the same sort by the CPU names."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    init = Float16OptimizerWithFloat16Params.__init__
+    for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
+    gather = DistributedOptimizer.get_parameter_state_dp_zero
 
+    @functools.wraps(gather)
+    def gather_on_cpu(self, *args, **kwargs):  # a checkpoint's gather moves each piece with .cuda()
+        with _tensor_cuda_is_identity():
+            return gather(self, *args, **kwargs)
+
+    DistributedOptimizer.get_parameter_state_dp_zero = gather_on_cpu
+
+
+def _with_cuda_type_names(init):
+    @functools.wraps(init)
     def init_on_cpu(self, *args, **kwargs):
         with _cpu_tensors_report_cuda_types():
             init(self, *args, **kwargs)
 
-    Float16OptimizerWithFloat16Params.__init__ = init_on_cpu
+    return init_on_cpu
 
 
 def _install_cpu_rng_tracker() -> None:

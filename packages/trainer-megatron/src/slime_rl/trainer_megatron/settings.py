@@ -37,6 +37,12 @@ class MegatronSettings(BackendSettings):
         " per-expert loop where it cannot run); `false`: Megatron's SequentialMLP, one GEMM per expert"
         " (`--moe-grouped-gemm`)"))
 
+    use_distributed_optimizer: bool = Field(True, description=(
+        "Megatron's distributed optimizer: Adam's fp32 moments (and main weights under bf16) sharded over the"
+        " data-parallel x context-parallel ranks (gradients reduce-scattered, weights all-gathered after the"
+        " step): 8-12 bytes a parameter divided by DP x CP instead of on every rank, the same updates to fp32"
+        " rounding (`--use-distributed-optimizer`, on as in slime). Its checkpoints hold the state per parameter"
+        " (megatron-core's fully_reshardable format) and resume only with the same setting (one from before it: `false`)"))
     packed_attention: Literal["auto", "varlen", "padded", "per_sequence"] = Field("auto", description=(
         "How packed micro-batches (`trainer.max_tokens_per_gpu`) attend within each sequence. `auto`: one flash"
         " varlen call per layer on CUDA in bf16/fp16, else one padded SDPA call (the CPU's choice), else one"

@@ -106,7 +106,8 @@ class MegatronTrainer(PolicyTrainer):
         self.ddp = DistributedDataParallel(
             config=self.tconfig,
             ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=megatron_settings(cfg).use_distributed_optimizer,
             ),
             module=module,
         )
