@@ -51,7 +51,8 @@ def test_the_filter_drops_truncated_samples_from_the_loss_but_not_from_the_group
     samples = group()
     penalties, metrics = apply_overlong(samples, AlgorithmConfig(overlong_filter=True), 100)
     assert penalties is None
-    assert metrics == {"rollout/overlong_filtered": 1.0, "rollout/overlong_filtered_frac": 0.25}
+    assert metrics == {"rollout/overlong_filtered": 1.0, "rollout/overlong_filtered_frac": 0.25,
+                       "rollout/overlong_steps_kept": 0.0}
     batch = RolloutBatch.from_samples(samples)
     assert batch.step_tokens == [50 + 95 + 10]  # the losses divide by the tokens trained on
     algo = AlgorithmConfig()
@@ -86,3 +87,11 @@ def test_a_buffer_longer_than_the_response_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="^algorithm.overlong_buffer_len: 8192 is longer than rollout.max_resp"):
         load_config(None, [*base, "algorithm.overlong_buffer_len=8192"])
     assert load_config(None, [*base, "algorithm.overlong_buffer_len=1024"]).algorithm.overlong_buffer_len == 1024
+
+
+def test_an_optimizer_step_of_only_truncated_samples_keeps_them():
+    cut = [sample(i, 0.0, 100, SampleStatus.TRUNCATED) for i in range(2)]
+    samples = group() + cut  # two optimizer steps: 4 samples, then 2 all truncated
+    _, metrics = apply_overlong(samples, AlgorithmConfig(overlong_filter=True), 100, step_size=4)
+    assert metrics["rollout/overlong_filtered"] == 1.0 and metrics["rollout/overlong_steps_kept"] == 1.0
+    assert [sum(s.loss_mask) for s in samples] == [50, 95, 10, 0, 100, 100]

@@ -33,16 +33,29 @@ def overlong_penalties(lengths: Tensor, max_len: int, buffer_len: int, factor: f
     return -factor * (exceed / buffer_len).clamp(0.0, 1.0)
 
 
-def apply_overlong(samples: Sequence[Sample], algo: AlgorithmConfig, max_len: int) -> tuple[Tensor | None, dict]:
+def apply_overlong(samples: Sequence[Sample], algo: AlgorithmConfig, max_len: int,
+                   step_size: int | None = None) -> tuple[Tensor | None, dict]:
     """Drop truncated samples from the loss (in place, ``overlong_filter``) and return each sample's reward
-    penalty (``overlong_buffer_len``; None when off) with the step's metrics."""
+    penalty (``overlong_buffer_len``; None when off) with the step's metrics. ``samples`` come in optimizer
+    steps of ``step_size`` (default: one step): a step whose every sample was truncated keeps them (the
+    losses divide by the step's trained tokens, which must not be 0), counted in
+    ``rollout/overlong_steps_kept``."""
     metrics: dict[str, float] = {}
     if algo.overlong_filter:
-        truncated = [s for s in samples if s.status == SampleStatus.TRUNCATED]
-        for s in truncated:
-            s.loss_mask = [0] * s.response_length
-        metrics["rollout/overlong_filtered"] = float(len(truncated))
-        metrics["rollout/overlong_filtered_frac"] = len(truncated) / len(samples) if samples else 0.0
+        step_size = step_size or max(1, len(samples))
+        filtered = kept_steps = 0
+        for start in range(0, len(samples), step_size):
+            step = samples[start:start + step_size]
+            truncated = [s for s in step if s.status == SampleStatus.TRUNCATED]
+            if len(truncated) == len(step):
+                kept_steps += 1
+                continue
+            for s in truncated:
+                s.loss_mask = [0] * s.response_length
+            filtered += len(truncated)
+        metrics["rollout/overlong_filtered"] = float(filtered)
+        metrics["rollout/overlong_filtered_frac"] = filtered / len(samples) if samples else 0.0
+        metrics["rollout/overlong_steps_kept"] = float(kept_steps)
     if algo.overlong_buffer_len is None:
         return None, metrics
     lengths = torch.tensor([s.response_length for s in samples], dtype=torch.float64)

@@ -321,7 +321,8 @@ class RolloutWorker(KeepsInitMistake):
         out.metrics.update(staleness.metrics(samples, current_version))
         weights = staleness.apply_policy(samples, current_version, r.max_staleness, r.staleness_policy)
         # DAPO's overlong filter (truncated samples out of the loss) before the batch counts its tokens
-        penalties, overlong_metrics = apply_overlong(samples, self.cfg.algorithm, r.max_response_len)
+        penalties, overlong_metrics = apply_overlong(samples, self.cfg.algorithm, r.max_response_len,
+                                                     self.cfg.global_batch_size)
         out.metrics.update(overlong_metrics)
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)
         batch.token_weights = weights
