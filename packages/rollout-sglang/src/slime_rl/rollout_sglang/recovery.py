@@ -89,6 +89,12 @@ class EngineRecovery:
             else:
                 async with httpx.AsyncClient(timeout=5.0) as own:
                     ok = (await own.get(f"{server.url}/health")).status_code == 200
+        except httpx.ConnectError:
+            # Nothing listens on its port: the server is gone (a busy one answers late, not never). Waiting for three
+            # checks 5 s apart missed a server restarted within them (by its supervisor, attached), which then served
+            # the model's first weights until the next sync (the scale simulation, docs/scale.md).
+            self._failures[server.index] = failures_allowed
+            return True
         except httpx.HTTPError:
             ok = False
         self._failures[server.index] = 0 if ok else self._failures.get(server.index, 0) + 1
