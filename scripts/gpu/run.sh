@@ -29,6 +29,12 @@
 # real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
 # pack it first with scripts/gpu/pack_smollm2.sh; ~11 min, more than one device call holds),
 # real-model-addition, real-model-chain-sum (one task each, ~5.5 min on one H200).
+# Issue 39: roles-sglang (a teacher's prefill log-probs, scalar reward models of the llama, qwen2 and qwen3
+# families through --is-embedding and /classify, a judge's text, all against transformers; frozen: the role's
+# key opens no admin endpoint), ppo-real-model (PPO with GAE and a critic on the real-model addition task;
+# pack it first as for real-model; ~6 min), opd-teacher then opd-student (the addition run saved as the
+# teacher, then the untrained model distilled from it with the teacher on SGLang beside the student's
+# engine; the KL curve and the step's time split; one call each, same machine).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -101,6 +107,11 @@ for stage in "$@"; do
     real-model) cmd=(bash scripts/gpu/real_model.sh "$logs" addition chain_sum) ;;
     real-model-addition) cmd=(bash scripts/gpu/real_model.sh "$logs" addition) ;;
     real-model-chain-sum) cmd=(bash scripts/gpu/real_model.sh "$logs" chain_sum) ;;
+    roles-sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_roles_gpu.py
+                  -p no:cacheprovider) ;;
+    ppo-real-model) cmd=(bash scripts/gpu/multi_model.sh "$logs" ppo) ;;
+    opd-teacher) cmd=(bash scripts/gpu/multi_model.sh "$logs" teacher) ;;
+    opd-student) cmd=(bash scripts/gpu/multi_model.sh "$logs" student) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   "${cmd[@]}" > "$logs/$stage.log" 2>&1; rc=$?

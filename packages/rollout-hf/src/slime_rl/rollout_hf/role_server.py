@@ -139,6 +139,8 @@ class HFRoleServer:
             return replies if many else replies[0]
         if path != "/generate":
             raise LookupError(path)
+        if self.kind == "reward_model":
+            raise ValueError("/generate: this role is a reward model (a scalar head): use /classify")
         sampling = body.get("sampling_params") or {}
         if "input_ids" in body and int(sampling.get("max_new_tokens", 1)) == 0:
             sequences = body["input_ids"] if many else [body["input_ids"]]

@@ -26,7 +26,7 @@ import uuid
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
@@ -114,6 +114,13 @@ class SGLangEngine(RolloutEngine):
         self._engine_clients: dict[str, GenerateClient] = {}  # url -> a client straight to that engine
 
     # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def serve_role(cls, cfg: Config, name: str, **where: Any) -> Any:
+        """``roles.<name>`` on an SGLang server of its own (role_server.py): a `RoleService`."""
+        from slime_rl.rollout_sglang.role_server import SGLangRoleServer
+
+        return SGLangRoleServer.start(cfg, name, **where)
 
     @classmethod
     def from_config(cls, cfg: Config) -> SGLangEngine:
