@@ -60,6 +60,25 @@ def test_context_parallel_matches_one_rank(layout, tmp_path):
 
 
 @pytest.mark.slow
+def test_context_parallel_replays_the_given_experts_as_one_rank_does(tmp_path):
+    """Routing replay (the engine's experts for every token, here random ones) under CP: each rank replays
+    its chunks' tokens, padding goes to experts 0..k-1; log-probs and steps equal one rank's."""
+    model = make_hf_model(tmp_path / "model", "qwen3_moe", vocab=256)
+    spec = dict(model=str(model), num_samples=6, vocab=256, steps=2, short_first=SHORT, random_routes=True, ref=True,
+                prompt=(3, 20), response=(2, 24))
+    overrides = COMMON + ["algorithm.routing_replay=rollout"]
+    ensure_single_rank_group()
+    single = run_scenario({**spec, "overrides": overrides})
+    multi = launch(2, {**spec, "overrides": overrides + ["parallel.context_parallel_size=2",
+                                                         "cluster.actor_num_gpus_per_node=2"]}, tmp_path)
+    for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
+        assert one["moe_routing_replayed"] == two["moe_routing_replayed"] == 1.0
+        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
+
+
+@pytest.mark.slow
 def test_context_parallel_critic_matches_one_rank(tmp_path):
     from megatron_worker import run_critic
 
