@@ -29,6 +29,8 @@
 # real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
 # pack it first with scripts/gpu/pack_smollm2.sh; ~11 min, more than one device call holds),
 # real-model-addition, real-model-chain-sum (one task each, ~5.5 min on one H200).
+# gateway (issue 40: examples/react_agent's agent through the gateway in front of SGLang: added latency per call,
+# median and p99, the gateway's share of the wall time, the prefix-cache hit rate; then trained through slime-cli).
 # Issue 39: roles-sglang (a teacher's prefill log-probs, scalar reward models of the llama, qwen2 and qwen3
 # families through --is-embedding and /classify, a judge's text, all against transformers; frozen: the role's
 # key opens no admin endpoint), ppo-real-model (PPO with GAE and a critic on the real-model addition task;
@@ -44,6 +46,7 @@ for stage in "$@"; do
   case $stage in
     check) cmd=(bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, sglang, megatron.core, sglang_router, transformers; from importlib.metadata import version; print(torch.__version__, torch.cuda.device_count(), sglang.__version__, megatron.core.__version__, version(\"ray\"), transformers.__version__)"') ;;
     sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -p no:cacheprovider) ;;
+    gateway) cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_gateway.py -p no:cacheprovider) ;;
     lora-smoke) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -k smoke
                      -p no:cacheprovider) ;;
     lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -p no:cacheprovider) ;;

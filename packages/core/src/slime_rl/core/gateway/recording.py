@@ -41,6 +41,8 @@ class RecordedCall:
     parent: int | None = None  # the call this one's prompt extends (its prompt + sampled ids come first)
     history: str = "first"  # HISTORY_KINDS: how the request's history was resolved
     cached_tokens: int | None = None
+    engine_s: float = 0.0  # seconds in engine.generate
+    handler_s: float = 0.0  # seconds from the request's arrival to its response: the gateway's own time is the rest
     # what a later request is matched against
     messages: tuple[Message, ...] = ()
     tools_key: str = ""

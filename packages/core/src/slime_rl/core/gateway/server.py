@@ -113,15 +113,21 @@ class Gateway:
     async def _serve(self, request: Any, kind: str) -> Any:
         from aiohttp import web
 
+        start = time.perf_counter()
         episode = self.episodes[request.match_info["episode"]]  # the key check found it
         try:
             body = await _json_body(request)
-            payload = await (self._chat_call(episode, body) if kind == "chat" else self._completion_call(episode, body))
+            call, payload = await (self._chat_call(episode, body) if kind == "chat"
+                                   else self._completion_call(episode, body))
         except GatewayError as err:
             return web.json_response(error_body(err.message, err.kind, err.code, err.param), status=err.status)
         if body.get("stream"):
-            return await _stream(request, payload, kind, bool((body.get("stream_options") or {}).get("include_usage")))
-        return web.json_response(payload)
+            response = await _stream(request, payload, kind,
+                                     bool((body.get("stream_options") or {}).get("include_usage")))
+        else:
+            response = web.json_response(payload)
+        call.handler_s = time.perf_counter() - start  # the gateway's own time is this less call.engine_s
+        return response
 
     def _check_common(self, episode: Episode, body: dict[str, Any]) -> SamplingParams:
         if episode.closed:
@@ -158,11 +164,13 @@ class Gateway:
         if params.max_new_tokens <= 0:
             call.finish_reason = "length"
             return
+        start = time.perf_counter()
         try:
             out = await self.engine.generate(list(call.prompt_ids), params, request_id=f"{episode.id}/{call.index}")
         except ValueError as err:  # the engine refused the prompt: too long for the model, ids out of range
             episode.calls.pop()
             raise GatewayError(f"the model cannot take this request: {err}", code="context_length_exceeded") from None
+        call.engine_s = time.perf_counter() - start
         call.token_ids, call.log_probs = list(out.token_ids), list(out.log_probs)
         call.token_versions = (list(out.token_versions) if out.token_versions is not None
                                else [out.weight_version] * len(out.token_ids))
@@ -183,7 +191,7 @@ class Gateway:
                 text = text[:text.index(stop)]
         return text
 
-    async def _chat_call(self, episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
+    async def _chat_call(self, episode: Episode, body: dict[str, Any]) -> tuple[RecordedCall, dict[str, Any]]:
         params = self._check_common(episode, body)
         messages = parse_messages(body)
         tools = parse_tools(body)
@@ -208,12 +216,12 @@ class Gateway:
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls else _FINISH[call.finish_reason]
-        return {"id": f"chatcmpl-{episode.id}-{call.index}", "object": "chat.completion", "created": int(time.time()),
+        return call, {"id": f"chatcmpl-{episode.id}-{call.index}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.settings.model, "choices": [{"index": 0, "message": message, "finish_reason": finish,
                                                            "logprobs": None}],
                 "usage": _usage(call)}
 
-    async def _completion_call(self, episode: Episode, body: dict[str, Any]) -> dict[str, Any]:
+    async def _completion_call(self, episode: Episode, body: dict[str, Any]) -> tuple[RecordedCall, dict[str, Any]]:
         params = self._check_common(episode, body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -227,7 +235,7 @@ class Gateway:
         params = replace(params, max_new_tokens=self._budget(episode, params, ids, parent))
         await self._generate(episode, call, params)
         call.reply_text = self._text(call, params.stop[len(episode.params.stop):]) if call.token_ids else ""
-        return {"id": f"cmpl-{episode.id}-{call.index}", "object": "text_completion", "created": int(time.time()),
+        return call, {"id": f"cmpl-{episode.id}-{call.index}", "object": "text_completion", "created": int(time.time()),
                 "model": self.settings.model, "choices": [{"index": 0, "text": call.reply_text, "logprobs": None,
                                                            "finish_reason": _FINISH[call.finish_reason]}],
                 "usage": _usage(call)}

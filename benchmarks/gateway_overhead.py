@@ -1,0 +1,143 @@
+"""The agent gateway's cost: examples/react_agent's agent (unmodified) runs episodes through the gateway in front of
+an engine, and every call's latency as the agent sees it is set against the engine's own time for that call.
+
+    python benchmarks/gateway_overhead.py                     # CPU: a tiny random Qwen2 on the transformers engine
+    python benchmarks/gateway_overhead.py --engine sglang     # GPU: one SGLang server (router policy manual)
+
+Per call: ``added`` = the agent's wall time for ``chat.completions.create`` (HTTP, the gateway's parsing, history
+match, tokenisation, tool-call parsing, the response, the openai client's own work) less the engine's
+``generate`` time inside it: what the gateway adds against calling the engine directly. Printed: its median and
+p99; the gateway's own time (request to response, less the engine) summed over all calls as a share of the
+rollout's wall time (one event loop serves the gateway, so this is the share of it the gateway took); and the
+prefix-cache hit rate the engine reports (SGLang's ``cached_tokens``; the transformers engine reports none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_ENGINE_ARGS = {"attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
+                   "mem_fraction_static": 0.35, "skip_tokenizer_init": True}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run(engine, tokenizer, args: argparse.Namespace) -> dict[str, float]:
+    import openai.resources.chat.completions as chat
+    from react_agent import run as react_run
+
+    from slime_rl.core.contracts import SamplingParams
+    from slime_rl.core.gateway import Gateway
+    from slime_rl.core.sample import Sample
+
+    gateway = Gateway(engine, tokenizer)
+    await gateway.start()
+    seen: list[tuple[str, float]] = []  # (response id, the agent's wall time for the call)
+    create = chat.AsyncCompletions.create
+
+    async def timed_create(self, *a, **k):  # the agent's own call, timed around the library's method
+        start = time.perf_counter()
+        out = await create(self, *a, **k)
+        seen.append((out.id, time.perf_counter() - start))
+        return out
+
+    chat.AsyncCompletions.create = timed_create
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_response_len)
+    episodes = []
+    slots = asyncio.Semaphore(args.concurrency)
+
+    async def one(k: int) -> None:
+        async with slots:
+            episode = gateway.open_episode(params)
+            episodes.append(episode)
+            a, b, c, d = (11 + (k * 7 + j * 13) % 89 for j in range(4))
+            sample = Sample(index=k, prompt=f"What is {a} * {b} + {c} * {d}?", label=str(a * b + c * d))
+            await react_run(gateway.base_url(episode), episode.key, sample)
+            gateway.close_episode(episode)
+
+    start = time.perf_counter()
+    try:
+        await asyncio.gather(*(one(k) for k in range(args.episodes)))
+    finally:
+        chat.AsyncCompletions.create = create
+    wall = time.perf_counter() - start
+    await gateway.stop()
+    calls = {f"chatcmpl-{e.id}-{c.index}": c for e in episodes for c in e.calls}
+    added = [latency - calls[rid].engine_s for rid, latency in seen]
+    own = sum(max(0.0, c.handler_s - c.engine_s) for c in calls.values())
+    reported = [c for c in calls.values() if c.cached_tokens is not None]
+    hit = (sum(c.cached_tokens for c in reported) / sum(len(c.prompt_ids) for c in reported)) if reported else None
+    return {"episodes": len(episodes), "calls": len(calls), "wall_s": wall,
+            "added_median_ms": 1e3 * statistics.median(added), "added_p99_ms": 1e3 * percentile(added, 0.99),
+            "engine_median_ms": 1e3 * statistics.median(c.engine_s for c in calls.values()),
+            "gateway_share": own / wall, "prefix_cache_hit_rate": hit}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=["hf", "sglang"], default="hf")
+    p.add_argument("--model-dir", type=Path, help="an HF folder with a chat template (default: a tiny random Qwen2 "
+                                                  "with core.testing's chat tokenizer)")
+    p.add_argument("--episodes", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-response-len", type=int, default=256)
+    p.add_argument("--python", default=sys.executable, help="interpreter that has SGLang")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(REPO / "examples" / "react_agent"))
+    import os
+
+    os.environ.setdefault("REACT_AGENT_MODEL", "policy")
+    from transformers import AutoTokenizer
+
+    from slime_rl.core.testing import chat_tokenizer, tiny_model_folder
+
+    work = Path(tempfile.mkdtemp(prefix="gateway-overhead-"))
+    model_dir = args.model_dir or tiny_model_folder(work / "model", "qwen2", tokenizer=chat_tokenizer())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    server = None
+    if args.engine == "hf":
+        from slime_rl.rollout_hf.engine import HFEngine
+
+        engine = HFEngine.from_pretrained(model_dir, max_batch_size=args.concurrency)
+    else:
+        from slime_rl.rollout_sglang.engine import SGLangEngine
+        from slime_rl.rollout_sglang.server import start_server, wait_healthy
+
+        server = start_server(0, str(model_dir), log_dir=work, python=args.python, engine_args=GPU_ENGINE_ARGS)
+        wait_healthy(server, 1200)
+        engine = SGLangEngine.attach([server.url], work_dir=work / "engine", policy="manual", health_interval=0)
+    try:
+        figures = asyncio.run(run(engine, tokenizer, args))
+    finally:
+        asyncio.run(engine.shutdown())
+        if server is not None:
+            server.process.stop()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU")
+    print(f"\n{args.engine} engine, {figures['episodes']} ReAct episodes ({figures['calls']} calls), "
+          f"{args.concurrency} at once; {cpu}")
+    print("| engine | added per call, median | p99 | engine per call, median | gateway share of wall | "
+          "prefix-cache hit rate |")
+    print("|---|---|---|---|---|---|")
+    hit = figures["prefix_cache_hit_rate"]
+    print(f"| {args.engine} | {figures['added_median_ms']:.1f} ms | {figures['added_p99_ms']:.1f} ms | "
+          f"{figures['engine_median_ms']:.1f} ms | {100 * figures['gateway_share']:.1f}% | "
+          f"{'not reported' if hit is None else f'{hit:.3f}'} |")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Issue 40 on one H200 (scripts/gpu/run.sh gateway; docs/gpu-results.md): the examples/react_agent agent through the
+gateway in front of SGLang.
+
+(a) benchmarks/gateway_overhead.py --engine sglang: the gateway's added latency per call against the engine's own
+    time (median, p99), its own time as a share of the rollout's wall time (<= 5%), SGLang's prefix-cache hit rate.
+(b) the same agent trained through `slime-cli train` (engine sglang, trainer megatron, colocated): the CPU e2e's
+    task and warm-started tiny model; per step, the gateway's own time (metadata.gateway_overhead_s of the step's
+    samples) as a share of the step's wall time, the prefix-cache hit rate SGLang reports, and the reward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+REPO = Path(__file__).resolve().parents[2]
+SUPPORT = REPO / "tests" / "support"
+AGENT = REPO / "examples" / "react_agent"
+ENGINE_ARGS = {"attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none",
+               "cuda_graph_backend_decode": "disabled", "cuda_graph_backend_prefill": "disabled",
+               "mem_fraction_static": 0.15, "max_total_tokens": 65536}
+
+
+def test_a_gateway_overhead_against_sglang(tmp_path):
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gateway_overhead.py"), "--engine", "sglang",
+                           "--episodes", "256", "--concurrency", "64", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    print(done.stdout[-3000:], done.stderr[-3000:])
+    assert done.returncode == 0
+    figures = json.loads(out.read_text())
+    print("[gateway] figures:", figures)
+    assert figures["prefix_cache_hit_rate"] is not None and figures["prefix_cache_hit_rate"] > 0
+    assert figures["gateway_share"] <= 0.05
+
+
+def test_b_react_agent_trains_through_sglang(tmp_path):
+    sys.path[:0] = [str(SUPPORT), str(AGENT)]
+    from react_e2e import LABEL, QUESTION, warm_start
+
+    from slime_rl.core.testing import chat_tokenizer, save_model, tiny_config, tiny_model
+
+    tok = chat_tokenizer()
+    model = tiny_model(tiny_config("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                   bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    warm_start(model, tok)
+    model_dir = save_model(tmp_path / "model", model, tok)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": QUESTION, "label": LABEL}) + "\n" for _ in range(400)))
+    steps = 16
+    config = {
+        "model": {"path": str(model_dir)},
+        "data": {"prompt_data": str(prompts), "apply_chat_template": False, "rollout_batch_size": 16,
+                 "n_samples_per_prompt": 8, "num_rollout": steps},
+        "rollout": {"engine": "sglang", "sglang": {"server_args": ENGINE_ARGS, "router_policy": "manual"},
+                    "generate_fn": "gateway", "gateway": {"agent": "react_agent:run", "agent_timeout": 120},
+                    "reward": "react_agent:reward", "max_response_len": 200},
+        "trainer": {"backend": "megatron", "lr": 1e-3},
+        "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1},
+        "logging": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False,
+                    "save_rollouts": True},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "REACT_AGENT_MODEL": "policy",
+           "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(AGENT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", str(tmp_path / "config.yaml")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    print(done.stdout[-3000:], done.stderr[-3000:])
+    assert done.returncode == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    shares, hits = [], []
+    for step, row in enumerate(rows, 1):
+        samples = [json.loads(line) for line in
+                   (tmp_path / "run" / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        own = sum(s["metadata"].get("gateway_overhead_s", 0.0) for s in samples)
+        shares.append(own / row["rollout/time"])
+        hits.append(row.get("rollout/prefix_cache_hit_rate"))
+    rewards = [r["rollout/reward_mean"] for r in rows]
+    print("[gateway-train] reward per step:", " ".join(f"{r:.3f}" for r in rewards))
+    print("[gateway-train] prefix-cache hit rate per step:", " ".join(f"{h:.3f}" for h in hits if h is not None))
+    print("[gateway-train] gateway share of rollout wall per step:", " ".join(f"{100 * s:.2f}%" for s in shares))
+    print("[gateway-train] step time split:", {k: round(v, 3) for k, v in rows[-1].items() if k.startswith("time/")})
+    assert len(rows) == steps and all(h is not None and h > 0 for h in hits)
+    assert max(shares) <= 0.05
