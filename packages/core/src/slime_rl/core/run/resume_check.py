@@ -45,6 +45,7 @@ RESUME_RULES: tuple[Rule, ...] = (
     _refuse("model.tokenizer_path", "the token ids in the checkpoint's buffer are that tokenizer's"),
     _refuse("model.dtype", "the checkpoint's weights and optimizer state are in that dtype"),
     _honour("model.ref_path", "the KL reference model is loaded from it as the run starts"),
+    _honour("model.critic_path", "no effect on a resume: the critic continues from the checkpoint's"),
     _refuse("algorithm.advantage_estimator", "the checkpoint holds that estimator's state (a critic or none)"),
     _refuse("algorithm.loss_type", "the checkpoint was trained with that loss"),
     _refuse("algorithm.policy_loss", "the checkpoint was trained with that policy loss"),
@@ -73,6 +74,7 @@ RESUME_RULES: tuple[Rule, ...] = (
     _honour("eval.*", "evaluation uses it from now on"),
     _honour("checkpoint.*", "saving uses it from now on"),
     _honour("logging.*", "logging uses it from now on"),
+    _honour("roles*", "the served roles start anew from it as the run starts (they are frozen: no state)"),
 )
 # Keys that differ on every resume, or are the resume itself.
 _NOT_COMPARED = ("checkpoint.resume", "checkpoint.save_dir")
