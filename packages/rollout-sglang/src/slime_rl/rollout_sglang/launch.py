@@ -21,6 +21,7 @@ from slime_rl.rollout_sglang.router import Router, launch_router
 from slime_rl.rollout_sglang.server import SGLangServer, attach_server, start_server, wait_healthy
 from slime_rl.rollout_sglang.settings import sglang_settings
 from slime_rl.rollout_sglang.weights.adapters import lora_engine_args
+from slime_rl.rollout_sglang.weights.delta_loader import LOADER as DELTA_LOADER
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -80,6 +81,8 @@ def engine_args(cfg: Config) -> dict[str, Any]:
         args.setdefault("enable_memory_saver", True)
     if not r.stop:  # token ids in and out; stop strings need SGLang's detokenizer
         args.setdefault("skip_tokenizer_init", True)
+    if r.update_weight_mode == "delta":  # delta syncs load through our custom loader (weights/delta_loader.py)
+        args.setdefault("custom_weight_loader", [DELTA_LOADER])
     if cfg.algorithm.routing_replay == "rollout":  # MoE: the experts each token went to, per request
         args.setdefault("enable_return_routed_experts", True)
     if syncs_adapters(cfg):  # weight syncs load LoRA adapters at run time (adapters.py)

@@ -178,6 +178,9 @@ class TrainerWorker(KeepsInitMistake):
 
     def weight_sync_metrics(self) -> dict[str, float]:
         """The last sync's ``weights/*`` metrics (rank 0; change fraction, bytes moved)."""
+        sent = getattr(self.sender, "delta", None)  # an engine's sender that encodes itself (SGLang's)
+        if sent is not None:
+            return sent.last.metrics()
         return self.delta.last.metrics() if self.delta is not None else {}
 
     def weight_digest(self) -> tuple[list[str], str] | None:

@@ -89,6 +89,7 @@ class WeightSync:
             handle = self._ask("begin_weight_sync", self.rollout.begin_weight_sync.remote(version, self.transport))
             self.actor.push_weights(self.sender, handle, self.bucket_bytes, version, self.transport)
             self._ask("end_weight_sync", self.rollout.end_weight_sync.remote(version))
+            self.metrics = self.actor.weight_sync_metrics()
             return self.path
         engines_hold = self._ask("weight_sync", self.rollout.delta_base.remote()) if self.delta else None
         try:

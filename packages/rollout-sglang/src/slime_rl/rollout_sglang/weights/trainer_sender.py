@@ -18,6 +18,7 @@ from slime_rl.core.contracts import NamedTensors, WeightSender
 from slime_rl.rollout_sglang.launch import work_dir
 from slime_rl.rollout_sglang.settings import sglang_settings
 from slime_rl.rollout_sglang.weights import adapters, verify
+from slime_rl.rollout_sglang.weights.delta_push import DeltaPusher
 from slime_rl.rollout_sglang.weights.pusher import BucketPusher
 from slime_rl.rollout_sglang.weights.restore_copy import RestoreCopy
 from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError, reachable
@@ -52,6 +53,10 @@ class SGLangWeightSender(WeightSender):
         self.restore = (RestoreCopy(self.pusher.weights_dir, cfg.model.path)
                         if rank == 0 and sglang_settings(cfg).max_engine_restarts > 0 else None)
         self.adapter_folders = adapters.FolderWriter()
+        # rollout.update_weight_mode=delta: rank 0's last sent version on the host, deltas through the loader
+        self.delta = (DeltaPusher(weights_dir=self.pusher.weights_dir, timeout=self.pusher.timeout,
+                                  bucket_bytes=cfg.rollout.update_weight_buffer_mb * 1024**2)
+                      if rank == 0 and cfg.rollout.update_weight_mode == "delta" and not syncs_adapters(cfg) else None)
 
     def send(self, buckets: Iterator[NamedTensors], handle: list[Target], *, version: int,
              transport: str) -> None:
@@ -67,6 +72,8 @@ class SGLangWeightSender(WeightSender):
                                   folder=adapters.adapter_folder(work_dir(self.cfg), version),
                                   timeout=self.pusher.timeout, writer=self.adapter_folders)
             return
+        if self.delta is not None:
+            return self._send_delta(targets, buckets, version=version, transport=transport)
         expected: dict[str, str] = {}  # checksums of each bucket's first and last tensor, for check_weight_update
         for index, bucket, last in _with_last(buckets):
             if sglang_settings(self.cfg).check_weight_update:
@@ -79,6 +86,21 @@ class SGLangWeightSender(WeightSender):
         for target in targets if expected else []:
             verify.check_weights(target, expected, timeout=self.pusher.timeout,
                              step=f"weight sync v{version} ({transport})")
+
+    def _send_delta(self, targets: list[Target], buckets: Iterator[NamedTensors], *, version: int,
+                    transport: str) -> None:
+        """Deltas (delta_push.py); SGLang's /weights_checker then compares every server with the full tensors
+        kept (check_weight_update: all of them, so one wrong element anywhere fails the sync)."""
+        self.delta.send(targets, buckets, version=version, transport=transport)
+        if self.restore is not None:
+            self.restore.add(list(self.delta.encoder.kept.items()), first=True)
+            self.restore.finish(version)
+        if sglang_settings(self.cfg).check_weight_update:
+            kept = list(self.delta.encoder.kept.items())
+            expected = verify.check_sample(kept, tp_size=verify.widest_tp(targets), every=True)
+            for target in targets:
+                verify.check_weights(target, expected, timeout=self.pusher.timeout,
+                                     step=f"weight sync v{version} (delta, {transport})")
 
     def _push(self, transport: str, targets: list[Target], bucket: NamedTensors, *, version: int, index: int,
               last: bool) -> list[Target]:

@@ -1,0 +1,106 @@
+"""The trainer side of a delta sync into SGLang servers (rollout.update_weight_mode=delta; delta_loader.py is
+the server side). Every bucket goes through the custom loader with a ``#delta`` header: full tensors (base -1)
+while nothing is kept, deltas onto the version this sender sent last afterwards. A server that refuses a
+delta (restarted, joined late, missed a sync: `DeltaChainBroken` in its answer) gets the whole new version
+from the host copy the encoder keeps, so no other rank is asked to gather again.
+
+Transports: ``tensor`` (the bucket by value in the request; CPU tensors) and ``disk`` (a safetensors file per
+bucket under ``weights_dir/delta``, its path in the request). NCCL's receive path in SGLang 0.5.17 calls the
+model's own loader, never a custom one, so an NCCL sync stays full (docs/elastic.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import pickle
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from slime_rl.core.contracts import NamedTensors
+from slime_rl.core.weights.delta import DeltaEncoder, SyncStats, header, is_delta_bucket
+from slime_rl.rollout_sglang.weights.delta_loader import FULL, LOADER, file_pointer, write_delta_file
+from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError, post
+
+logger = logging.getLogger(__name__)
+DELTA_TRANSPORTS = ("tensor", "disk")
+
+
+class DeltaPusher:
+    """Delta syncs to SGLang servers started with ``--custom-weight-loader`` `LOADER` (launch.py adds it)."""
+
+    def __init__(self, *, weights_dir: str | Path, timeout: float, bucket_bytes: int = 2**30):
+        self.folder = Path(weights_dir) / "delta"
+        self.timeout, self.bucket_bytes = timeout, bucket_bytes
+        self.encoder = DeltaEncoder()
+        self.full_pushes = 0  # servers that refused a delta and got the whole version
+
+    @property
+    def last(self) -> SyncStats:
+        return self.encoder.last
+
+    def send(self, targets: list[Target], buckets: Iterator[NamedTensors], *, version: int, transport: str) -> None:
+        if transport not in DELTA_TRANSPORTS:
+            raise ValueError(f"rollout.update_weight_mode=delta: transport {transport!r} cannot carry a delta into "
+                             f"SGLang; use rollout.update_weight_transport={' or '.join(DELTA_TRANSPORTS)}")
+        shutil.rmtree(self.folder, ignore_errors=True)
+        refused: list[Target] = []
+        encoded = self.encoder.encode(buckets, version=version, engines_hold=self.encoder.kept_version)
+        previous: NamedTensors | None = None
+        index = 0
+        for bucket in encoded:  # one behind: the version goes with the last bucket
+            if previous is not None:
+                self._push_all(targets, refused, previous, version=version, index=index, last=False, transport=transport)
+                index += 1
+            previous = bucket if is_delta_bucket(bucket) else [header(FULL, version), *bucket]
+        if previous is not None:
+            self._push_all(targets, refused, previous, version=version, index=index, last=True, transport=transport)
+        for target in refused:
+            logger.warning("weight sync v%d: %s is not at the version the delta builds on; sending it in full",
+                           version, target.name)
+            self._push_full(target, version=version, transport=transport)
+            self.full_pushes += 1
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _push_all(self, targets: list[Target], refused: list[Target], bucket: NamedTensors, *, version: int,
+                  index: int, last: bool, transport: str) -> None:
+        for target in targets:
+            if target in refused:
+                continue
+            try:
+                self._push(target, bucket, version=version, index=index, last=last, transport=transport)
+            except WeightSyncError as err:
+                if "DeltaChainBroken" not in str(err) and "delta onto weight version" not in str(err):
+                    raise
+                refused.append(target)
+
+    def _push_full(self, target: Target, *, version: int, transport: str) -> None:
+        """The kept version (this sync's full tensors) into one server, in buckets, through the loader."""
+        items = list(self.encoder.kept.items())
+        chunks, chunk, size = [], [], 0
+        for name, tensor in items:
+            chunk.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                chunks.append(chunk)
+                chunk, size = [], 0
+        if chunk:
+            chunks.append(chunk)
+        for i, part in enumerate(chunks):
+            self._push(target, [header(FULL, version), *part], version=version, index=i, last=i == len(chunks) - 1,
+                       transport=transport)
+
+    def _push(self, target: Target, bucket: NamedTensors, *, version: int, index: int, last: bool,
+              transport: str) -> None:
+        step = f"weight sync v{version} bucket {index} (delta, {transport})"
+        if transport == "disk":  # one file a bucket, read by every server (a full one has base -1)
+            path = self.folder / f"v{version}-base{int(bucket[0][1][0])}-{index:05d}.safetensors"
+            if not path.exists():
+                write_delta_file(bucket, path)
+            bucket = file_pointer(path)
+        payload = base64.b64encode(pickle.dumps([(n, t.detach().cpu()) for n, t in bucket])).decode("ascii")
+        body = {"serialized_named_tensors": [payload] * target.tp_size, "load_format": LOADER, "flush_cache": False}
+        if last:
+            body["weight_version"] = str(version)
+        post(target, "/update_weights_from_tensor", body, timeout=self.timeout, step=step)
