@@ -51,7 +51,7 @@ def test_opd_on_a_tiny_model(tiny_model_dir, tmp_path):
               "rollout.max_response_len=8", "rollout.reward=toy_rewards:digit_token_fraction", "trainer.lr=0.01",
               "trainer.adam_beta2=0.99", "cluster.device=cpu", "logging.tensorboard=false", "logging.progress_bar=false"]
     teacher = slime_cli(config, *common, "data.num_rollout=40", f"logging.dir={tmp_path / 'teacher'}",
-                        "checkpoint.save_hf=true", env=env)
+                        "checkpoint.save_hf=true", "checkpoint.save_interval=40", env=env)
     assert teacher.returncode == 0, teacher.stderr[-3000:]
     teacher_rows = rows_of(tmp_path / "teacher" / "metrics.jsonl")
     teacher_score = statistics.fmean(r["rollout/reward_mean"] for r in teacher_rows[-5:])

@@ -91,6 +91,11 @@ class _Scripted(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+    def do_GET(self):  # noqa: N802 - /health only
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         self.server.seen.append((self.path, body, self.headers.get("Authorization")))
@@ -202,3 +207,53 @@ def test_a_roles_numbers_are_strict(prompts, tmp_path, value):
     field = "attempts" if value == "2.5" else "timeout_s"
     with pytest.raises(ConfigError, match=r"roles"):
         cfg_with(prompts, tmp_path, f"{{judge: {{kind: judge, path: {tmp_path / 'm'}, {field}: {value}}}}}")
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+class _FakeRoleWorker:
+    """A role actor whose server stops answering once; `restart` brings up one at ``new_url``."""
+
+    def __init__(self, new_url):
+        self.alive, self.restarts = True, 0
+        self.healthy = _Remote(lambda: self.alive)
+
+        def restart():
+            self.restarts += 1
+            self.alive = True
+            return new_url
+
+        self.restart = _Remote(restart)
+
+
+class _Watch:
+    def get(self, phase, refs, handles):
+        return list(refs)
+
+
+def test_a_role_that_stops_answering_is_restarted_then_the_run_fails_past_max_restarts(tmp_path, prompts, scripted):
+    from slime_rl.core.config import RunFailedError
+    from slime_rl.core.roles.endpoints import read_endpoints
+    from slime_rl.core.run.role_workers import Roles
+
+    url = f"http://127.0.0.1:{scripted.server_address[1]}"
+    cfg = cfg_with(prompts, tmp_path, f"{{judge: {{kind: judge, path: {tmp_path / 'm'}, max_restarts: 1}}}}")
+    roles = Roles.__new__(Roles)  # the driver's handle without Ray: one fake actor
+    worker = _FakeRoleWorker(url)
+    roles.cfg, roles.watch, roles.endpoints_file = cfg, _Watch(), tmp_path / "roles.json"
+    roles.keys, roles.workers, roles.restarts, roles.last_check = {"judge": KEY}, {"judge": worker}, {"judge": 0}, 0.0
+    roles.urls = {"judge": url}
+    assert roles.check(force=True) == []  # answers: nothing to do
+    worker.alive = False
+    assert roles.check(force=True) == ["role judge stopped answering; restarted (1 of 1)"]
+    assert worker.restarts == 1 and read_endpoints(tmp_path / "roles.json")["judge"].url == url
+    assert roles.check() == []  # within health_interval_s: not checked again yet
+    worker.alive = False
+    with pytest.raises(RunFailedError, match=r"roles\.judge\.max_restarts: the judge role stopped answering 2 times"):
+        roles.check(force=True)
