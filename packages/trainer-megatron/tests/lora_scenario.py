@@ -9,10 +9,25 @@ from pathlib import Path
 import torch
 
 
+def reduced_grad_buffers(trainer) -> None:
+    """With the distributed optimizer each rank holds the data-parallel sum of its own shard of every
+    gradient bucket only (reduce-scatter): gather the shards so that every ``main_grad`` is the sum."""
+    if not trainer.ddp.ddp_config.use_distributed_optimizer:
+        return
+    for group in trainer.ddp.bucket_groups + trainer.ddp.expert_parallel_bucket_groups:
+        ranks, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
+        for bucket in group.buckets:
+            shard = bucket.grad_data.numel() // ranks
+            mine = bucket.grad_data[rank * shard:(rank + 1) * shard].clone()
+            torch.distributed.all_gather_into_tensor(bucket.grad_data, mine,
+                                                     group=group.intra_distributed_optimizer_instance_group)
+
+
 def adapter_grads(trainer) -> dict[str, torch.Tensor]:
     """Every adapter's A and B gradient, whole (gathered over TP, collected over PP), on every rank."""
     from slime_rl.trainer_megatron import lora
 
+    reduced_grad_buffers(trainer)
     mine = {}
     for layer, adapter in trainer.adapters.layers:
         a_ref, b_ref = adapter._refs()
