@@ -129,6 +129,56 @@ def test_local_positions_are_megatrons_rope_positions(size):
     assert ours.tolist() == full[split.local_rows()].tolist()
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_micro_batches_per_cp_rank_budget_and_gather(size):
+    """max_tokens_per_gpu counts one CP rank's tokens (padding included); every rank's predicting rows,
+    gathered as gather_tokens does, give the targets of the same micro-batch without CP."""
+    from megatron_testlib import make_samples, to_batch
+
+    from slime_rl.trainer_megatron import batching
+
+    samples = make_samples(10, 256, prompt=(1, 30), response=(1, 40))
+    batch = to_batch(samples)
+    cpu = torch.device("cpu")
+    ranks = [batching.micro_batches(batch, micro_batch_size=1, max_tokens=24, device=cpu, context_parallel=(size, r))
+             for r in range(size)]
+    assert all(len(mbs) == len(ranks[0]) for mbs in ranks)
+    for mbs in zip(*ranks, strict=True):
+        tokens = {mb.input_ids.shape[1] for mb in mbs}
+        assert len(tokens) == 1 and (tokens.pop() <= 24 or len(mbs[0].rows) == 1)  # a lone long sample may exceed
+        plan = mbs[0].cp_gather
+        most = max(plan.counts)
+        pieces = torch.zeros(size * most, dtype=torch.long)
+        for r, mb in enumerate(mbs):
+            assert mb.cp_gather.counts == plan.counts and len(mb.targets) == plan.counts[r]
+            pieces[r * most : r * most + len(mb.targets)] = mb.targets
+            # each predicting row holds the token before its target, in the rank's own chunks
+            assert mb.input_ids[0, mb.hidden_index].tolist() == [
+                batch.tokens[int(i)] for i in _predicting_tokens(batch, mb)]
+        assert pieces[plan.rows].tolist() == _targets(batch, mbs[0].rows).tolist()
+
+
+def _targets(batch, rows):
+    return torch.cat([batch.tokens[int(batch.offsets()[r]) + int(batch.lengths[r] - batch.response_lengths[r]):
+                                   int(batch.offsets()[r] + batch.lengths[r])].long() for r in rows])
+
+
+def _predicting_tokens(batch, mb):
+    """Rows of ``batch.tokens`` just before each of this CP rank's targets (in its own order)."""
+    out = []
+    for r in mb.rows.tolist():
+        start, n, resp = int(batch.offsets()[r]), int(batch.lengths[r]), int(batch.response_lengths[r])
+        out += list(range(start + n - resp - 1, start + n - 1))
+    everything = torch.tensor(out)
+    mine = torch.zeros(len(everything), dtype=torch.bool)
+    mine[(mb.cp_gather.rows // max(mb.cp_gather.counts)) == _rank_of(mb)] = True
+    return everything[mine]
+
+
+def _rank_of(mb) -> int:
+    return mb.packed.context_parallel.rank
+
+
 def simulated_ranks_attention(query, key, value, lengths, size, scale, *, use_varlen):
     """Causal attention of packed sequences computed the CP way: each simulated rank's query chunks over the
     all-gathered K/V, outputs put back in the packed order. Differentiable, collective-free."""

@@ -227,9 +227,13 @@ def micro_batches(batch: RolloutBatch, *, micro_batch_size: int, max_tokens: int
     """All of ``batch``'s samples as micro-batches. ``count_at_least(n) -> m``: the number the
     caller needs (m >= n, the same on every rank of an expert-parallel group), reached by splitting.
     ``context_parallel`` (CP size, CP rank): ``max_tokens`` is per CP rank, so a micro-batch packs up to
-    CP times as many tokens, each of its sequences split over the CP ranks."""
+    CP times as many tokens (counted with each sequence's padding to a multiple of 2 * CP), each of its
+    sequences split over the CP ranks."""
     lengths = batch.lengths.tolist()
-    budget = max_tokens * context_parallel[0] if max_tokens is not None else None
+    size = context_parallel[0]
+    budget = max_tokens * size if max_tokens is not None else None
+    if size > 1:  # what each sequence takes once padded for its 2 * CP chunks
+        lengths = [-(-n // (2 * size)) * 2 * size for n in lengths]
     groups = group_rows(lengths, micro_batch_size=micro_batch_size, max_tokens=budget,
                         attention_weight=attention_weight)
     if count_at_least is not None:
