@@ -1,7 +1,7 @@
-"""``MegatronTrainer``: one rank of a TP x PP x DP policy (or critic) trainer over megatron-core.
+"""``MegatronTrainer``: one rank of a TP x CP x PP x DP policy (or critic) trainer over megatron-core.
 
-Each rank gets its data-parallel rank's shard of the step (`RolloutBatch.shard`; the TP and PP
-peers of one DP rank get the same shard), runs Megatron's forward-backward schedule over
+Each rank gets its data-parallel rank's shard of the step (`RolloutBatch.shard`; the TP, CP and PP
+peers of one DP rank get the same shard; CP ranks each hold two chunks of every sequence), runs Megatron's forward-backward schedule over
 micro-batches of it (1F1B under PP), and returns per-token results for the shard's samples,
 broadcast from the last pipeline stage so every rank of the shard holds them. Nothing per token
 crosses the data-parallel group; metrics (a few scalars) are reduced over it.
@@ -15,7 +15,7 @@ averaging over DP) and a finalize step that skips the per-token division.
 Homes of the parts: batching.py (micro-batches), optimizer.py (Adam and the LR schedule),
 reference.py (the reference weights), nonfinite.py (no nan or inf reaches the weights),
 checkpointing.py (save and load), lora.py (``trainer.lora``: adapters, the base frozen; the
-reference is then the base with the adapters off).
+reference is then the base with the adapters off), context_parallel.py (``parallel.context_parallel_size``).
 """
 
 from __future__ import annotations
