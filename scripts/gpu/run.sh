@@ -15,6 +15,8 @@
 # ops, kernels, host syncs by line, each MoE piece's time, top ops, for the RoPE and dispatcher variants),
 # bench-attention (issue 35: one layer's packed attention by varlen, flex, padded and per-sequence kernels),
 # trainer-varlen (issue 35: the trainer's packed varlen log-probs and GRPO step against the per-sequence path),
+# long-logprobs (issue 36, item 3: the chunked log-prob head of a 1.5B model, with entropy and loss, forward and
+# backward, at 16k-128k response tokens: peak memory against full logits; ~2 min),
 # cp-varlen (issue 36: context parallelism's flash varlen chunks, 2 and 4 simulated CP ranks on one GPU, against
 # one causal varlen call; ~1 min; on a 2-GPU machine also 3 bf16 GRPO steps at CP=2 against one GPU),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
@@ -77,6 +79,8 @@ for stage in "$@"; do
                                --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
     bench-trainer-mix) cmd=(timeout 570 python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --mix
                             --samples 128 --max-tokens-per-gpu 16384 --skip-memory --peak-tflops 989 --profile 15) ;;
+    long-logprobs) cmd=(timeout 570 python3 benchmarks/long_logprobs_memory.py --device cuda --hidden 1536 --dtype bfloat16
+                        --lengths 16384,32768,65536,131072) ;;
     bench-moe) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen3-30b-a3b-reduced --samples 16
                     --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 8 --peak-tflops 989 --skip-memory) ;;
     bench-moe-ab) cmd=(bash scripts/gpu/moe_ab.sh "$logs") ;;
