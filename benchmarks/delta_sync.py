@@ -98,6 +98,74 @@ def run_lr(lr: float, steps: int, scale: float, seed: int) -> list[dict[str, flo
     return rows
 
 
+# (vocab, hidden, intermediate, layers, heads, kv_heads): Qwen2.5's shapes, for --model
+MODEL_SHAPES = {"qwen2.5-3b": (151936, 2048, 11008, 36, 16, 2), "qwen2.5-0.5b": (151936, 896, 4864, 24, 14, 2),
+                "tiny": (4096, 128, 352, 4, 4, 2)}
+
+
+def run_model(shape: str, lr: float, steps: int, device: str, folder: str, seq: int, batch: int,
+              encodings: tuple[str, ...]) -> list[dict[str, float]]:
+    """A whole random Qwen2 model of ``shape``: fp32 master trained by Adam on next-token loss over random
+    tokens (real gradients of the model), synced in bf16 each step. Per step: change fraction, bytes by the
+    encoder's choice, and seconds to write (fsync) and read back the full bf16 weights against the delta, by
+    disk under ``folder`` (safetensors), plus encode and apply seconds on the host."""
+    import os
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    vocab, hidden, inter, layers, heads, kv = MODEL_SHAPES[shape]
+    config = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                      tie_word_embeddings=True, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    encoder = DeltaEncoder(encodings)
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def synced() -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+
+    engine = dict((n, t.cpu()) for n, t in synced())
+    list(encoder.encode(iter([synced()]), version=0, engines_hold=None))
+    out = []
+    for step in range(1, steps + 1):
+        tokens = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+        opt.zero_grad()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        weights = synced()
+        t0 = time.perf_counter()
+        buckets = list(encoder.encode(iter([weights]), version=step, engines_hold=step - 1))
+        encode_s = time.perf_counter() - t0
+        timings = {}
+        for kind, tensors in (("full", {n: t.cpu() for n, t in weights}), ("delta", dict(buckets[0]))):
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+            path = os.path.join(folder, f"{kind}.safetensors")
+            t0 = time.perf_counter()
+            save_file({n: t.contiguous() for n, t in tensors.items()}, path)
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+            loaded = load_file(path)
+            timings[kind] = time.perf_counter() - t0
+            del loaded
+        t0 = time.perf_counter()
+        engine.update(apply_delta_bucket(buckets[0], engine.__getitem__, held_version=step - 1))
+        apply_s = time.perf_counter() - t0
+        exact = all(torch.equal(bits(engine[n]), bits(t.cpu())) for n, t in weights)
+        st = encoder.last
+        out.append({"lr": lr, "step": step, "changed": st.changed / st.numel, "full": st.full_bytes,
+                    "chosen": st.bytes_moved, "encode_s": encode_s, "apply_s": apply_s,
+                    "disk_full_s": timings["full"], "disk_delta_s": timings["delta"], "exact": exact,
+                    "encodings": dict(st.encodings)})
+    shutil.rmtree(folder, ignore_errors=True)
+    return out
+
+
 def sweep(numel: int, fractions: list[float], seed: int) -> list[dict[str, float]]:
     gen = torch.Generator().manual_seed(seed)
     old = (torch.randn(numel, generator=gen) * 0.02).to(torch.bfloat16)
@@ -134,9 +202,31 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default=None,
+                        help="a whole model of this shape with real next-token gradients (the GPU stage)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--disk", default="/tmp/delta-sync-bench", help="--model: where the disk syncs are written")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--encodings", nargs="+", default=["full", "sparse", "xor"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {cpu_name()}, torch {torch.__version__}, {args.threads} thread(s)")
+    if args.model is not None:
+        if args.device.startswith("cuda"):
+            print(f"# {torch.cuda.get_device_name()}")
+        print(f"\n## {args.model} (fp32 master, Adam, next-token loss, bf16 sync, disk under {args.disk}): MB, s")
+        print("| lr | step | changed | full MB | delta MB | delta/full | encode s | apply s | disk full s | "
+              "disk delta s | bit-exact | encodings |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for lr in args.lrs:
+            for r in run_model(args.model, lr, args.steps, args.device, args.disk, args.seq, args.batch,
+                               tuple(args.encodings)):
+                print(f"| {lr:g} | {r['step']} | {r['changed']:.2%} | {r['full'] / 1e6:.0f} | {r['chosen'] / 1e6:.0f} | "
+                      f"{r['chosen'] / r['full']:.3f} | {r['encode_s']:.1f} | {r['apply_s']:.1f} | "
+                      f"{r['disk_full_s']:.2f} | {r['disk_delta_s']:.2f} | {r['exact']} | {r['encodings']} |",
+                      flush=True)
+        return
     if not args.sweep_only:
         print(f"\n## one Qwen2.5-3B layer x{args.scale} (fp32 master, Adam, bf16 sync): bytes in MB")
         print("| lr | step | changed | full | sparse | xor+zlib | chosen | chosen/full | encode s | apply s | "
