@@ -85,12 +85,15 @@ def test_a_teacher_with_another_tokenizer_is_refused_with_the_reason(tiny_model_
 def test_opd_scores_with_the_teacher_in_sync_and_fully_async_runs(tiny_model_dir, tmp_path, run_env, mode):
     """The teacher is the student's own initial weights: at the first step the teacher's prefill log-probs are the
     engine's (the reverse KL ~0); each step's batch is scored by the teacher, generated in place (off) or by the
-    engines running on while the trainer trains (fully)."""
+    engines running on while the trainer trains (fully). A task reward mixed in (opd_reward_coef) moves the
+    student; the teacher stays where it was (a role is frozen: no weight sync reaches it), so the KL opens up."""
     async_args = ["cluster.async_mode=fully", "cluster.colocate=false", "rollout.max_staleness=1"] if mode == "fully" \
         else []
     done = cli(*base_args(tiny_model_dir, tmp_path), "algorithm.advantage_estimator=opd",
-               f"roles={{teacher: {{kind: teacher, path: {tiny_model_dir}}}}}", *async_args, env=run_env)
+               f"roles={{teacher: {{kind: teacher, path: {tiny_model_dir}}}}}", "algorithm.opd_reward_coef=1.0",
+               "rollout.reward=toy_rewards:digit_token_fraction", *async_args, env=run_env)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [r for r in metrics_of(tmp_path) if "rollout/reward_mean" in r]
     assert len(steps) == 3 and all(r["opd/teacher_tokens"] > 0 and r["time/teacher_prefill"] > 0 for r in steps)
     assert abs(steps[0]["opd/reverse_kl"]) < 1e-4  # same weights, fp32: the teacher agrees with the engine
+    assert abs(steps[-1]["opd/reverse_kl"]) > 1e-3, steps  # the student moved; the frozen teacher did not
