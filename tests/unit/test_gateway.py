@@ -41,6 +41,8 @@ class ScriptedEngine(RolloutEngine):
         if self.hold is not None:
             await self.hold.wait()
         text = self.replies.pop(0)
+        if text == "TOO LONG":  # as an engine refuses a prompt longer than the model's context
+            raise ValueError("input_ids: 5000 prompt tokens leave no room in the model's context of 4096")
         ids = encode(self.tokenizer, text) + [self.tokenizer.eos_token_id]
         ids = ids[:params.max_new_tokens]
         reason = "abort" if self.aborted else ("stop" if ids[-1] == self.tokenizer.eos_token_id else "length")
@@ -344,3 +346,22 @@ def test_an_aborted_episode_restarts_from_its_prompt(tok):
     out = asyncio.run(main())
     assert out.status == SampleStatus.ABORTED and out.response_length == 0 and out.tokens == [1, 2]
     assert out.metadata["episode_end"] == "aborted"
+
+
+def test_a_prompt_the_engine_refuses_is_a_400_and_never_a_sample(tok):
+    async def main():
+        gateway, engine = await _started(tok, ["TOO LONG", "fine"])
+        episode = gateway.open_episode(PARAMS)
+        api = client(gateway, episode)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await api.chat.completions.create(model="policy", messages=[USER])
+        await api.chat.completions.create(model="policy", messages=[USER])
+        await gateway.stop()
+        return caught.value, episode
+
+    err, episode = asyncio.run(main())
+    assert err.body["code"] == "context_length_exceeded" and "context of 4096" in err.body["message"]
+    from slime_rl.core.gateway import episode_samples
+    for mode in ("trajectory", "per_call"):
+        (only,) = episode_samples(Sample(prompt=[USER]), episode, mode)
+        assert only.metadata.get("gateway_call", 1) == 1 and only.response_length > 0

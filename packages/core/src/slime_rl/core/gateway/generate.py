@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from slime_rl.core.config.secrets import redact
 from slime_rl.core.contracts import RolloutEngine, SamplingParams
-from slime_rl.core.gateway.samples import episode_metadata, episode_samples
+from slime_rl.core.gateway.samples import episode_metadata, episode_samples, sampled_calls
 from slime_rl.core.gateway.server import Gateway, GatewaySettings
 from slime_rl.core.sample import Sample, SampleStatus
 
@@ -86,7 +86,7 @@ class GatewayGenerate:
             sample.status = SampleStatus.ABORTED
             sample.metadata["episode_end"] = "aborted"
             return sample
-        if error is None and not episode.calls:
+        if error is None and not sampled_calls(episode):
             error = "agent: made no model call through the gateway; have it use the base_url and api_key it is given"
         if error is not None:
             sample.status = SampleStatus.FAILED

@@ -33,6 +33,11 @@ def episode_metadata(episode: Episode) -> dict[str, Any]:
             "gateway_overhead_s": sum(max(0.0, c.handler_s - c.engine_s) for c in episode.calls)}
 
 
+def sampled_calls(episode: Episode) -> list[RecordedCall]:
+    """The calls the engine answered (not those it refused: a prompt too long for the model)."""
+    return [c for c in episode.calls if c.finish_reason != "refused"]
+
+
 def _base(sample: Sample, prompt_ids: list[int]) -> Sample:
     out = copy.deepcopy(sample).reset_to_prompt()
     out.tokens = list(prompt_ids)
@@ -41,7 +46,7 @@ def _base(sample: Sample, prompt_ids: list[int]) -> Sample:
 
 def per_call_samples(sample: Sample, episode: Episode) -> list[Sample]:
     out = []
-    for call in episode.calls:
+    for call in sampled_calls(episode):
         s = _base(sample, call.prompt_ids)
         s.weight_version = min(call.token_versions, default=call.weight_version)
         s.append_response(call.token_ids, call.log_probs, trained=True, versions=call.token_versions)
@@ -55,7 +60,7 @@ def per_call_samples(sample: Sample, episode: Episode) -> list[Sample]:
 def chains(episode: Episode) -> list[list[RecordedCall]]:
     """Root-to-leaf chains of calls, the one through the last call first, then by their last call, newest first."""
     has_child = {c.parent for c in episode.calls}
-    leaves = [c for c in reversed(episode.calls) if c.index not in has_child]
+    leaves = [c for c in reversed(sampled_calls(episode)) if c.index not in has_child]
     out = []
     for leaf in leaves:
         chain, call = [], leaf

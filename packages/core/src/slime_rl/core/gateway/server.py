@@ -60,8 +60,10 @@ class Gateway:
         """Serve on the running loop (again after a new loop: tests run asyncio.run more than once)."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            if self._loop is not None:
-                self.server._runner = self.server._socket = None  # the old loop is gone, and its server with it
+            if self._loop is not None:  # the old loop is gone, and its server with it: only the socket is left
+                if self.server._socket is not None:
+                    self.server._socket.close()
+                self.server._runner = self.server._socket = None
             await self.server.start()
             self._loop = loop
         return self.server.url
@@ -168,7 +170,7 @@ class Gateway:
         try:
             out = await self.engine.generate(list(call.prompt_ids), params, request_id=f"{episode.id}/{call.index}")
         except ValueError as err:  # the engine refused the prompt: too long for the model, ids out of range
-            episode.calls.pop()
+            call.finish_reason = "refused"  # kept in place (calls are found by index), never trained on
             raise GatewayError(f"the model cannot take this request: {err}", code="context_length_exceeded") from None
         call.engine_s = time.perf_counter() - start
         call.token_ids, call.log_probs = list(out.token_ids), list(out.log_probs)
