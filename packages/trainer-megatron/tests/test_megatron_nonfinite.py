@@ -118,7 +118,8 @@ def test_nonfinite_weights_are_never_saved_nor_loaded(model_dir, tmp_path):
     (tmp_path / "raw").mkdir()
     dist_checkpointing.save(sharded_state(trainer), str(tmp_path / "raw"), sharded_strategy=InProcessTorchDistSave())
     (tmp_path / "raw" / "slime_rl_trainer.json").write_text(json.dumps(
-        {"role": "actor", "step": 1, "architecture": trainer.shape.architecture, "world_size": 1}))
+        {"role": "actor", "step": 1, "architecture": trainer.shape.architecture, "world_size": 1,
+         "distributed_optimizer": True}))
     with pytest.raises(NonFiniteError, match=rf"checkpoint: {tmp_path / 'raw'}: nan or inf in {name} \(rank 0\)"):
         trainer_for(model_dir).load(str(tmp_path / "raw"))
 
