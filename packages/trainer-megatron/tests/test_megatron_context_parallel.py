@@ -1,7 +1,7 @@
 """Context parallelism (parallel.context_parallel_size) over gloo equals one rank: log-probs, loss, grad
 norm and the weights after each of three GRPO steps (fp32, within 1e-5), with packed sequences of unequal
 lengths including one shorter than 2 * CP tokens (it is padded; some chunks hold padding only); resuming
-from a checkpoint replays the steps bit for bit. The attention math is checked on its own too: every
+from a checkpoint (CP2 and the slow layouts: the optimizer sharded over DP x CP) replays the steps bit for bit. The attention math is checked on its own too: every
 simulated CP rank's chunks against causal attention over the whole sequences."""
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ LAYOUTS = {
 }
 
 
+# resume checked where it adds a layout's checkpoint (sharded optimizer over DP x CP, stages), not in every fast case
+RESUMED = {"cp2", "cp2_dp2", "cp2_pp2", "cp2_ep2_moe", "cp4"}
+
+
 def _params(names):
     return [pytest.param(n, marks=pytest.mark.slow) if LAYOUTS[n][3] else n for n in sorted(names)]
 
@@ -43,8 +47,9 @@ def test_context_parallel_matches_one_rank(layout, tmp_path):
                 prompt=(3, 20), response=(2, 24))
     ensure_single_rank_group()
     single = run_scenario({**spec, "overrides": COMMON})
+    resume = {"save_after": 1, "ckpt": str(tmp_path / "ckpt")} if layout in RESUMED else {}
     multi = launch(ranks, {**spec, "overrides": COMMON + parallel + [f"cluster.actor_num_gpus_per_node={ranks}"],
-                           "save_after": 1, "ckpt": str(tmp_path / "ckpt")}, tmp_path)
+                           **resume}, tmp_path)
 
     assert multi["roundtrip_exact"] and multi["peers_agree"]  # every CP rank returns the whole shard's values
     for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
@@ -55,8 +60,9 @@ def test_context_parallel_matches_one_rank(layout, tmp_path):
     assert multi["metrics"][2]["ppo_kl"] != 0  # the steps moved the policy
     for name, weight in single["final"].items():
         assert torch.allclose(weight, multi["final"][name], atol=1e-5, rtol=0), name
-    assert multi["resumed_metrics"] == multi["metrics"][1:]
-    assert all(torch.equal(t, multi["resumed_final"][n]) for n, t in multi["final"].items())
+    if resume:
+        assert multi["resumed_metrics"] == multi["metrics"][1:]
+        assert all(torch.equal(t, multi["resumed_final"][n]) for n, t in multi["final"].items())
 
 
 @pytest.mark.slow
