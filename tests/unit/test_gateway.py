@@ -365,3 +365,24 @@ def test_a_prompt_the_engine_refuses_is_a_400_and_never_a_sample(tok):
     for mode in ("trajectory", "per_call"):
         (only,) = episode_samples(Sample(prompt=[USER]), episode, mode)
         assert only.metadata.get("gateway_call", 1) == 1 and only.response_length > 0
+
+
+def test_a_call_past_the_budget_ends_the_trajectory_before_it(tok):
+    """The trajectory's response budget (max_new_tokens) spent, a further call samples nothing: the trajectory ends
+    with the model's last sampled token, not with context after it."""
+    async def main():
+        gateway, engine = await _started(tok, ["The answer is 5 and that is all there is to it."])
+        episode = gateway.open_episode(SamplingParams(temperature=1.0, max_new_tokens=12))
+        api = client(gateway, episode)
+        first = (await api.chat.completions.create(model="policy", messages=[USER])).choices[0]
+        again = [USER, {"role": "assistant", "content": first.message.content}, {"role": "user", "content": "More?"}]
+        second = (await api.chat.completions.create(model="policy", messages=again)).choices[0]
+        await gateway.stop()
+        return first, second, engine, episode
+
+    first, second, engine, episode = asyncio.run(main())
+    assert first.finish_reason == "length" and second.finish_reason == "length" and second.message.content == ""
+    assert len(engine.calls) == 1 and episode.calls[1].parent == 0
+    from slime_rl.core.gateway import episode_samples
+    (trajectory,) = episode_samples(Sample(prompt=[USER]), episode, "trajectory")
+    assert trajectory.tokens == engine.calls[0]["input_ids"] + engine.calls[0]["token_ids"]

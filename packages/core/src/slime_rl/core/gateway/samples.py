@@ -74,6 +74,10 @@ def chains(episode: Episode) -> list[list[RecordedCall]]:
 def trajectory_samples(sample: Sample, episode: Episode) -> list[Sample]:
     out, trained = [], set()
     for chain in chains(episode):
+        while chain and not chain[-1].token_ids:  # a last call that sampled nothing (its budget was spent) adds
+            chain = chain[:-1]  # only context after the model's last token: the trajectory ends before it
+        if not chain or all(c.index in trained or not c.token_ids for c in chain):
+            continue  # nothing of it left to train on that another sample does not hold
         s = _base(sample, chain[0].prompt_ids)
         s.weight_version = min(chain[0].token_versions, default=chain[0].weight_version)
         for k, call in enumerate(chain):
