@@ -40,7 +40,7 @@ from slime_rl.core.roles.endpoints import ENV_ROLES_FILE, ROLES_FILE_NAME
 from slime_rl.core.roles.teacher import TeacherScorer
 from slime_rl.core.run import disk_full
 from slime_rl.core.run.control import ControlEndpoint, NodeWatch, grow_on_new_nodes
-from slime_rl.core.run.engine_pool import EnginePool
+from slime_rl.core.run.engine_pool import EnginePool, member_builder
 from slime_rl.core.run.fully_async import FullyAsyncRollout
 from slime_rl.core.run.metrics import phase
 from slime_rl.core.run.rollout import RolloutRunner
@@ -250,7 +250,7 @@ class RolloutWorker(KeepsInitMistake):
         engine_cls = load_plugin("slime_rl.rollout_engines", cfg.rollout.engine)
         self.engine = engine_cls.from_config(cfg)
         if cfg.rollout.elastic.enabled:  # engines join and leave while the run goes (core/run/engine_pool.py)
-            self.engine = EnginePool(lambda: engine_cls.from_config(cfg), self.engine,
+            self.engine = EnginePool(member_builder(engine_cls, cfg), self.engine,
                                      max_engines=cfg.rollout.elastic.max_engines)
         self.control: ControlEndpoint | None = None
         self._grow: asyncio.Task | None = None  # rollout.elastic.grow_on_new_nodes

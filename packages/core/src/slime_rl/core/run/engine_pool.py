@@ -18,6 +18,8 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,10 +61,6 @@ class EnginePool(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self._version
-
-    def member_versions(self) -> list[int]:
-        """Every engine's version (joiners included): a delta sync needs them all at one."""
-        return [m.engine.weight_version for m in self.members.values()]
 
     def serving(self) -> list[Member]:
         return [m for m in self.members.values() if m.state == "serving"]
@@ -225,6 +223,20 @@ class EnginePool(RolloutEngine):
     async def shutdown(self) -> None:
         for member in list(self.members.values()):
             await member.engine.shutdown()
+
+
+def member_builder(engine_cls: type[RolloutEngine], cfg: Any) -> Callable[[], RolloutEngine]:
+    """``engine_cls.from_config`` for each engine that joins, with a logging.dir of its own
+    (``<logging.dir>/engines/<n>``): an engine that writes there (SGLang's logs, keys and weight folders)
+    never shares files with another."""
+    joined = itertools.count(1)
+
+    def build() -> RolloutEngine:
+        member_cfg = cfg.model_copy(deep=True)
+        member_cfg.logging.dir = str(Path(cfg.logging.dir) / "engines" / str(next(joined)))
+        return engine_cls.from_config(member_cfg)
+
+    return build
 
 
 def _joined(first: GenerateOutput, rest: GenerateOutput) -> GenerateOutput:

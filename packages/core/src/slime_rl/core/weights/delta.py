@@ -139,21 +139,33 @@ def weights_digest(names: list[str], weight: Callable[[str], torch.Tensor]) -> s
     return digest.hexdigest()
 
 
-def engine_digests(engine: Any, names: list[str]) -> dict[str, str]:
-    """Each engine's `weights_digest` (an `EnginePool`'s serving members by name; a single engine as itself)."""
+def _members(engine: Any) -> list[Any]:
+    """The engines behind ``engine``: an `EnginePool`'s serving and joining members, or itself."""
     members = getattr(engine, "members", None)
-    if members is None:
-        return {"engine": weights_digest(names, engine.current_weight)}
-    return {m.name: weights_digest(names, m.engine.current_weight) for m in members.values() if m.state == "serving"}
+    return [m.engine for m in members.values()] if members is not None else [engine]
+
+
+def _exposes_weights(engine: Any) -> bool:
+    return type(engine).current_weight is not RolloutEngine.current_weight
+
+
+def engine_digests(engine: Any, names: list[str]) -> dict[str, str]:
+    """Each serving engine's `weights_digest` that exposes its weights (``current_weight``), by name."""
+    members = getattr(engine, "members", None)
+    pairs = ([(m.name, m.engine) for m in members.values() if m.state == "serving"] if members is not None
+             else [("engine", engine)])
+    return {name: weights_digest(names, e.current_weight) for name, e in pairs if _exposes_weights(e)}
 
 
 def delta_base(engine: Any) -> int | None:
-    """The version a delta sync to ``engine`` (a `RolloutEngine`) builds on: its version when it can take
-    a delta (`loads_delta_buckets`, or `current_weight` to rebuild from) and, for an engine of several
-    (``member_versions``), every one of them is at it; None otherwise (the sync is full)."""
-    takes = engine.loads_delta_buckets or type(engine).current_weight is not RolloutEngine.current_weight
-    versions = set(getattr(engine, "member_versions", lambda: [engine.weight_version])())
-    return versions.pop() if takes and len(versions) == 1 else None
+    """The version a delta sync to ``engine`` (a `RolloutEngine`, or an `EnginePool` of them) builds on: the
+    version every engine behind it holds, when each can take a delta (`loads_delta_buckets`, or
+    `current_weight` to rebuild from); None otherwise (the sync is full)."""
+    members = _members(engine)
+    if not all(e.loads_delta_buckets or _exposes_weights(e) for e in members):
+        return None
+    versions = {e.weight_version for e in members}
+    return versions.pop() if len(versions) == 1 else None
 
 
 @dataclass
