@@ -198,7 +198,10 @@ class TrainerWorker(KeepsInitMistake):
         """Push the weights straight to the engine's servers (the engine's `weight_sender`)."""
         if self.sender is None:
             self.sender = load_attr(sender_spec, what="weight sender")(self.cfg, rank=self.rank)
-        self.sender.send(self.trainer.named_weights(bucket_bytes), handle, version=version, transport=transport)
+        named = self.trainer.named_weights(bucket_bytes)
+        if self.delta is not None and self.delta.measure_only_every and getattr(self.sender, "delta", None) is None:
+            named = self.delta.encode(named, version=version, engines_hold=None)  # full: its change fraction
+        self.sender.send(named, handle, version=version, transport=transport)
 
     def save(self, path: str) -> None:
         with disk_full.named_in(path):  # ENOSPC said as such: torch's error loses it on its way to the driver
