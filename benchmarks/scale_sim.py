@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from slime_rl.core.testing.scale import Layout, at_most_linear, growth_exponent  # noqa: E402
 
-SMALL = Layout(gpus=32, tp=2, pp=1, ep=2, engine_gpus=4, ray_nodes=4, hosts=2, prompts_per_engine=2, samples=4)
+SMALL = Layout(gpus=32, tp=2, pp=1, ep=2, engine_gpus=4, ray_nodes=2, hosts=2, prompts_per_engine=2, samples=4)
 
 # The step model's inputs, fixed in docs/scale.md before any cost was measured.
 PEAK_FLOPS = 989e12
@@ -101,6 +101,7 @@ def per_size(r: dict) -> dict[str, float]:
         "start-up ranks' build CPU s (sum)": r["startup"]["ranks_build_cpu_s"],
         "start-up HTTP messages": sum(r["startup"]["http"].values()),
         "driver CPU s / step": median([s["driver_cpu_s"] for s in steps]),
+        "driver CPU s / step, real loop (estimated)": real_loop_driver_s(r),
         "rollout worker CPU s / step": median([s["rollout_cpu_s"] for s in steps]),
         "rank calls / step (real loop)": median([s["rank_calls"] for s in steps]),
         "host calls / step (here)": median([s["host_calls"] for s in steps]),
@@ -124,6 +125,14 @@ def per_size(r: dict) -> dict[str, float]:
         "router RSS MB": r["memory_mb"]["router"],
         "fleet RSS MB": r["memory_mb"]["fleet"],
     }
+
+
+def real_loop_driver_s(r: dict) -> float:
+    """The driver per step of the real loop, which calls every rank where the simulation calls a host: the
+    measured step plus the calls it did not make at the measured CPU per call (0 where not measured)."""
+    steps = r["steps"][1:] or r["steps"]
+    extra = median([s["rank_calls"] - s["host_calls"] for s in steps])
+    return median([s["driver_cpu_s"] for s in steps]) + extra * r.get("driver_cpu_s_per_actor_call", 0.0)
 
 
 def print_size(r: dict) -> None:
@@ -166,7 +175,8 @@ def print_model(results: list[dict]) -> None:
         same = [r for r in results if r["gpus"] == gpus]
         if same:
             c = per_size(same[0])
-            for cost in ("driver CPU s / step", "sync driver CPU s", "sync control CPU s (rollout + ranks)"):
+            for cost in ("driver CPU s / step", "driver CPU s / step, real loop (estimated)", "sync driver CPU s",
+                         "sync control CPU s (rollout + ranks)"):
                 print(f"  {cost}: {c[cost]:.3f} s = {100 * c[cost] / m['step']:.3f}% of the step")
             per_request = c["router CPU ms / request"] / 1e3 * STEP["samples"]
             print(f"  router over {STEP['samples']} requests: {per_request:.3f} s CPU = "

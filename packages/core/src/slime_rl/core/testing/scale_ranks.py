@@ -206,6 +206,9 @@ class RankHost:
         """``fn(worker, *args)`` for every hosted rank at once (collectives need them all in flight)."""
         return list(self.pool.map(fn, self.workers, *per_rank)) if per_rank else list(self.pool.map(fn, self.workers))
 
+    def noop(self, arg: Any = None) -> None:
+        """Nothing: what one actor call costs the driver (`HostedTrainerGroup.call_cost`)."""
+
     def ready(self) -> bool:
         for worker in self.workers:
             worker.ready()
@@ -230,8 +233,16 @@ class RankHost:
     def train(self) -> dict[str, float] | None:
         return next((m for m in self._each(lambda w: w.train()) if m is not None), None)
 
-    def weight_buckets(self, bucket_bytes: int, folder: str | None) -> Any:
-        return next((b for b in self._each(lambda w: w.weight_buckets(bucket_bytes, folder)) if b is not None), None)
+    def weight_buckets(self, bucket_bytes: int, folder: str | None, version: int = 0,
+                       engines_hold: int | None = None) -> Any:
+        answers = self._each(lambda w: w.weight_buckets(bucket_bytes, folder, version, engines_hold))
+        return next((b for b in answers if b is not None), None)
+
+    def weight_sync_metrics(self) -> dict[str, float]:
+        return self.workers[0].weight_sync_metrics()  # host 0's first rank is rank 0
+
+    def weight_digest(self) -> Any:
+        return self.workers[0].weight_digest()
 
     def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
         self._each(lambda w: w.push_weights(sender_spec, handle, bucket_bytes, version, transport))
@@ -301,10 +312,22 @@ class HostedTrainerGroup:
     def train(self, returns: list[Any] | None = None) -> dict[str, float]:
         return self._first("train", [w.train.remote() for w in self.workers])
 
-    def weight_buckets(self, bucket_bytes: int, folder: str | None) -> list[Any]:
+    def weight_buckets(self, bucket_bytes: int, folder: str | None, version: int = 0,
+                       engines_hold: int | None = None) -> list[Any]:
         self.rank_calls["weight_buckets"] += self.world
         self.host_calls["weight_buckets"] += len(self.workers)
-        return [w.weight_buckets.remote(bucket_bytes, folder) for w in self.workers]
+        return [w.weight_buckets.remote(bucket_bytes, folder, version, engines_hold) for w in self.workers]
+
+    def weight_sync_metrics(self) -> dict[str, float]:
+        """Rank 0's ``weights/*`` metrics of the last sync (one call, as the real group makes)."""
+        self.rank_calls["weight_sync_metrics"] += 1
+        self.host_calls["weight_sync_metrics"] += 1
+        return self.watch.get("actor weight_sync", [self.workers[0].weight_sync_metrics.remote()], self.workers[:1])[0]
+
+    def weight_digest(self) -> Any:
+        self.rank_calls["weight_digest"] += 1
+        self.host_calls["weight_digest"] += 1
+        return self.watch.get("actor weight_sync", [self.workers[0].weight_digest.remote()], self.workers[:1])[0]
 
     def push_weights(self, sender_spec: str, handle: Any, bucket_bytes: int, version: int, transport: str) -> None:
         self._all("weight_sync", [w.push_weights.remote(sender_spec, handle, bucket_bytes, version, transport)
@@ -326,3 +349,13 @@ class HostedTrainerGroup:
         import ray
 
         return ray.get([w.usage.remote() for w in self.workers])
+
+    def call_cost(self, calls: int) -> float:
+        """The driver's CPU seconds per actor call with an object reference, over ``calls`` calls spread over
+        the hosts: what each of the real loop's one-call-per-rank calls costs the driver."""
+        import ray
+
+        ref = ray.put(0)
+        started = time.process_time()
+        ray.get([self.workers[i % len(self.workers)].noop.remote(ref) for i in range(calls)])
+        return (time.process_time() - started) / calls

@@ -123,6 +123,8 @@ def simulate(layout: Layout, fleet: Any, model: Path, workdir: Path, *, steps: i
                          "rollout_cpu_s": after["rollout"] - cpu_before["rollout"],
                          "router_cpu_s": after["router"] - cpu_before["router"]}
 
+        # the real loop makes one actor call per rank where the hosts take one per host: what each costs the driver
+        out["driver_cpu_s_per_actor_call"] = group.call_cost(max(s["rank_calls"] for s in out["steps"]))
         step = steps
         if kill:
             out["recovery"] = _kill_and_replace(run, rollout, meter, fleet, layout, step + 1, revive_after, log)
