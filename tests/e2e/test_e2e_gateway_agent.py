@@ -1,0 +1,129 @@
+"""End to end on CPU through `slime-cli train`: examples/react_agent's ReAct agent, unmodified (it speaks only the
+`openai` package), trained through the run's gateway (rollout.generate_fn: gateway) with the transformers engine and
+the Megatron trainer, on a task that takes two calculator calls before the answer (react_e2e.py). The reward rises; the trained
+trajectories hold the tool turns (observations, loss mask 0); every trained token id is an id the engine sampled,
+at the place it sampled it, with the engine's log-prob, checked token by token against the engine's log."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SUPPORT = REPO / "tests" / "support"
+AGENT = REPO / "examples" / "react_agent"
+STEPS = int(os.environ.get("GATEWAY_E2E_STEPS", "20"))
+EPISODES = 4 * 8  # rollout_batch_size * n_samples_per_prompt
+
+
+@pytest.fixture(scope="module")
+def react_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 with the chat tokenizer, warm-started on the agent's ReAct lines."""
+    sys.path[:0] = [str(SUPPORT), str(AGENT)]
+    from react_e2e import warm_start
+
+    from slime_rl.core.testing import chat_tokenizer, save_model, tiny_config, tiny_model
+
+    tok = chat_tokenizer()
+    model = tiny_model(tiny_config("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                   bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    warm_start(model, tok)
+    return save_model(tmp_path_factory.mktemp("react-model"), model, tok)
+
+
+def _rows(folder: Path, kind: str) -> list[dict]:
+    return [json.loads(line) for f in sorted(folder.glob(f"{kind}-*.jsonl")) for line in f.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_react_agent_trains_through_the_gateway(react_model, tmp_path):
+    from react_e2e import LABEL, QUESTION
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input": QUESTION, "label": LABEL}) + "\n" for _ in range(100)))
+    records = tmp_path / "records"
+    records.mkdir()
+    run_dir = tmp_path / "run"
+    config = tmp_path / "react.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": str(react_model), "dtype": "float32"},
+        "data": {"prompt_data": str(prompts), "apply_chat_template": False, "rollout_batch_size": 4,
+                 "n_samples_per_prompt": 8, "num_rollout": STEPS},
+        "rollout": {"engine": "agent_e2e:RecordingEngine", "generate_fn": "gateway",
+                    "gateway": {"agent": "react_agent:run", "samples": "trajectory", "agent_timeout": 120},
+                    "reward": "react_e2e:calculator_then_answer", "max_response_len": 256, "temperature": 1.0},
+        "trainer": {"backend": "agent_e2e:RecordingTrainer", "lr": 1e-3, "adam_beta2": 0.99},
+        "cluster": {"device": "cpu"},
+        "logging": {"dir": str(run_dir), "tensorboard": False, "progress_bar": False, "save_rollouts": True},
+    }))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT), str(AGENT), os.environ.get("PYTHONPATH", "")]),
+           "AGENT_E2E_DIR": str(records), "SLIME_RL_TORCH_THREADS": "1", "OMP_NUM_THREADS": "1",
+           "REACT_AGENT_MODEL": "policy"}
+    cli = Path(sys.executable).with_name("slime-cli")
+    done = subprocess.run([str(cli), "train", str(config)], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # every trained sample against the engine's log: the episode whose calls build it, token by token
+    calls_of: dict[str, list[dict]] = {}
+    for row in _rows(records, "engine"):
+        episode, call = row["request_id"].split("/")
+        calls_of.setdefault(episode, []).append({**row, "call": int(call)})
+    trained = _rows(records, "trainer")
+    assert len(trained) == STEPS * EPISODES  # one trajectory per episode: no history here branches
+    from slime_rl.core.testing import chat_tokenizer
+    tok = chat_tokenizer()
+    tool_turns, used = [], set()
+    for row in trained:
+        # an episode of the engine's log not yet given to another row that builds exactly this one (two episodes
+        # can sample the same trajectory: then either will do, but each serves one row)
+        match = next((e for e, calls in calls_of.items()
+                      if e not in used and _rebuilds(sorted(calls, key=lambda c: c["call"]), row)), None)
+        assert match is not None, f"trained sample {row['sample_id']} is no episode the engine sampled"
+        used.add(match)
+        # the tool turns: observation segments (loss mask 0) between sampled turns, each the agent's Observation
+        prompt_len = len(row["tokens"]) - len(row["loss_mask"])
+        segments, current = [], []
+        for k, m in enumerate(row["loss_mask"]):
+            if m == 0:
+                current.append(row["tokens"][prompt_len + k])
+            elif current:
+                segments.append(current)
+                current = []
+        assert all("Observation: " in tok.decode(s) for s in segments)
+        tool_turns.append(len(segments))
+    late = tool_turns[-(STEPS // 3) * EPISODES:]
+    print(f"tool turns per trained trajectory, last third: mean {statistics.fmean(late):.2f}")
+    assert sum(n >= 2 for n in late) >= 0.5 * len(late), late  # the task's two calculator calls, trained on
+
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [m["rollout/reward_mean"] for m in metrics if "rollout/reward_mean" in m]
+    assert len(rewards) == STEPS
+    start, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-(STEPS // 3):])
+    print(f"reward per step: {' '.join(f'{r:.2f}' for r in rewards)}; first 3 steps {start:.2f}, last third {last:.2f}")
+    assert last >= start + 0.15, rewards
+
+
+def _rebuilds(calls: list[dict], row: dict) -> bool:
+    """True when the trainer's ``row`` is exactly these engine calls chained: each call's input is the trajectory so
+    far, its sampled ids follow with mask 1 and the engine's log-probs; every other response token has mask 0 and
+    log-prob 0, and the trajectory ends with the last call's sampled ids."""
+    tokens, mask = row["tokens"], row["loss_mask"]
+    prompt_len = len(tokens) - len(mask)
+    sampled, log_probs = [0] * len(mask), [0.0] * len(mask)
+    for call in calls:
+        start = len(call["input_ids"])
+        if tokens[:start] != call["input_ids"] or tokens[start:start + len(call["token_ids"])] != call["token_ids"]:
+            return False
+        for k, lp in enumerate(call["log_probs"]):
+            sampled[start + k - prompt_len], log_probs[start + k - prompt_len] = 1, lp
+    end = len(calls[-1]["input_ids"]) + len(calls[-1]["token_ids"])
+    return (len(calls[0]["input_ids"]) == prompt_len and end == len(tokens) and sampled == mask
+            and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(log_probs, row["rollout_log_probs"],
+                                                                           strict=True)))
