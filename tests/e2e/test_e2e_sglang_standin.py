@@ -16,17 +16,23 @@ from slime_rl.core.run.loop import train
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["tensor", "disk"])
-def test_loop_through_sglang_router_with_trainer_side_weight_sync(transport, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("transport,mode", [("tensor", "full"), ("disk", "full"), ("disk", "delta")])
+def test_loop_through_sglang_router_with_trainer_side_weight_sync(transport, mode, tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
     pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
     cfg = standin_loop_config(tiny_model_dir, tmp_path, monkeypatch, transport=transport,
-                              overrides=["rollout.sglang.check_weight_update=true"])
+                              overrides=["rollout.sglang.check_weight_update=true",
+                                         f"rollout.update_weight_mode={mode}"])
     summary = train(cfg)
     rows = [json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     # every rollout ran on the weights of the step before (synced, checked equal, version reported)
     assert all(r["rollout/weight_version_lag"] == 0.0 for r in rows)
     assert all(r["rollout/tokens"] > 0 for r in rows)
+    # change fraction and bytes moved, every run (issue 42); delta: the custom loader from the second sync on,
+    # every parameter checked by /weights_checker after each
+    assert all(0 < r["weights/bytes_moved"] <= r["weights/full_bytes"] for r in rows)
+    assert [r["weights/delta"] for r in rows] == ([0, 1, 1] if mode == "delta" else [0, 0, 0])
     logs = (tmp_path / "run" / "sglang" / "logs")
     assert any(logs.iterdir()), "the servers' logs are kept next to the run"
     # The servers ran with the run's keys (from a private --config file, never on the command line)
