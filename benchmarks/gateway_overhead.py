@@ -7,10 +7,10 @@ an engine, and every call's latency as the agent sees it is set against the engi
 Per call: ``added`` = the agent's wall time for ``chat.completions.create`` (HTTP, the gateway's parsing, history
 match, tokenisation, tool-call parsing, the response, the openai client's own work) less the engine's
 ``generate`` time inside it: what the gateway adds against calling the engine directly. Printed: its median and
-p99, and the median of the gateway's own part (request to response on the server, less the engine); that own time
-summed over all calls as a share of the rollout's wall time (one event loop serves the gateway, so this is the
-share of it the gateway took; an upper bound: a handler's time includes its waits for the loop while other
-coroutines ran); and the prefix-cache hit rate the engine reports (SGLang's ``cached_tokens``; the transformers engine reports none).
+p99, and the median of the gateway's own work per call (its checks, history match, tokenising, tool-call parsing
+and response, timed on the server; HTTP parsing left out); that own work summed over all calls as a share of the
+rollout's wall time (one event loop serves the gateway: the share of it the gateway took); and the prefix-cache
+hit rate the engine reports (SGLang's ``cached_tokens``; the transformers engine reports none).
 """
 
 from __future__ import annotations
@@ -76,13 +76,13 @@ async def run(engine, tokenizer, args: argparse.Namespace) -> dict[str, float]:
     await gateway.stop()
     calls = {f"chatcmpl-{e.id}-{c.index}": c for e in episodes for c in e.calls if c.token_ids}
     added = [latency - calls[rid].engine_s for rid, latency in seen if rid in calls]  # calls the engine served
-    own = sum(max(0.0, c.handler_s - c.engine_s) for c in calls.values())
+    own = sum(c.own_s for c in calls.values())
     reported = [c for c in calls.values() if c.cached_tokens is not None]
     hit = (sum(c.cached_tokens for c in reported) / sum(len(c.prompt_ids) for c in reported)) if reported else None
     return {"episodes": len(episodes), "calls": len(calls), "wall_s": wall,
             "added_median_ms": 1e3 * statistics.median(added), "added_p99_ms": 1e3 * percentile(added, 0.99),
             "engine_median_ms": 1e3 * statistics.median(c.engine_s for c in calls.values()),
-            "own_median_ms": 1e3 * statistics.median(c.handler_s - c.engine_s for c in calls.values()),
+            "own_median_ms": 1e3 * statistics.median(c.own_s for c in calls.values()),
             "gateway_share": own / wall, "prefix_cache_hit_rate": hit}
 
 

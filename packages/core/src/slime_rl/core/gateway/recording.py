@@ -42,7 +42,8 @@ class RecordedCall:
     history: str = "first"  # HISTORY_KINDS: how the request's history was resolved
     cached_tokens: int | None = None
     engine_s: float = 0.0  # seconds in engine.generate
-    handler_s: float = 0.0  # seconds from the request's arrival to its response: the gateway's own time is the rest
+    handler_s: float = 0.0  # seconds from the request's arrival to its response (engine and loop waits in it)
+    own_s: float = 0.0  # the gateway's own work on the call: checks, history match, tokenising, parsing, response
     # what a later request is matched against
     messages: tuple[Message, ...] = ()
     tools_key: str = ""

@@ -29,8 +29,8 @@ def episode_metadata(episode: Episode) -> dict[str, Any]:
             "tool_errors": 0, "gateway_calls": len(episode.calls),
             **{f"gateway_history_{kind}": n for kind, n in counts.items()},
             "gateway_sampling_overridden": episode.sampling_overridden,
-            # the gateway's own time over the episode's calls (request to response, less the engine's)
-            "gateway_overhead_s": sum(max(0.0, c.handler_s - c.engine_s) for c in episode.calls)}
+            # the gateway's own work over the episode's calls (its event loop's time, engine and waits left out)
+            "gateway_overhead_s": sum(c.own_s for c in episode.calls)}
 
 
 def sampled_calls(episode: Episode) -> list[RecordedCall]:

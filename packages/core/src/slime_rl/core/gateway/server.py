@@ -128,7 +128,7 @@ class Gateway:
                                      bool((body.get("stream_options") or {}).get("include_usage")))
         else:
             response = web.json_response(payload)
-        call.handler_s = time.perf_counter() - start  # the gateway's own time is this less call.engine_s
+        call.handler_s = time.perf_counter() - start  # with the waits for the engine and for the loop
         return response
 
     def _check_common(self, episode: Episode, body: dict[str, Any]) -> SamplingParams:
@@ -194,6 +194,7 @@ class Gateway:
         return text
 
     async def _chat_call(self, episode: Episode, body: dict[str, Any]) -> tuple[RecordedCall, dict[str, Any]]:
+        started = time.perf_counter()  # the gateway's own work on this call: before and after the engine
         params = self._check_common(episode, body)
         messages = parse_messages(body)
         tools = parse_tools(body)
@@ -201,7 +202,9 @@ class Gateway:
         call = RecordedCall(len(episode.calls), "chat", prompt, parent=parent, history=history,
                             messages=tuple(messages), tools_key=json.dumps(tools, sort_keys=True) if tools else "")
         params = replace(params, max_new_tokens=self._budget(episode, params, prompt, parent))
+        before = time.perf_counter() - started
         await self._generate(episode, call, params)
+        started = time.perf_counter()
         text = self._text(call, params.stop[len(episode.params.stop):])
         content, calls = split_tool_calls(text, self.settings.tool_parser) if tools else (text, [])
         readable = [c for c in calls if c.error is None]
@@ -218,12 +221,14 @@ class Gateway:
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls else _FINISH[call.finish_reason]
+        call.own_s = before + time.perf_counter() - started
         return call, {"id": f"chatcmpl-{episode.id}-{call.index}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.settings.model, "choices": [{"index": 0, "message": message, "finish_reason": finish,
                                                            "logprobs": None}],
                 "usage": _usage(call)}
 
     async def _completion_call(self, episode: Episode, body: dict[str, Any]) -> tuple[RecordedCall, dict[str, Any]]:
+        started = time.perf_counter()
         params = self._check_common(episode, body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -235,8 +240,11 @@ class Gateway:
         call = RecordedCall(len(episode.calls), "completion", ids, parent=parent, history=history,
                             prompt_text=prompt if isinstance(prompt, str) else "")
         params = replace(params, max_new_tokens=self._budget(episode, params, ids, parent))
+        before = time.perf_counter() - started
         await self._generate(episode, call, params)
+        started = time.perf_counter()
         call.reply_text = self._text(call, params.stop[len(episode.params.stop):]) if call.token_ids else ""
+        call.own_s = before + time.perf_counter() - started
         return call, {"id": f"cmpl-{episode.id}-{call.index}", "object": "text_completion", "created": int(time.time()),
                 "model": self.settings.model, "choices": [{"index": 0, "text": call.reply_text, "logprobs": None,
                                                            "finish_reason": _FINISH[call.finish_reason]}],
