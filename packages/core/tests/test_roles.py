@@ -100,6 +100,8 @@ class _Scripted(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         self.server.seen.append((self.path, body, self.headers.get("Authorization")))
         status, reply = self.server.script.pop(0) if self.server.script else (200, {})
+        if callable(reply):  # a reply made from the request (concurrent requests arrive in any order)
+            reply = reply(body)
         if status == "hang":
             threading.Event().wait(1.0)
             status, reply = 200, {}
@@ -155,16 +157,18 @@ def test_prefill_takes_each_sequences_response_log_probs(scripted):
 
 
 def test_the_reward_model_scores_a_wave_of_calls_in_batches(scripted):
-    scripted.script = [(200, [{"embedding": [float(i)]} for i in range(3)]),
-                       (200, [{"embedding": [float(i)]} for i in range(3, 5)])]
+    def scores(body):  # "p<i> r<i>" scores i
+        return [{"embedding": [float(text.split()[0][1:])]} for text in body["text"]]
+
+    scripted.script = [(200, scores), (200, scores)]
     reward = RewardModelReward(client_of(scripted), batch_size=3)
     samples = [Sample(index=i, prompt=f"p{i} ", response=f"r{i}") for i in range(5)]
 
     async def wave():
         return await asyncio.gather(*(reward(s) for s in samples))
 
-    assert sorted(asyncio.run(wave())) == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert [len(body["text"]) for path, body, _ in scripted.seen] == [3, 2]
+    assert asyncio.run(wave()) == [0.0, 1.0, 2.0, 3.0, 4.0]  # each sample gets its own score back
+    assert sorted(len(body["text"]) for path, body, _ in scripted.seen) == [2, 3]
     assert {path for path, _, _ in scripted.seen} == {"/classify"}
     assert sorted(t for _, body, _ in scripted.seen for t in body["text"]) == [f"p{i} r{i}" for i in range(5)]
 
