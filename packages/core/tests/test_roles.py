@@ -261,3 +261,24 @@ def test_a_role_that_stops_answering_is_restarted_then_the_run_fails_past_max_re
     worker.alive = False
     with pytest.raises(RunFailedError, match=r"roles\.judge\.max_restarts: the judge role stopped answering 2 times"):
         roles.check(force=True)
+
+
+def test_a_role_whose_process_died_gets_a_new_actor(tmp_path, prompts, scripted):
+    from slime_rl.core.run.role_workers import Roles
+
+    url = f"http://127.0.0.1:{scripted.server_address[1]}"
+    cfg = cfg_with(prompts, tmp_path, f"{{judge: {{kind: judge, path: {tmp_path / 'm'}}}}}")
+
+    def died():
+        raise RuntimeError("the actor died")
+
+    dead, fresh = _FakeRoleWorker(url), _FakeRoleWorker(url)
+    dead.healthy = _Remote(died)
+    fresh.ready = _Remote(lambda: url)
+    roles = Roles.__new__(Roles)
+    roles.cfg, roles.watch, roles.endpoints_file = cfg, _Watch(), tmp_path / "roles.json"
+    roles.keys, roles.workers, roles.restarts, roles.last_check = {"judge": KEY}, {"judge": dead}, {"judge": 0}, 0.0
+    roles.urls = {"judge": url}
+    roles._spawn = lambda name: fresh
+    assert roles.check(force=True) == ["role judge stopped answering; restarted (1 of 3)"]
+    assert roles.workers["judge"] is fresh and dead.restarts == 0

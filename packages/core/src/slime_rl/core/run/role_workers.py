@@ -97,9 +97,7 @@ class Roles:
     """The driver's handle on the run's role actors."""
 
     def __init__(self, cfg: Config, reservation: Reservation, watch: StallWatch, endpoints_file: Path):
-        import ray
-
-        self.cfg, self.watch, self.endpoints_file = cfg, watch, endpoints_file
+        self.cfg, self.watch, self.endpoints_file, self.reservation = cfg, watch, endpoints_file, reservation
         self.keys: dict[str, str] = {}
         self.workers: dict[str, ActorHandle] = {}
         self.restarts: dict[str, int] = dict.fromkeys(cfg.roles, 0)
@@ -108,12 +106,18 @@ class Roles:
             key = role.api_key.reveal() if role.api_key is not None else "sk" + secrets.token_hex(32)
             remember(key)  # out of every error text this process prints
             self.keys[name] = key
-            options = reservation.role_options(name)
-            worker = ray.remote(**options)(RoleWorker).remote(cfg.to_dict(reveal_secrets=True), name, key,
-                                                              reservation.role_gpu_ids(name))
-            self.workers[name] = worker
-            watch.register(worker, Party(f"role {name} ({role.kind}, engine {role.engine})"))
+            self.workers[name] = self._spawn(name)
         self.urls: dict[str, str] = {}
+
+    def _spawn(self, name: str) -> ActorHandle:
+        """A new actor for roles.<name> on its planned bundle (its server starts in the actor's constructor)."""
+        import ray
+
+        role = self.cfg.roles[name]
+        worker = ray.remote(**self.reservation.role_options(name))(RoleWorker).remote(
+            self.cfg.to_dict(reveal_secrets=True), name, self.keys[name], self.reservation.role_gpu_ids(name))
+        self.watch.register(worker, Party(f"role {name} ({role.kind}, engine {role.engine})"))
+        return worker
 
     def wait_ready(self) -> None:
         """Once every role answers; writes the endpoints file."""
@@ -134,24 +138,30 @@ class Roles:
             return []
         self.last_check = now
         notes = []
-        for name, worker in self.workers.items():
-            if self._answers(name, worker):
+        for name, worker in list(self.workers.items()):
+            answers = self._answers(name, worker)
+            if answers:
                 continue
             self.restarts[name] += 1
             role = self.cfg.roles[name]
             if self.restarts[name] > role.max_restarts:
                 raise RunFailedError(f"roles.{name}.max_restarts: the {role.kind} role stopped answering"
                                      f" {self.restarts[name]} times; see its log, or raise max_restarts")
-            self.urls[name] = self.watch.get("role start", [worker.restart.remote()], [worker])[0]
+            if answers is None:  # its process died: a new actor, on the same bundle
+                worker = self.workers[name] = self._spawn(name)
+                self.urls[name] = self.watch.get("role start", [worker.ready.remote()], [worker])[0]
+            else:
+                self.urls[name] = self.watch.get("role start", [worker.restart.remote()], [worker])[0]
             self._write()
             notes.append(f"role {name} stopped answering; restarted ({self.restarts[name]} of {role.max_restarts})")
         return notes
 
-    def _answers(self, name: str, worker: ActorHandle) -> bool:
+    def _answers(self, name: str, worker: ActorHandle) -> bool | None:
+        """Whether the role's server answers; None when its actor (the process) is gone."""
         try:
             alive = self.watch.get("role health", [worker.healthy.remote()], [worker])[0]
         except Exception:  # noqa: BLE001 - the actor itself died: a restart needs a new actor
-            raise RunFailedError(f"roles.{name}: the role's process died; see its log") from None
+            return None
         client = RoleClient(name, self.urls[name], self.keys[name])
         return bool(alive) and asyncio.run(client.healthy())
 
