@@ -24,7 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from slime_rl.trainer_megatron import fused_rope
+from slime_rl.trainer_megatron import fused_rope, sequence_parallel
 from slime_rl.trainer_megatron.attention import PACKED_ATTENTION_CHOICES, SDPAttention
 from slime_rl.trainer_megatron.grouped_experts import GroupedExperts
 from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
@@ -163,15 +163,11 @@ def transformer_config(
     if packed_attention not in PACKED_ATTENTION_CHOICES:
         raise ValueError(f"trainer.megatron.packed_attention: {packed_attention!r}; use one of"
                          f" {', '.join(PACKED_ATTENTION_CHOICES)}")
-    if sequence_parallel:
-        raise ValueError(
-            "parallel.sequence_parallel: needs TransformerEngine or Apex norms, which the local spec does not use;"
-            " set it to false"
-        )
     if compiled_fusions:
         fused_rope.install()  # before the config: its checks look for the fused RoPE functions
     extra = {"bias_activation_fusion": compiled_fusions, "apply_rope_fusion": compiled_fusions, **(moe_fields or {}),
-             "context_parallel_size": context_parallel_size}
+             "context_parallel_size": context_parallel_size,
+             "sequence_parallel": sequence_parallel and tp > 1}  # our own norms allow it (sequence_parallel.py)
     if recompute is True:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute:
@@ -205,7 +201,6 @@ def _make_transformer_config(shape: HFModelShape, tp: int, pp: int, dtype: torch
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        sequence_parallel=False,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -276,7 +271,7 @@ def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, va
     """This rank's pipeline stage of the model (weights uninitialised until convert.load_hf)."""
     model = PolicyGPT(
         config=config,
-        transformer_layer_spec=layer_spec(shape, grouped_experts=grouped_experts),
+        transformer_layer_spec=_block_spec(layer_spec(shape, grouped_experts=grouped_experts), config),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -289,6 +284,11 @@ def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, va
     _apply_hf_rope_scaling(model, shape, hf_config)
     _mark_tensor_parallel_weights(model)
     return model
+
+
+def _block_spec(spec, config: TransformerConfig):
+    """Under sequence parallelism every norm is our SP-aware one (megatron's torch norms refuse SP)."""
+    return sequence_parallel.with_local_norms(spec, config) if config.sequence_parallel else spec
 
 
 def _mark_tensor_parallel_weights(model: torch.nn.Module) -> None:

@@ -92,19 +92,18 @@ def transformer_config_fields(moe: MoEShape, *, ep: int, etp: int, aux_loss_coef
     )
 
 
-def check_expert_parallel(moe: MoEShape | None, *, tp: int, ep: int, etp: int) -> None:
+def check_expert_parallel(moe: MoEShape | None, *, tp: int, ep: int, etp: int, sequence_parallel: bool = False) -> None:
     """Refuse layouts the trainer cannot run, naming the field and the fix."""
     if moe is None:
         if ep > 1 or etp > 1:
             raise ValueError("parallel.expert_model_parallel_size / expert_tensor_parallel_size: the model has no"
                              " experts; set both to 1")
         return
-    if tp > 1:
-        # megatron-core asks for sequence parallelism with MoE under TP (the router and dispatcher
-        # work on the sequence-split hidden states), and sequence parallelism needs TE/Apex norms.
-        raise ValueError("parallel.tensor_model_parallel_size: MoE models need sequence parallelism with TP > 1,"
-                         " which the local (no TransformerEngine) spec does not support; use TP=1 with"
-                         " parallel.expert_model_parallel_size for the experts")
+    if tp > 1 and not sequence_parallel:
+        # megatron-core's MoE layer under TP works on the sequence-split hidden states (the router
+        # and dispatcher each see this TP rank's share of the tokens): sequence_parallel.py
+        raise ValueError("parallel.tensor_model_parallel_size: MoE models need sequence parallelism with TP > 1;"
+                         " set parallel.sequence_parallel=true")
     if etp > 1 and ep == 1:
         raise ValueError("parallel.expert_tensor_parallel_size: > 1 needs parallel.expert_model_parallel_size > 1")
     if moe.num_experts % ep:
@@ -113,6 +112,18 @@ def check_expert_parallel(moe: MoEShape | None, *, tp: int, ep: int, etp: int) -
     if moe.expert_intermediate_size % etp:
         raise ValueError(f"parallel.expert_tensor_parallel_size: {etp} must divide moe_intermediate_size"
                          f" ({moe.expert_intermediate_size})")
+
+
+def reduce_expert_grads_over_tp(model: torch.nn.Module, *, tp: int, etp: int) -> None:
+    """Experts split over fewer ranks than the dense layers (ETP < TP, SP on) are copies on those TP
+    ranks, each fed its own share of the sequence: their gradients must be summed over the
+    expert-data-parallel group, which holds those ranks. megatron-core sends expert gradients there
+    only under EP (``allreduce=False``); otherwise they go over the data-parallel group, which does not."""
+    if etp >= tp:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 def patch_megatron_without_te() -> None:

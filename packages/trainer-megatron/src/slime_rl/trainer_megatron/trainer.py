@@ -15,7 +15,8 @@ averaging over DP) and a finalize step that skips the per-token division.
 Homes of the parts: batching.py (micro-batches), optimizer.py (Adam and the LR schedule),
 reference.py (the reference weights), nonfinite.py (no nan or inf reaches the weights),
 checkpointing.py (save and load), lora.py (``trainer.lora``: adapters, the base frozen; the
-reference is then the base with the adapters off), context_parallel.py (``parallel.context_parallel_size``).
+reference is then the base with the adapters off), context_parallel.py (``parallel.context_parallel_size``),
+sequence_parallel.py (``parallel.sequence_parallel``: SP-aware norms, micro-batches padded for TP).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from slime_rl.core.batch import ROLLOUT_OPTIONAL_COLUMNS, TRAINER_COLUMNS, Rollo
 from slime_rl.core.config import Config
 from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
-from slime_rl.trainer_megatron import batching, checkpointing, convert, lora, moe
+from slime_rl.trainer_megatron import batching, checkpointing, convert, lora, moe, sequence_parallel
 from slime_rl.trainer_megatron import device as dev
 from slime_rl.trainer_megatron.context_parallel import gather_tokens
 from slime_rl.trainer_megatron.logprobs import token_log_probs
@@ -165,7 +166,9 @@ class MegatronTrainer(PolicyTrainer):
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         check_parallel_fits(self.shape, tp, pp)
         ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
-        moe.check_expert_parallel(self.shape.moe, tp=tp, ep=ep, etp=etp)
+        moe.check_expert_parallel(self.shape.moe, tp=tp, ep=ep, etp=etp, sequence_parallel=p.sequence_parallel)
+        sequence_parallel.check_supported(tp=tp if p.sequence_parallel else 1, cp=p.context_parallel_size,
+                                          lora=lora_spec(self.cfg) is not None)
         if self.cfg.algorithm.routing_replay == "rollout" and self.shape.moe is None:
             raise ValueError(f"algorithm.routing_replay: rollout needs a mixture-of-experts model; {self.cfg.model.path}"
                              f" is {self.shape.architecture} (set routing_replay to off)")
@@ -184,6 +187,7 @@ class MegatronTrainer(PolicyTrainer):
         )
         self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic",
                                  grouped_experts=mt.moe_grouped_gemm)
+        moe.reduce_expert_grads_over_tp(self.model, tp=tp, etp=etp)
         self.adapters: lora.Adapters | None = None
         if (spec := lora_spec(self.cfg)) is not None:  # before DDP: it wraps the trainable parameters only
             lora.check_supported(spec, self.shape, self.role)
@@ -237,10 +241,14 @@ class MegatronTrainer(PolicyTrainer):
         same_count = None
         if self.cfg.parallel.expert_model_parallel_size > 1:
             same_count = self._most_micro_batches
-        return batching.micro_batches(batch, micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_gpu,
-                                      device=self.device, count_at_least=same_count,
-                                      attention_weight=attention_cost_weight(self.shape),
-                                      context_parallel=(self.cp_size, self.cp_rank))
+        mbs = batching.micro_batches(batch, micro_batch_size=t.micro_batch_size, max_tokens=t.max_tokens_per_gpu,
+                                     device=self.device, count_at_least=same_count,
+                                     attention_weight=attention_cost_weight(self.shape),
+                                     context_parallel=(self.cp_size, self.cp_rank))
+        if self.tconfig.sequence_parallel:  # each TP rank holds 1/TP of every micro-batch's sequence
+            tp = self.cfg.parallel.tensor_model_parallel_size
+            mbs = [sequence_parallel.pad_micro_batch(mb, tp) for mb in mbs]
+        return mbs
 
     def _most_micro_batches(self, count: int) -> int:
         """The most micro-batches any data-parallel rank has (expert-parallel groups lie within it)."""
@@ -278,6 +286,8 @@ class MegatronTrainer(PolicyTrainer):
 
     def _hidden_rows(self, mb: batching.MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The hidden states that predict the response tokens, ``[N, h]``."""
+        if self.tconfig.sequence_parallel:
+            hidden = sequence_parallel.gather_hidden(hidden)
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.hidden_index)
 
     def _temperature(self) -> float:
@@ -458,7 +468,9 @@ class MegatronTrainer(PolicyTrainer):
         lr = self.optimizer.param_groups[0]["lr"]
         metrics = self._share_metrics(outputs if self.is_last_stage else [])  # the same on every rank
         if self.router_stats is not None:
-            metrics.update(self.router_stats.take(parallel_state.get_data_parallel_group(with_context_parallel=True)))
+            # (TP ranks too: under SP each routes its share of the tokens; max / mean ignores duplicates)
+            metrics.update(self.router_stats.take(
+                parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)))
         if self.routing_replay is not None:  # 1.0: every micro-batch ran on the engine's experts
             metrics["moe_routing_replayed"] = float(all(mb.routed_experts is not None for mb in mbs))
         bad = nonfinite_update(metrics["loss"], self.model, self.dtype, self.device)
