@@ -19,7 +19,11 @@ case $what in
       trainer.critic_lr=1e-4" bash scripts/gpu/real_model.sh "$logs/ppo" addition ;;
   teacher)
     REAL_MODEL_OVERRIDES="checkpoint.save_hf=true checkpoint.save_dir=$teacher/checkpoints" \
-      bash scripts/gpu/real_model.sh "$logs/opd-teacher" addition ;;
+      bash scripts/gpu/real_model.sh "$logs/opd-teacher" addition
+    rc=$?
+    # $OUT is new in every call: the teacher's evals stay with its folder for the student's call
+    cp "$logs/opd-teacher/real-model/addition/metrics.jsonl" "$teacher/teacher_metrics.jsonl" 2>/dev/null
+    exit $rc ;;
   student)
     hf=$(ls -d "$teacher"/checkpoints/step_*/hf 2>/dev/null | sort | tail -1)
     [ -n "$hf" ] || { echo "error: no teacher in $teacher: run the opd-teacher stage first (same machine)" >&2; exit 2; }
@@ -31,7 +35,7 @@ case $what in
       "logging.dir=$run" algorithm.advantage_estimator=opd "roles=$role" ${OPD_OVERRIDES:-}
     rc=$?
     teacher_eval=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print([v for x in r for k,v in x.items() if k.endswith('pass@1')][-1])" \
-      "$logs/opd-teacher/real-model/addition/metrics.jsonl" 2>/dev/null || echo "")
+      "$teacher/teacher_metrics.jsonl" 2>/dev/null || echo "")
     python3 benchmarks/opd_curve.py "$run/metrics.jsonl" ${teacher_eval:+--teacher-eval "$teacher_eval"} || rc=1
     exit $rc ;;
   *) echo "usage: multi_model.sh LOGDIR ppo|teacher|student" >&2; exit 2 ;;
