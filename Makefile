@@ -11,7 +11,7 @@ PACKAGES := core buffer trainer-megatron rollout-sglang rollout-hf cli
 EXTRAS_core := test,logging
 EXTRAS_cli := test,demo
 
-.PHONY: demo test test-slow lint venv
+.PHONY: demo test test-slow test-long lint venv
 
 venv: $(STAMP)
 
@@ -42,7 +42,11 @@ test: $(STAMP)
 	@$(call TIMED,$(VENV)/bin/ruff check . && OMP_NUM_THREADS=1 $(PY) -m pytest -m "not gpu and not slow" --durations=20,make test)
 
 test-slow: $(STAMP)
-	@$(call TIMED,OMP_NUM_THREADS=1 $(PY) -m pytest -m "slow and not gpu" --durations=20,make test-slow)
+	@$(call TIMED,OMP_NUM_THREADS=1 $(PY) -m pytest -m "slow and not gpu and not long" --durations=20,make test-slow)
+
+# Acceptance runs of tens of minutes each (whole learning curves on the CPU default task), by hand.
+test-long: $(STAMP)
+	@$(call TIMED,OMP_NUM_THREADS=1 $(PY) -m pytest -m "long and not gpu" -s --durations=20,make test-long)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SUPPORT = Path(__file__).parents[1] / "support"
 
 
@@ -72,6 +74,7 @@ def test_opd_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert all(r["time/teacher_prefill"] > 0 for r in rows if "opd/reverse_kl" in r)
 
 
+@pytest.mark.long  # two 30-step runs of the CPU default: make test-long; the recorded run is in docs/distillation.md
 def test_opd_on_the_cpu_default(tmp_path):
     """The acceptance run: the CPU default (GRPO, 30 steps) saved as the teacher; the untrained SmolLM2 distilled
     from it for 30 steps through the same example with algorithm.advantage_estimator=opd."""

@@ -12,7 +12,10 @@ import statistics
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.long  # ~25-40 min: make test-long; the recorded run is in docs/ppo.md
 def test_ppo_learns_the_cpu_default_task(tmp_path):
     work = tmp_path / "ppo"
     done = subprocess.run(
