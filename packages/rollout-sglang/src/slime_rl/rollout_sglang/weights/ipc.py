@@ -14,7 +14,7 @@ import torch
 
 from slime_rl.core.contracts import NamedTensors
 from slime_rl.rollout_sglang.weights.buckets import flatten_bucket
-from slime_rl.rollout_sglang.weights.server_api import Target, post
+from slime_rl.rollout_sglang.weights.server_api import Target, post, post_all
 
 
 def serialize_bucket(named_tensors: NamedTensors) -> str:
@@ -59,18 +59,37 @@ def _dumps_cuda_ipc(obj: Any) -> bytes:
 def update_from_tensor(target: Target, named_tensors: NamedTensors, *, version: int | None, timeout: float,
                        step: str) -> None:
     """Load one bucket into one engine; one payload per TP rank (each rank maps its own handles)."""
-    payloads = [serialize_bucket(named_tensors) for _ in range(target.tp_size)]
-    body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False}
-    if version is not None:
-        body["weight_version"] = str(version)
-    post(target, "/update_weights_from_tensor", body, timeout=timeout, step=step)
+    post(target, "/update_weights_from_tensor", _update_body(target, named_tensors, version, {}), timeout=timeout,
+         step=step)
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()  # the engine has loaded the bucket: release the shared blocks
 
 
+def _update_body(target: Target, named_tensors: NamedTensors, version: int | None, by_value: dict) -> dict:
+    """``/update_weights_from_tensor``'s body for ``target``. CUDA buckets get a payload per TP rank (each
+    rank's handles are its own: torch counts every share of a CUDA block); a CPU bucket's bytes are the
+    same for every rank and engine, serialised once into ``by_value``."""
+    on_cuda = any(t.is_cuda for _, t in named_tensors)
+    if on_cuda:
+        payloads = [serialize_bucket(named_tensors) for _ in range(target.tp_size)]
+    else:
+        if "payload" not in by_value:
+            by_value["payload"] = serialize_bucket(named_tensors)
+        payloads = [by_value["payload"]] * target.tp_size
+    body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False}
+    if version is not None:
+        body["weight_version"] = str(version)
+    return body
+
+
 def push_tensor_bucket(targets: list[Target], named_tensors: NamedTensors, *, version: int | None,
                        timeout: float, step: str) -> None:
-    """Trainer side of a colocated sync: one bucket into every engine. Pass ``version`` with the
-    last bucket only, so an engine reports the new version once it has all of it."""
-    for target in targets:
-        update_from_tensor(target, named_tensors, version=version, timeout=timeout, step=step)
+    """Trainer side of a colocated sync: one bucket into every engine, posted to all at once (each POST
+    waits for its engine's load; one after another, a sync's time and rank 0's CPU grew with the engines:
+    docs/scale.md). Payloads are made here, in order, before any POST. Pass ``version`` with the last
+    bucket only, so an engine reports the new version once it has all of it."""
+    by_value: dict = {}
+    bodies = [_update_body(target, named_tensors, version, by_value) for target in targets]
+    post_all(targets, "/update_weights_from_tensor", lambda i, _target: bodies[i], timeout=timeout, step=step)
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()  # every engine has loaded the bucket: release the shared blocks

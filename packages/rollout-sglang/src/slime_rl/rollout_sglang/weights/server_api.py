@@ -97,7 +97,13 @@ def continue_generation(targets: list[Target], *, timeout: float, step: str) -> 
 def flush_cache(targets: list[Target], *, timeout: float, step: str) -> None:
     """Drop the prefix cache (its KV came from the old weights). SGLang refuses (HTTP 400)
     while requests are pending, so poll until it succeeds. A server that refuses the connection is
-    gone (no retry brings it back; its restart flushes anyway): that fails at once."""
+    gone (no retry brings it back; its restart flushes anyway): that fails at once. All engines at
+    once; the first failure is raised after all returned."""
+    if len(targets) > 1:
+        with ThreadPoolExecutor(len(targets)) as pool:
+            for future in [pool.submit(flush_cache, [t], timeout=timeout, step=step) for t in targets]:
+                future.result()
+        return
     for target in targets:
         deadline = time.monotonic() + timeout
         while True:
