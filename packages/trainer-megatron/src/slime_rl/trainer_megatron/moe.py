@@ -203,14 +203,14 @@ class RouterStats:
     def __init__(self, model: torch.nn.Module):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self.counts: dict[int, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}  # by router name: the same order on every rank
         self.hooks = []
         for name, module in model.named_modules():
             if isinstance(module, TopKRouter):
                 self.hooks.append(module.register_forward_hook(self._hook(name)))
 
     def _hook(self, name: str):
-        key = hash(name)
+        key = name  # (not hash(name): str hashes differ between processes, and so would the layers' order)
 
         def count(module, inputs, output):
             routing_map = output[1]
