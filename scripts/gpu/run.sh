@@ -19,6 +19,8 @@
 # backward, at 16k-128k response tokens: peak memory against full logits; ~2 min),
 # cp-varlen (issue 36: context parallelism's flash varlen chunks, 2 and 4 simulated CP ranks on one GPU, against
 # one causal varlen call; ~1 min; on a 2-GPU machine also 3 bf16 GRPO steps at CP=2 against one GPU),
+# sp-megatron019 (issue 36, item 2: TP=2 with sequence parallelism against TP=1, dense and MoE, over gloo on the
+# CPU, by megatron-core 0.19.2's local spec (the CPU machine has 0.16.1); ~2 min),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
 # SGLangEngine), bench-sync-lora, e2e-lora (issue 20: GRPO with LoRA through SGLang's adapters, tiny and
@@ -82,6 +84,8 @@ for stage in "$@"; do
                          -k "varlen or log_probs_match" -p no:cacheprovider) ;;
     cp-varlen) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py
                     -k context_parallel -p no:cacheprovider) ;;
+    sp-megatron019) cmd=(python3 -m pytest -x -q -m "slow or not slow" -p no:cacheprovider
+                         packages/trainer-megatron/tests/test_megatron_sequence_parallel.py) ;;
     bench-trainer-short) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape smollm2-135m --samples 128
                               --prompt-len 34 --response-len 6 --jitter 4 --max-tokens-per-gpu 8192
                               --baseline-micro-batch-size 128 --skip-memory --peak-tflops 989 --profile 15) ;;
