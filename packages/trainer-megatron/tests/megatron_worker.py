@@ -85,12 +85,6 @@ def run_scenario(spec: dict) -> dict:
         for sample in samples:
             scores = torch.rand(len(sample.tokens) - 1, layers, moe.num_experts, generator=g)
             sample.rollout_routed_experts = scores.argsort(-1)[..., : moe.topk].tolist()
-    if spec.get("random_routes"):  # routing replay of experts no router would pick: the same on every rank
-        g = torch.Generator().manual_seed(7)
-        moe, layers = trainer.shape.moe, trainer.shape.num_layers
-        for sample in samples:
-            scores = torch.rand(len(sample.tokens) - 1, layers, moe.num_experts, generator=g)
-            sample.rollout_routed_experts = scores.argsort(-1)[..., : moe.topk].tolist()
     batch = shard_for(trainer, samples)
     result: dict = {}
 
