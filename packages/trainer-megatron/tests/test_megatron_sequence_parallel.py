@@ -64,6 +64,23 @@ def test_tp2_with_sequence_parallel_matches_one_rank(case, tmp_path):
     _tp2_sp_matches_one_rank(family, batching, tmp_path, tie=tie)
 
 
+@pytest.mark.slow
+def test_routing_replay_under_sequence_parallel_matches_one_rank(tmp_path):
+    """The engine's experts (random ones, which no router would pick) under SP: each TP rank replays its part
+    of the sequence, the padding's tokens go to experts 0..k-1; log-probs and steps equal one rank's."""
+    model = make_hf_model(tmp_path / "model", "qwen3_moe", vocab=256)
+    spec = dict(model=str(model), num_samples=6, vocab=256, steps=2, random_routes=True, ref=True)
+    overrides = COMMON + ["algorithm.routing_replay=rollout", "trainer.micro_batch_size=2"]
+    ensure_single_rank_group()
+    single = run_scenario({**spec, "overrides": overrides})
+    multi = launch(2, {**spec, "overrides": overrides + SP}, tmp_path)
+    for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
+        assert one["moe_routing_replayed"] == two["moe_routing_replayed"] == 1.0
+        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
+
+
 def test_refusals_name_the_fix():
     shape = moe.MoEShape(num_experts=8, topk=2, expert_intermediate_size=32, norm_topk_prob=True,
                          shared_expert_intermediate_size=None)

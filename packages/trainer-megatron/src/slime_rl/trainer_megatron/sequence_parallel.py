@@ -70,23 +70,22 @@ def check_supported(*, tp: int, cp: int, lora: bool) -> None:
                          " sequence_parallel to false with trainer.lora")
 
 
-def pad_micro_batch(mb, tp: int):
+def pad_micro_batch(mb, tp: int, tp_rank: int):
     """``mb`` with its sequence padded to a multiple of ``tp`` tokens: padded micro-batches get more
     columns, packed ones one more (padding) sequence. Padding comes after every real token, so the
-    rows that predict the targets stay where they were; routed experts (replay) pad to 0..k-1."""
+    rows that predict the targets stay where they were. Routed experts (replay) pad to 0..k-1 and keep
+    the tokens of TP rank ``tp_rank``'s part of the sequence: the ones its routers see."""
     rows, length = mb.input_ids.shape
     extra = -length % tp
-    if extra == 0:
-        return mb
-    input_ids = torch.nn.functional.pad(mb.input_ids, (0, extra))
-    packed = mb.packed
-    if packed is not None:
-        packed = packed_seq_params([*packed.seq_lens, extra])
-    routed = mb.routed_experts
+    input_ids, packed, routed = mb.input_ids, mb.packed, mb.routed_experts
+    if extra:
+        input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+        if packed is not None:
+            packed = packed_seq_params([*packed.seq_lens, extra])
     if routed is not None:  # [s * b, layers, k] (s-major) or [t, layers, k]: new tokens go last either way
         k = routed.shape[-1]
         pad = torch.arange(k, dtype=routed.dtype).expand(extra * rows, routed.shape[1], k)
-        routed = torch.cat([routed, pad])
+        routed = torch.cat([routed, pad]).chunk(tp)[tp_rank]
     return dataclasses.replace(mb, input_ids=input_ids, packed=packed, routed_experts=routed)
 
 

@@ -247,7 +247,8 @@ class MegatronTrainer(PolicyTrainer):
                                      context_parallel=(self.cp_size, self.cp_rank))
         if self.tconfig.sequence_parallel:  # each TP rank holds 1/TP of every micro-batch's sequence
             tp = self.cfg.parallel.tensor_model_parallel_size
-            mbs = [sequence_parallel.pad_micro_batch(mb, tp) for mb in mbs]
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            mbs = [sequence_parallel.pad_micro_batch(mb, tp, rank) for mb in mbs]
         return mbs
 
     def _most_micro_batches(self, count: int) -> int:
