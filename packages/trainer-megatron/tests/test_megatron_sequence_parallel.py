@@ -81,6 +81,38 @@ def test_routing_replay_under_sequence_parallel_matches_one_rank(tmp_path):
         assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
 
 
+@pytest.mark.slow
+def test_critic_and_pipeline_under_sequence_parallel_match_one_rank(tmp_path):
+    """The value head on the gathered hidden states (TP=2 + SP), and TP=2 + SP x PP=2 (the stages pass
+    sequence-split activations): values, losses and grad norms equal one rank's."""
+    from megatron_worker import run_critic
+
+    model = make_hf_model(tmp_path / "model", "qwen2", vocab=256)
+    critic = dict(scenario="critic", model=str(model), num_samples=6, vocab=256, steps=2, prompt=(3, 9),
+                  response=(2, 12))
+    overrides = ["trainer.critic_lr=0.01", "algorithm.value_clip=100", "trainer.micro_batch_size=2"]
+    ensure_single_rank_group()
+    single = run_critic({**critic, "overrides": overrides})
+    multi = launch(2, {**critic, "overrides": overrides + SP}, tmp_path)
+    for one, two in zip(single["values"], multi["values"], strict=True):
+        assert all(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+                   for a, b in zip(one, two, strict=True))
+    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
+        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
+
+    spec = dict(model=str(model), num_samples=6, vocab=256, steps=2, ref=True)
+    # (Adam's first steps move a weight by about +-lr whatever its gradient's size: at the default eps a
+    # gradient of ~1e-9 summed in another order by four ranks can flip one; test_megatron_moe does the same)
+    batching = COMMON + ["trainer.max_tokens_per_gpu=41", "trainer.adam_eps=1e-6"]
+    single = run_scenario({**spec, "overrides": batching})
+    four = launch(4, {**spec, "overrides": batching + SP[:2] + ["parallel.pipeline_model_parallel_size=2",
+                                                                "cluster.actor_num_gpus_per_node=4"]}, tmp_path)
+    for one, two in zip(single["metrics"], four["metrics"], strict=True):
+        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
+    for name, t in single["final"].items():
+        assert torch.allclose(t, four["final"][name], atol=1e-5, rtol=0), name
+
+
 def test_refusals_name_the_fix():
     shape = moe.MoEShape(num_experts=8, topk=2, expert_intermediate_size=32, norm_topk_prob=True,
                          shared_expert_intermediate_size=None)
