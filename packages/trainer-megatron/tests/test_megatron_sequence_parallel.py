@@ -30,6 +30,8 @@ def _tp2_sp_matches_one_rank(family: str, batching: list[str], tmp_path, *, tie:
     for one, two in zip(single["metrics"], multi["metrics"], strict=True):
         for name in ("loss", "grad_norm", "ref_kl", "entropy", "ppo_kl"):
             assert abs(one[name] - two[name]) <= 1e-5, (name, one, two)
+        if "moe_expert_load_max_over_mean" in one:  # the TP ranks' loads summed, TP's padding not counted
+            assert abs(one["moe_expert_load_max_over_mean"] - two["moe_expert_load_max_over_mean"]) <= 1e-6
     assert multi["metrics"][2]["ppo_kl"] != 0  # the steps moved the policy
     assert sorted(single["final"]) == sorted(multi["final"])
     for name, t in single["final"].items():

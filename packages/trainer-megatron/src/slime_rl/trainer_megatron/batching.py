@@ -35,6 +35,8 @@ class MicroBatch:
     # context parallelism: ``input_ids`` hold this CP rank's chunks, ``hidden_index`` and ``targets`` its own
     # predicting positions; this puts their per-token results back in the micro-batch's order
     cp_gather: TokenGather | None = None
+    # sequence parallelism: how many of this TP rank's tokens are not the padding for TP (sequence_parallel.py)
+    sp_real_tokens: int | None = None
 
 
 def check_batch(batch: RolloutBatch) -> None:

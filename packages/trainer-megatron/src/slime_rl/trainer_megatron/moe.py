@@ -204,6 +204,7 @@ class RouterStats:
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.counts: dict[str, torch.Tensor] = {}  # by router name: the same order on every rank
+        self.real_tokens: int | None = None  # count only the first this many tokens (SP: not TP's padding)
         self.hooks = []
         for name, module in model.named_modules():
             if isinstance(module, TopKRouter):
@@ -213,7 +214,7 @@ class RouterStats:
         key = name  # (not hash(name): str hashes differ between processes, and so would the layers' order)
 
         def count(module, inputs, output):
-            routing_map = output[1]
+            routing_map = output[1] if self.real_tokens is None else output[1][: self.real_tokens]
             # [experts], kept on the router's device: a copy to the host here would stall the GPU
             # once per layer and micro-batch; ``take`` moves the sums once per step
             load = routing_map.detach().sum(0).float()

@@ -86,7 +86,9 @@ def pad_micro_batch(mb, tp: int, tp_rank: int):
         k = routed.shape[-1]
         pad = torch.arange(k, dtype=routed.dtype).expand(extra * rows, routed.shape[1], k)
         routed = torch.cat([routed, pad]).chunk(tp)[tp_rank]
-    return dataclasses.replace(mb, input_ids=input_ids, packed=packed, routed_experts=routed)
+    mine = (length + extra) * rows // tp  # this rank's tokens, of which the padding for TP comes last
+    real = min(max(length * rows - tp_rank * mine, 0), mine)
+    return dataclasses.replace(mb, input_ids=input_ids, packed=packed, routed_experts=routed, sp_real_tokens=real)
 
 
 def gather_hidden(hidden: torch.Tensor) -> torch.Tensor:

@@ -266,6 +266,8 @@ class MegatronTrainer(PolicyTrainer):
             mb = next(data_iterator)
             if self.routing_replay is not None:
                 self.routing_replay.use(mb.routed_experts, self.device)
+            if self.router_stats is not None:
+                self.router_stats.real_tokens = mb.sp_real_tokens
             hidden = model(mb.input_ids, None, None, packed_seq_params=mb.packed, **fp16_kwargs)
 
             def on_last_stage(output):
