@@ -18,7 +18,7 @@ from megatron_testlib import (
 )
 
 from slime_rl.trainer_megatron.checkpointing import InProcessTorchDistSave, sharded_state
-from slime_rl.trainer_megatron.optimizer import optimizer_tensors
+from slime_rl.trainer_megatron.optimizer import is_distributed, optimizer_tensors
 from slime_rl.trainer_megatron.trainer import MegatronTrainer, NonFiniteError
 
 VOCAB = 256
@@ -119,7 +119,7 @@ def test_nonfinite_weights_are_never_saved_nor_loaded(model_dir, tmp_path):
     dist_checkpointing.save(sharded_state(trainer), str(tmp_path / "raw"), sharded_strategy=InProcessTorchDistSave())
     (tmp_path / "raw" / "slime_rl_trainer.json").write_text(json.dumps(
         {"role": "actor", "step": 1, "architecture": trainer.shape.architecture, "world_size": 1,
-         "distributed_optimizer": True}))
+         "distributed_optimizer": is_distributed(trainer.optimizer)}))
     with pytest.raises(NonFiniteError, match=rf"checkpoint: {tmp_path / 'raw'}: nan or inf in {name} \(rank 0\)"):
         trainer_for(model_dir).load(str(tmp_path / "raw"))
 

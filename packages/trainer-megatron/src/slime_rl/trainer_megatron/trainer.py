@@ -108,7 +108,7 @@ class MegatronTrainer(PolicyTrainer):
             config=self.tconfig,
             ddp_config=DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                use_distributed_optimizer=megatron_settings(cfg).use_distributed_optimizer,
+                use_distributed_optimizer=self._shards_optimizer(),
             ),
             module=module,
         )
@@ -204,6 +204,23 @@ class MegatronTrainer(PolicyTrainer):
         # bf16: Float16Module also casts the torch norms' fp32 weights, so every parameter has its
         # final dtype before weights are loaded or snapshotted.
         return Float16Module(self.tconfig, self.model) if self.dtype != torch.float32 else self.model
+
+    def _shards_optimizer(self) -> bool:
+        """``trainer.megatron.use_distributed_optimizer`` where it applies: with data (or context) parallel
+        ranks to shard Adam's state over (one rank has nothing to shard), and not for embeddings tied across
+        pipeline stages under TP > 1, which megatron-core's distributed optimizer resumes wrongly (TP2 x PP2,
+        tied, DP 1: the resumed steps' ratios diverge; untied, or TP or PP alone, resume bit for bit)."""
+        if not megatron_settings(self.cfg).use_distributed_optimizer:
+            return False
+        p = self.cfg.parallel
+        if parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1:
+            return False
+        if self.shape.tie_word_embeddings and p.tensor_model_parallel_size > 1 and p.pipeline_model_parallel_size > 1:
+            if dist.get_rank() == 0:
+                print("trainer.megatron.use_distributed_optimizer: off for this layout (embeddings tied across"
+                      " pipeline stages under tensor parallelism do not resume correctly with it)", flush=True)
+            return False
+        return True
 
     # ---------------------------------------------------------------- data parallelism
 
