@@ -8,6 +8,7 @@ blocking functions: the trainer process calls them directly; the async engine ru
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,15 @@ from typing import Any
 import httpx
 
 from slime_rl.rollout_sglang.keys import bearer
+
+
+@functools.cache
+def _client() -> httpx.Client:
+    """One client per process for every control call (thread-safe; kept-alive connections). ``httpx.post``
+    builds a client per call, ~15 ms of CPU each (its TLS context): at 128 engines a sync's posts and
+    flushes cost seconds of the sending rank's CPU (docs/scale.md). No pool limit: a sync posts to every
+    engine at once."""
+    return httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
 
 class WeightSyncError(RuntimeError):
@@ -45,8 +55,8 @@ def post(target: Target, path: str, body: dict[str, Any] | None, *, timeout: flo
     as ``/load_lora_adapter_from_tensors``, when both are set)."""
     headers = bearer(target.api_key) if api_key else target.headers
     try:
-        resp = httpx.post(f"{target.url}{path}", json=body if body is not None else {}, headers=headers,
-                          timeout=timeout)
+        resp = _client().post(f"{target.url}{path}", json=body if body is not None else {}, headers=headers,
+                              timeout=timeout)
     except httpx.TimeoutException:
         raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
     except httpx.HTTPError as err:
@@ -66,7 +76,7 @@ def post(target: Target, path: str, body: dict[str, Any] | None, *, timeout: flo
 def reachable(target: Target, timeout: float = 5.0) -> bool:
     """Whether the server accepts connections at all (any answer to ``/health``, even 503, counts)."""
     try:
-        httpx.get(f"{target.url}/health", timeout=timeout)
+        _client().get(f"{target.url}/health", timeout=timeout)
     except httpx.TransportError:
         return False
     return True
@@ -108,7 +118,7 @@ def flush_cache(targets: list[Target], *, timeout: float, step: str) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                resp = httpx.post(f"{target.url}/flush_cache", headers=target.headers, timeout=timeout)
+                resp = _client().post(f"{target.url}/flush_cache", headers=target.headers, timeout=timeout)
                 if resp.status_code == 200:
                     break
                 problem = f"HTTP {resp.status_code}: {resp.text.strip()[:200]}"
