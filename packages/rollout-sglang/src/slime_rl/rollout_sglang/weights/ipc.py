@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import pickle
 from typing import Any
 
@@ -65,21 +66,23 @@ def update_from_tensor(target: Target, named_tensors: NamedTensors, *, version: 
         torch.cuda.ipc_collect()  # the engine has loaded the bucket: release the shared blocks
 
 
-def _update_body(target: Target, named_tensors: NamedTensors, version: int | None, by_value: dict) -> dict:
+def _update_body(target: Target, named_tensors: NamedTensors, version: int | None, by_value: dict) -> dict | bytes:
     """``/update_weights_from_tensor``'s body for ``target``. CUDA buckets get a payload per TP rank (each
-    rank's handles are its own: torch counts every share of a CUDA block); a CPU bucket's bytes are the
-    same for every rank and engine, serialised once into ``by_value``."""
-    on_cuda = any(t.is_cuda for _, t in named_tensors)
-    if on_cuda:
-        payloads = [serialize_bucket(named_tensors) for _ in range(target.tp_size)]
-    else:
-        if "payload" not in by_value:
-            by_value["payload"] = serialize_bucket(named_tensors)
-        payloads = [by_value["payload"]] * target.tp_size
-    body = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False}
-    if version is not None:
-        body["weight_version"] = str(version)
-    return body
+    rank's handles are its own: torch counts every share of a CUDA block); a CPU bucket's body is the same
+    for every engine of a TP size, serialised and JSON-encoded once into ``by_value``."""
+    def body(payloads: list[str]) -> dict:
+        out = {"serialized_named_tensors": payloads, "load_format": "flattened_bucket", "flush_cache": False}
+        if version is not None:
+            out["weight_version"] = str(version)
+        return out
+
+    if any(t.is_cuda for _, t in named_tensors):
+        return body([serialize_bucket(named_tensors) for _ in range(target.tp_size)])
+    if "payload" not in by_value:
+        by_value["payload"] = serialize_bucket(named_tensors)
+    if target.tp_size not in by_value:
+        by_value[target.tp_size] = json.dumps(body([by_value["payload"]] * target.tp_size)).encode()
+    return by_value[target.tp_size]
 
 
 def push_tensor_bucket(targets: list[Target], named_tensors: NamedTensors, *, version: int | None,

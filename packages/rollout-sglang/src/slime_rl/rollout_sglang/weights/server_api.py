@@ -48,15 +48,19 @@ class Target:
         return bearer(self.admin_key)
 
 
-def post(target: Target, path: str, body: dict[str, Any] | None, *, timeout: float, step: str,
+def post(target: Target, path: str, body: dict[str, Any] | bytes | None, *, timeout: float, step: str,
          ok_status: tuple[int, ...] = (200,), api_key: bool = False) -> Any:
-    """POST and check SGLang's answer (HTTP 200 and, where present, ``success: true``). The admin key goes
-    with it, or with ``api_key`` the API key (SGLang takes only that one on its NORMAL endpoints, such
-    as ``/load_lora_adapter_from_tensors``, when both are set)."""
+    """POST and check SGLang's answer (HTTP 200 and, where present, ``success: true``). ``body``: a dict, or
+    its JSON already encoded (one encoding for many engines). The admin key goes with it, or with
+    ``api_key`` the API key (SGLang takes only that one on its NORMAL endpoints, such as
+    ``/load_lora_adapter_from_tensors``, when both are set)."""
     headers = bearer(target.api_key) if api_key else target.headers
+    if isinstance(body, bytes):
+        payload = {"content": body, "headers": {**headers, "content-type": "application/json"}}
+    else:
+        payload = {"json": body if body is not None else {}, "headers": headers}
     try:
-        resp = _client().post(f"{target.url}{path}", json=body if body is not None else {}, headers=headers,
-                              timeout=timeout)
+        resp = _client().post(f"{target.url}{path}", timeout=timeout, **payload)
     except httpx.TimeoutException:
         raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
     except httpx.HTTPError as err:
