@@ -1,4 +1,4 @@
-"""benchmarks/scale_sim.py run from a test (tests/unit and tests/e2e test_scale_sim.py)."""
+"""benchmarks/scale_sim.py run from a test (tests/unit/test_scale_sim.py, tests/e2e/test_scale_sim_dead_engine.py)."""
 
 from __future__ import annotations
 

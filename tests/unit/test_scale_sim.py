@@ -1,7 +1,7 @@
 """The scale simulation (benchmarks/scale_sim.py, docs/scale.md) at its small size: 4 planned nodes of 8 fake GPUs
 on 2 Ray nodes, 32 trainer ranks in 2 rank hosts, 8 stand-in SGLang engines behind the real router, a real step.
 Behaviour only (placement, every sample trained once, message counts per rank and per engine); the costs'
-figures are the benchmark's to print. The larger sizes and a dead engine: tests/e2e/test_scale_sim.py."""
+figures are the benchmark's to print. The larger sizes and a dead engine: tests/e2e/test_scale_sim_dead_engine.py."""
 
 from __future__ import annotations
 
