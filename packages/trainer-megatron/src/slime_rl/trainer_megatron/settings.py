@@ -41,9 +41,8 @@ class MegatronSettings(BackendSettings):
         "Megatron's distributed optimizer: Adam's fp32 moments (and main weights under bf16) sharded over the"
         " data-parallel x context-parallel ranks (gradients reduce-scattered, weights all-gathered after the"
         " step): 8-12 bytes a parameter divided by DP x CP instead of on every rank, the same updates to fp32"
-        " rounding (`--use-distributed-optimizer`, on as in slime). Applies with DP x CP > 1 (one rank has nothing"
-        " to shard), and not to embeddings tied across pipeline stages under TP > 1 (they resume wrongly with"
-        " it). Its checkpoints hold the state per parameter"
+        " rounding (`--use-distributed-optimizer`, on as in slime). Not applied to embeddings tied across"
+        " pipeline stages under TP > 1 (they resume wrongly with it). Its checkpoints hold the state per parameter"
         " (megatron-core's fully_reshardable format) and resume only with the same setting (one from before it: `false`)"))
     packed_attention: Literal["auto", "varlen", "padded", "per_sequence"] = Field("auto", description=(
         "How packed micro-batches (`trainer.max_tokens_per_gpu`) attend within each sequence. `auto`: one flash"

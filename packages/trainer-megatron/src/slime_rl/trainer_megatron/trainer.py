@@ -206,15 +206,13 @@ class MegatronTrainer(PolicyTrainer):
         return Float16Module(self.tconfig, self.model) if self.dtype != torch.float32 else self.model
 
     def _shards_optimizer(self) -> bool:
-        """``trainer.megatron.use_distributed_optimizer`` where it applies: with data (or context) parallel
-        ranks to shard Adam's state over (one rank has nothing to shard), and not for embeddings tied across
-        pipeline stages under TP > 1, which megatron-core's distributed optimizer resumes wrongly (TP2 x PP2,
-        tied, DP 1: the resumed steps' ratios diverge; untied, or TP or PP alone, resume bit for bit)."""
+        """``trainer.megatron.use_distributed_optimizer``, but not for embeddings tied across pipeline stages
+        under TP > 1, which megatron-core's distributed optimizer resumes wrongly (TP2 x PP2, tied: the resumed
+        steps' ratios diverge; untied, or TP or PP alone, resume bit for bit). On one DP rank it shards
+        nothing but keeps the checkpoint format, so a DP=2 run's checkpoint still loads into one rank."""
         if not megatron_settings(self.cfg).use_distributed_optimizer:
             return False
         p = self.cfg.parallel
-        if parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1:
-            return False
         if self.shape.tie_word_embeddings and p.tensor_model_parallel_size > 1 and p.pipeline_model_parallel_size > 1:
             if dist.get_rank() == 0:
                 print("trainer.megatron.use_distributed_optimizer: off for this layout (embeddings tied across"
