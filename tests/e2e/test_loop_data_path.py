@@ -31,7 +31,7 @@ def standin_config(model_dir, tmp_path, monkeypatch, *, prompts: int, overrides:
 
 def test_each_rank_trains_on_its_own_shard(tiny_model_dir, tmp_path, monkeypatch):
     cfg = standin_config(tiny_model_dir, tmp_path, monkeypatch, prompts=16, overrides=[
-        "data.rollout_batch_size=4", "data.n_samples_per_prompt=4", "rollout.max_response_len=2048",
+        "data.rollout_batch_size=4", "data.n_samples_per_prompt=4", "rollout.max_response_len=2000",
         "rollout.engine=slime_rl.core.testing.standins:InstantEngine", "trainer.backend=slime_rl.core.testing.standins:NoMathTrainer",
         "trainer.num_steps_per_rollout=2", "cluster.actor_num_gpus_per_node=2", "cluster.num_gpus_per_node=2",
     ])
