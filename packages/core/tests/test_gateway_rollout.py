@@ -7,16 +7,20 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_rollout import ListBuffer, ListSource, make_cfg
 
-from slime_rl.core.agent.template import encode
-from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams
-from slime_rl.core.gateway import GatewayGenerate, episode_samples
-from slime_rl.core.run.rollout import RolloutRunner
-from slime_rl.core.sample import Sample, SampleStatus
-from slime_rl.core.testing import chat_tokenizer
+# The gateway is core's optional extra (slime-rl-core[gateway], aiohttp); its tests drive it with the openai
+# package (the test extra). Core installed alone has neither: these tests are the extra's.
+pytest.importorskip("aiohttp", reason="the gateway extra: pip install slime-rl-core[gateway]")
+openai = pytest.importorskip("openai", reason="the test extra: pip install slime-rl-core[test]")
 
-openai = pytest.importorskip("openai")
+from test_rollout import ListBuffer, ListSource, make_cfg  # noqa: E402
+
+from slime_rl.core.agent.template import encode  # noqa: E402
+from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams  # noqa: E402
+from slime_rl.core.gateway import GatewayGenerate, episode_samples  # noqa: E402
+from slime_rl.core.run.rollout import RolloutRunner  # noqa: E402
+from slime_rl.core.sample import Sample, SampleStatus  # noqa: E402
+from slime_rl.core.testing import chat_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
