@@ -141,8 +141,9 @@ def test_the_distributed_optimizer_divides_adams_state_by_dp_times_cp():
     size = ModelSize.from_hf(LLAMA_70B)
     cfg = long_config(tensor_model_parallel_size=2, context_parallel_size=2)  # DP 2 x CP 2 on 8 GPUs
     layout = memory.TrainerLayout.of(cfg)
-    assert layout.dp_cp == 4 and layout.distributed_optimizer  # the Megatron trainer's default
-    sharded = estimate_memory(cfg, size, "cuda")
+    assert layout.dp_cp == 4
+    # (the setting's default is the Megatron trainer's: with core installed alone the layout cannot know it)
+    sharded = estimate_memory(cfg, size, "cuda", layout=dataclasses.replace(layout, distributed_optimizer=True))
     plain = estimate_memory(cfg, size, "cuda", layout=dataclasses.replace(layout, distributed_optimizer=False))
     assert plain.terms["optimizer"] == pytest.approx(4 * sharded.terms["optimizer"], abs=4)
     assert plain.terms["gradients"] == sharded.terms["gradients"]  # the fp32 gradient buffer stays whole
