@@ -84,8 +84,9 @@ SHAPES = {
 MOE = {"tiny-moe": (8, 2, 96, 32), "qwen3-30b-a3b-reduced": (128, 8, 768, 128)}
 
 
-def make_model(shape: str, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """A random HF model of ``shape`` saved in ``folder`` (kept if already there), weights in ``dtype``."""
+def make_model(shape: str, folder: Path, dtype: torch.dtype = torch.float32, positions: int = 32768) -> Path:
+    """A random HF model of ``shape`` saved in ``folder`` (kept if already there), weights in ``dtype``,
+    ``positions`` its max_position_embeddings."""
     import transformers
 
     family, vocab, hidden, inter, layers, heads, kv, tied, theta = SHAPES[shape]
@@ -100,7 +101,7 @@ def make_model(shape: str, folder: Path, dtype: torch.dtype = torch.float32) -> 
                      head_dim=head_dim, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     config = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                      num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
-                     max_position_embeddings=32768, rms_norm_eps=1e-6, **extra)
+                     max_position_embeddings=positions, rms_norm_eps=1e-6, **extra)
     config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1.5B is slow on a CPU

@@ -17,6 +17,9 @@
 # trainer-varlen (issue 35: the trainer's packed varlen log-probs and GRPO step against the per-sequence path),
 # long-logprobs (issue 36, item 3: the chunked log-prob head of a 1.5B model, with entropy and loss, forward and
 # backward, at 16k-128k response tokens: peak memory against full logits; ~2 min),
+# long-train (issue 36: the 1.5B shape, positions 64k, one step each on a 32k- and a 64k-token sample with full
+# recompute: seconds, tokens/s, MFU, peak memory; ~2 min), long-loop (issue 36: 8k-token responses from SGLang
+# trained through slime-cli, ~4 min),
 # cp-varlen (issue 36: context parallelism's flash varlen chunks, 2 and 4 simulated CP ranks on one GPU, against
 # one causal varlen call; ~1 min; on a 2-GPU machine also 3 bf16 GRPO steps at CP=2 against one GPU),
 # sp-megatron019 (issue 36, item 2: TP=2 with sequence parallelism against TP=1, dense and MoE, over gloo on the
@@ -94,6 +97,9 @@ for stage in "$@"; do
                                --max-tokens-per-gpu 16384 --baseline-micro-batch-size 16 --skip-memory) ;;
     bench-trainer-mix) cmd=(timeout 570 python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --mix
                             --samples 128 --max-tokens-per-gpu 16384 --skip-memory --peak-tflops 989 --profile 15) ;;
+    long-train) cmd=(timeout 400 python3 benchmarks/long_sample_train.py --device cuda --shape qwen2.5-1.5b
+                     --lengths 32768 65536 --prompt-len 1024 --steps 2) ;;
+    long-loop) cmd=(timeout 560 python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_e2e.py -k test_h_long -p no:cacheprovider) ;;
     long-logprobs) cmd=(timeout 570 python3 benchmarks/long_logprobs_memory.py --device cuda --hidden 1536 --dtype bfloat16
                         --lengths 16384,32768,65536,131072) ;;
     bench-moe) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen3-30b-a3b-reduced --samples 16

@@ -156,3 +156,52 @@ def test_g_lora_grpo_through_sglang_adapters(shape, gpu_model, tmp_path):
     assert len(rewards) == 20
     assert max(gaps) <= 0.02
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1
+
+
+def test_h_long_responses_through_slime_cli(tmp_path):
+    """Issue 36, the loop at long lengths: SGLang generates 8k-token responses (rollout.ignore_eos, so every one
+    runs to max_response_len), the Megatron trainer packs them one to a micro-batch with full recompute and trains,
+    colocated, through `slime-cli train`; per step the rollout's and the trainer's tokens/s and the trainer's peak
+    memory. The 1.5B shape at 32k and 64k tokens is benchmarks/long_sample_train.py (stage long-train)."""
+    from slime_rl.core.testing import tiny_model_folder
+
+    response_len, prompt_len = 8192, 64
+    model = tiny_model_folder(tmp_path / "model", "llama", hidden_size=256, num_heads=4,
+                              max_position_embeddings=prompt_len + response_len, dtype=torch.bfloat16)
+    prompts = tmp_path / "prompts.jsonl"
+    lines = ["def main(", "import os\n", "class Foo:", "for i in range("]
+    prompts.write_text("".join(json.dumps({"input": p, "label": ""}) + "\n" for p in lines * 10))
+    # decode CUDA graphs on (up to 16 requests): 8k decode steps a rollout are launch-bound without them
+    engine_args = {k: v for k, v in ENGINE_ARGS.items() if k != "cuda_graph_backend_decode"}
+    engine_args.update(cuda_graph_max_bs_decode=16, max_total_tokens=16 * (prompt_len + response_len) + 4096)
+    steps = 3
+    config = {
+        "model": {"path": str(model)},
+        "data": {"prompt_data": str(prompts), "rollout_batch_size": 4, "n_samples_per_prompt": 4,
+                 "num_rollout": steps},
+        "rollout": {"engine": "sglang", "sglang": {"server_args": engine_args}, "max_prompt_len": prompt_len,
+                    "max_response_len": response_len, "ignore_eos": True,
+                    "reward": "toy_rewards:digit_token_fraction"},
+        "trainer": {"backend": "megatron", "lr": 1e-4, "max_tokens_per_gpu": prompt_len + response_len,
+                    "megatron": {"recompute": True}},
+        "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1},
+        "logging": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "TOY_TOKENIZER": str(model),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "support"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", str(tmp_path / "config.yaml")],
+                          env=env, capture_output=True, text=True, timeout=540)
+    print(done.stdout[-3000:], done.stderr[-3000:])
+    assert done.returncode == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows, 1):
+        print(f"[long] step {i}: response_len mean {r['rollout/response_len_mean']:.0f} max"
+              f" {r['rollout/response_len_max']:.0f}; rollout {r['rollout/tokens_per_s']:.0f} tok/s;"
+              f" trainer peak {r.get('train/peak_memory_gib_max', float('nan')):.2f} GiB;"
+              f" grad norm {r.get('train/grad_norm', float('nan')):.3g};",
+              {k: round(v, 2) for k, v in r.items() if k.startswith("time/")})
+    assert len(rows) == steps
+    assert all(r["rollout/response_len_mean"] == response_len == r["rollout/response_len_max"] for r in rows)
+    assert all(r["rollout/truncated_frac"] == 1.0 for r in rows)
+    assert all(r["train/peak_memory_gib_max"] > 0 and r["train/grad_norm"] > 0 for r in rows)

@@ -32,3 +32,18 @@ def test_the_mix_row_runs_both_contenders_and_prints_their_figures(tmp_path, cap
     out = capsys.readouterr().out
     assert "long-tailed mix, seed 0: prompt p50" in out and "transformers baseline: sorted" in out
     assert "megatron / transformers tokens/s (1 thread(s)):" in out
+
+
+def test_the_long_sample_benchmark_trains_on_samples_as_long_as_the_models_positions(tmp_path, capsys):
+    """benchmarks/long_sample_train.py (issue 36's 32k/64k rows on the GPU stage long-train) at CPU size: a model
+    whose positions are exactly the longest sample passes the positions check and trains with full recompute."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("long_sample_train")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    rows = bench.main(["--device", "cpu", "--shape", "tiny", "--lengths", "96", "160", "--prompt-len", "32",
+                       "--steps", "1", "--warmup", "0", "--peak-tflops", "1", "--model-dir", str(tmp_path / "model")])
+    assert [r["length"] for r in rows] == [96, 160]
+    assert all(r["train_s"] > 0 and r["log_probs_s"] > 0 and r["peak"] > 0 for r in rows)
+    assert "| 160 |" in capsys.readouterr().out

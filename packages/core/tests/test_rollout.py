@@ -13,7 +13,7 @@ import pytest
 
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import Buffer, DataSource, GenerateOutput, RolloutEngine, SamplingParams
-from slime_rl.core.run.rollout import RolloutRunner, generate_single_turn
+from slime_rl.core.run.rollout import RolloutRunner, generate_single_turn, sampling_params
 from slime_rl.core.sample import Sample, SampleStatus
 
 
@@ -386,3 +386,19 @@ def test_engine_busy_clock_counts_overlapping_generation_once():
     elapsed = time.perf_counter() - started
     assert busy == busy_later  # idle time does not count
     assert 0.15 < busy <= elapsed - 0.2  # ~20 tokens x 10 ms, the two prompts at once counted once
+
+
+def test_ignore_eos_reaches_the_engine_for_training_but_not_for_evaluation():
+    """rollout.ignore_eos: long-context runs generate to max_response_len; held-out scores keep eos."""
+    seen: list[SamplingParams] = []
+
+    class Recording(ScriptedEngine):
+        async def generate(self, input_ids, params, request_id=None):
+            seen.append(params)
+            return await super().generate(input_ids, params, request_id)
+
+    runner = RolloutRunner(make_cfg(rollout__ignore_eos=True), Recording(lambda pid, n: [1, 2]), decode)
+    run(runner.rollout(ListSource([1, 2], 2), ListBuffer()))
+    assert seen and all(p.ignore_eos for p in seen)
+    assert not sampling_params(make_cfg(rollout__ignore_eos=True), evaluation=True).ignore_eos
+    assert not sampling_params(make_cfg()).ignore_eos

@@ -408,14 +408,20 @@ class MegatronTrainer(PolicyTrainer):
         if len(batch) == 0:
             raise ValueError("train_step: got an empty shard")
         self._check_loss_inputs(batch)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         steps = [self._optimizer_step(part, num_tokens, num_seqs) for part, num_tokens, num_seqs
                  in batch.optimizer_steps()]
         if len(steps) == 1:
-            return steps[0]
-        combine = {"max": max, "min": min, "sum": lambda xs: sum(xs) / len(xs)}
-        out = {name: combine[losses.metric_reduction(name)]([m[name] for m in steps]) for name in steps[0]}
-        out.update(lr=steps[-1]["lr"], optimizer_steps=float(len(steps)),
-                   nonfinite_skipped=sum(m["nonfinite_skipped"] for m in steps))
+            out = steps[0]
+        else:
+            combine = {"max": max, "min": min, "sum": lambda xs: sum(xs) / len(xs)}
+            out = {name: combine[losses.metric_reduction(name)]([m[name] for m in steps]) for name in steps[0]}
+            out.update(lr=steps[-1]["lr"], optimizer_steps=float(len(steps)),
+                       nonfinite_skipped=sum(m["nonfinite_skipped"] for m in steps))
+        if cuda:  # this rank's allocator peak over the update: what long samples and micro-batch budgets cost
+            out["peak_memory_gib_max"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
     def _check_loss_inputs(self, batch: RolloutBatch) -> None:

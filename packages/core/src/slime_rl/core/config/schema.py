@@ -183,6 +183,7 @@ class RolloutConfig(_BackendSection):
     max_response_len: int = Field(1024, ge=1)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    ignore_eos: bool = False  # responses run to max_response_len (long-context runs and benchmarks); eval keeps eos
     over_sampling_batch_size: int | None = Field(None, ge=1)  # prompts submitted per refill; >= rollout_batch_size
     dynamic_sampling_filter: str | None = None  # "nonzero_std" (DAPO) or module:attr
     partial_rollout: bool = False  # aborted groups go back to the buffer with their tokens

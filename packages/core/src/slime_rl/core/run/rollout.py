@@ -53,7 +53,7 @@ def sampling_params(cfg: Config, *, evaluation: bool = False) -> SamplingParams:
         )
     return SamplingParams(
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_response_len,
-        stop=list(r.stop), stop_token_ids=list(r.stop_token_ids),
+        stop=list(r.stop), stop_token_ids=list(r.stop_token_ids), ignore_eos=r.ignore_eos,
         return_routed_experts=cfg.algorithm.routing_replay == "rollout",
     )
 
