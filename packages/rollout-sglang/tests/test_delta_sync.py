@@ -68,6 +68,33 @@ def test_twenty_delta_syncs_stay_bit_exact_through_a_restart_and_a_late_joiner(
             assert pusher.full_pushes - full_before == (1 if version in (8, 13) else 0), version
             if version > 1:
                 assert pusher.last.delta and pusher.last.bytes_moved < pusher.last.full_bytes
+        # a delta the restarted or new server could not build on would have killed it, as it kills SGLang's scheduler
+        assert all(s.process.alive() for s in servers)
     finally:
         for server in servers:
             server.process.stop()
+
+
+def test_a_delta_onto_a_version_the_server_never_loaded_kills_it_as_it_kills_sglang(tiny_model, standin_python,
+                                                                                     tmp_path):
+    """SGLang 0.5.17 calls a custom loader unguarded (weight_updater.py): `DeltaChainBroken` ends the server,
+    unanswered. The stand-in does the same, so the pusher's check of each server's version before a delta is
+    what the CPU tests prove."""
+    import base64
+    import pickle
+
+    from slime_rl.rollout_sglang.weights.server_api import WeightSyncError, post
+
+    server = _server(0, tiny_model, tmp_path, standin_python)
+    try:
+        bucket = [header(3, 4), ("lm_head.weight#idx", torch.tensor([0], dtype=torch.int32)),
+                  ("lm_head.weight#val", torch.ones(1))]
+        payload = base64.b64encode(pickle.dumps(bucket)).decode("ascii")
+        with pytest.raises(WeightSyncError, match="Server disconnected|RemoteProtocolError|ConnectError"):
+            post(_target(server), "/update_weights_from_tensor",
+                 {"serialized_named_tensors": [payload], "load_format": LOADER}, timeout=30, step="delta onto v3")
+        server.process.popen.wait(timeout=30)
+        assert not server.process.alive()
+        assert "DeltaChainBroken" in server.process.log_tail()
+    finally:
+        server.process.stop()

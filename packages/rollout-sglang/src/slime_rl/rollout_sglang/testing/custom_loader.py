@@ -11,6 +11,10 @@ from slime_rl.core.infra.plugins import load_attr
 from slime_rl.rollout_sglang.testing.lora import decode_tensor_payload
 
 
+class UncaughtInScheduler(Exception):
+    """An exception SGLang's scheduler does not catch (a custom loader's): the stand-in exits unanswered."""
+
+
 class StandinModel:
     def __init__(self, server: Any):
         self.server = server
@@ -38,7 +42,10 @@ def load_tensor_payload(server: Any, payload: str, load_format: str | None, vers
     if load_format not in custom_loaders(server.extra_flags):
         raise NotImplementedError(f"Unknown load_format={load_format}")  # SGLang's words
     loader = load_attr(_as_attr(load_format), what="custom weight loader")
-    loader(StandinModel(server), decode_tensor_payload(payload, None))
+    try:  # SGLang 0.5.17's weight_updater calls it unguarded: what it raises kills the scheduler
+        loader(StandinModel(server), decode_tensor_payload(payload, None))
+    except Exception as err:
+        raise UncaughtInScheduler(f"{type(err).__name__}: {err}") from err
     if version is not None:
         server.weight_version = version
 

@@ -42,7 +42,7 @@ from tokenizers import Tokenizer
 
 from slime_rl.rollout_sglang.testing.auth import ADMIN_OPTIONAL, auth_decision, auth_middleware  # noqa: F401 (re-exported)
 from slime_rl.rollout_sglang.testing.checks import context_length, request_error
-from slime_rl.rollout_sglang.testing.custom_loader import load_tensor_payload
+from slime_rl.rollout_sglang.testing.custom_loader import UncaughtInScheduler, load_tensor_payload
 from slime_rl.rollout_sglang.testing.gate import ModelGate, RequestAborted
 from slime_rl.rollout_sglang.testing.lora import LoraError, LoraRegistry, add_flags
 from slime_rl.rollout_sglang.testing.nccl import join_group, receive_broadcast
@@ -443,6 +443,8 @@ class StandinServer:
                 if len(payloads) != self.args.tp_size:
                     raise ValueError(f"{len(payloads)} payloads for tp_size {self.args.tp_size}")
                 load_tensor_payload(self, payloads[0], body.get("load_format"), body.get("weight_version"))
+            except UncaughtInScheduler as err:
+                _scheduler_crash(str(err))
             except Exception as err:  # SGLang answers 400 with success=false
                 return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
             return web.json_response({"success": True, "message": "Success"})

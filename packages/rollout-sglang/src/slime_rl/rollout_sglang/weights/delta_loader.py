@@ -8,13 +8,19 @@ gate/up and shards by TP as for any load):
 
 - a bucket whose ``#delta`` header says base -1 is full: kept and loaded;
 - a bucket onto base ``b`` is rebuilt from the kept tensors, only when this worker last loaded version
-  ``b`` (or is part-way through the same sync); otherwise it raises `DeltaChainBroken` (SGLang answers
-  ``success: false``) and the sender pushes that server the full version (`DeltaPusher`);
+  ``b`` (or is part-way through the same sync); otherwise it raises `DeltaChainBroken`;
 - a bucket may be a ``#file`` pointer: the path (uint8) of a safetensors file holding the bucket's
   parts, written by the sender (the ``disk`` transport: only the delta crosses the disk or the network).
 
-A restarted server starts with nothing kept, so its first delta is refused: a broken chain always gets a
-full sync, never a wrong one.
+SGLang moves the request's tensors to the GPU before calling the loader; the delta is applied on the host,
+where the kept copy lives (a second copy of the weights on the GPU would cost the KV cache), and the full
+tensors go back to the GPU for ``load_weights``.
+
+SGLang 0.5.17 does not catch a custom loader's exception: its scheduler logs it and the server exits
+unanswered. So the sender never sends a delta to a server that does not report the delta's base as its
+weight version (`DeltaPusher`: a restarted or new server reports ``default`` and gets the full version);
+the refusal here is the last guard, which trades the server (the engine recovery restarts it, and its next
+sync is full) for never serving weights built on the wrong base.
 """
 
 from __future__ import annotations
@@ -53,8 +59,10 @@ def load_weights(model: Any, named_tensors: NamedTensors) -> None:
 
 def rebuild(named_tensors: NamedTensors, kept: _Kept) -> NamedTensors:
     """The full tensors a (delta) bucket stands for; updates ``kept``. Raises `DeltaChainBroken`."""
+    device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
     if named_tensors and named_tensors[0][0] == FILE_POINTER:
         named_tensors = read_delta_file(bytes(named_tensors[0][1].tolist()).decode())
+    named_tensors = [(name, t.detach().to("cpu")) for name, t in named_tensors]
     if not named_tensors or named_tensors[0][0] != HEADER:
         raise ValueError(f"{LOADER}: a bucket without a #delta header; send it with load_format=flattened_bucket")
     base, version = (int(v) for v in named_tensors[0][1].tolist())
@@ -70,9 +78,9 @@ def rebuild(named_tensors: NamedTensors, kept: _Kept) -> NamedTensors:
         full = apply_delta_bucket([(HEADER, torch.tensor([base, version])), *named_tensors[1:]],
                                   kept.tensors.__getitem__, held_version=base)
     for name, tensor in full:
-        kept.tensors[name] = tensor.detach().to("cpu", copy=True)
+        kept.tensors[name] = tensor.clone() if base == FULL else tensor  # a delta's result is already a new tensor
     kept.version, kept.base = version, base
-    return full
+    return [(name, tensor.to(device)) for name, tensor in full]
 
 
 def write_delta_file(named_tensors: NamedTensors, path: str | Path) -> Path:

@@ -1,8 +1,9 @@
 """The trainer side of a delta sync into SGLang servers (rollout.update_weight_mode=delta; delta_loader.py is
 the server side). Every bucket goes through the custom loader with a ``#delta`` header: full tensors (base -1)
-while nothing is kept, deltas onto the version this sender sent last afterwards. A server that refuses a
-delta (restarted, joined late, missed a sync: `DeltaChainBroken` in its answer) gets the whole new version
-from the host copy the encoder keeps, so no other rank is asked to gather again.
+while nothing is kept, deltas onto the version this sender sent last afterwards. Before a delta, each server's
+weight version (``/model_info``) says whether it holds that base: one that does not (restarted, joined late,
+missed a sync) gets the whole new version from the host copy the encoder keeps, so no other rank is asked to
+gather again, and never a delta, which SGLang's scheduler would die on (delta_loader.py).
 
 Transports: ``tensor`` (the bucket by value in the request; CPU tensors) and ``disk`` (a safetensors file per
 bucket under ``weights_dir/delta``, its path in the request). NCCL's receive path in SGLang 0.5.17 calls the
@@ -21,7 +22,7 @@ from pathlib import Path
 from slime_rl.core.contracts import NamedTensors
 from slime_rl.core.weights.delta import DeltaEncoder, SyncStats, header, is_delta_bucket
 from slime_rl.rollout_sglang.weights.delta_loader import FULL, LOADER, file_pointer, write_delta_file
-from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError, post
+from slime_rl.rollout_sglang.weights.server_api import Target, get, post
 
 logger = logging.getLogger(__name__)
 DELTA_TRANSPORTS = ("tensor", "disk")
@@ -34,7 +35,7 @@ class DeltaPusher:
         self.folder = Path(weights_dir) / "delta"
         self.timeout, self.bucket_bytes = timeout, bucket_bytes
         self.encoder = DeltaEncoder()
-        self.full_pushes = 0  # servers that refused a delta and got the whole version
+        self.full_pushes = 0  # servers behind the delta's base that got the whole version
 
     @property
     def last(self) -> SyncStats:
@@ -45,35 +46,31 @@ class DeltaPusher:
             raise ValueError(f"rollout.update_weight_mode=delta: transport {transport!r} cannot carry a delta into "
                              f"SGLang; use rollout.update_weight_transport={' or '.join(DELTA_TRANSPORTS)}")
         shutil.rmtree(self.folder, ignore_errors=True)
-        refused: list[Target] = []
-        encoded = self.encoder.encode(buckets, version=version, engines_hold=self.encoder.kept_version)
+        base = self.encoder.kept_version
+        at_base = [t for t in targets if base is not None and held_version(t, timeout=self.timeout, version=version) == base]
+        behind = [t for t in targets if t not in at_base] if at_base else []
+        receivers = at_base or targets  # nobody at the base: the stream is full tensors, for everyone
+        encoded = self.encoder.encode(buckets, version=version, engines_hold=base if at_base else None)
         previous: NamedTensors | None = None
         index = 0
         for bucket in encoded:  # one behind: the version goes with the last bucket
             if previous is not None:
-                self._push_all(targets, refused, previous, version=version, index=index, last=False, transport=transport)
+                self._push_all(receivers, previous, version=version, index=index, last=False, transport=transport)
                 index += 1
             previous = bucket if is_delta_bucket(bucket) else [header(FULL, version), *bucket]
         if previous is not None:
-            self._push_all(targets, refused, previous, version=version, index=index, last=True, transport=transport)
-        for target in refused:
-            logger.warning("weight sync v%d: %s is not at the version the delta builds on; sending it in full",
-                           version, target.name)
+            self._push_all(receivers, previous, version=version, index=index, last=True, transport=transport)
+        for target in behind:
+            logger.warning("weight sync v%d: %s does not hold version %s, which the delta builds on; sending it"
+                           " in full", version, target.name, base)
             self._push_full(target, version=version, transport=transport)
             self.full_pushes += 1
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def _push_all(self, targets: list[Target], refused: list[Target], bucket: NamedTensors, *, version: int,
-                  index: int, last: bool, transport: str) -> None:
+    def _push_all(self, targets: list[Target], bucket: NamedTensors, *, version: int, index: int, last: bool,
+                  transport: str) -> None:
         for target in targets:
-            if target in refused:
-                continue
-            try:
-                self._push(target, bucket, version=version, index=index, last=last, transport=transport)
-            except WeightSyncError as err:
-                if "DeltaChainBroken" not in str(err) and "delta onto weight version" not in str(err):
-                    raise
-                refused.append(target)
+            self._push(target, bucket, version=version, index=index, last=last, transport=transport)
 
     def _push_full(self, target: Target, *, version: int, transport: str) -> None:
         """The kept version (this sync's full tensors) into one server, in buckets, through the loader."""
@@ -104,3 +101,14 @@ class DeltaPusher:
         if last:
             body["weight_version"] = str(version)
         post(target, "/update_weights_from_tensor", body, timeout=self.timeout, step=step)
+
+
+def held_version(target: Target, *, timeout: float, version: int) -> int | None:
+    """The weight version ``target`` reports (``/model_info``), None where it is not one of ours (``default``:
+    a server that has loaded nothing since it started)."""
+    info = get(target, "/model_info", timeout=timeout, step=f"weight sync v{version}: its weight version")
+    held = info.get("weight_version") if isinstance(info, dict) else None
+    try:
+        return int(held)
+    except (TypeError, ValueError):
+        return None

@@ -77,6 +77,19 @@ def post(target: Target, path: str, body: dict[str, Any] | bytes | None, *, time
     return data
 
 
+def get(target: Target, path: str, *, timeout: float, step: str) -> Any:
+    """GET one of SGLang's NORMAL endpoints (``/model_info``, ``/server_info``) with the API key; its JSON."""
+    try:
+        resp = _client().get(f"{target.url}{path}", timeout=timeout, headers=bearer(target.api_key))
+    except httpx.TimeoutException:
+        raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
+    except httpx.HTTPError as err:
+        raise WeightSyncError(f"{target.name}: {step}: {path} failed: {type(err).__name__}: {err}") from None
+    if resp.status_code != 200:
+        raise WeightSyncError(f"{target.name}: {step}: {path} answered HTTP {resp.status_code}: {resp.text[:500]}")
+    return resp.json()
+
+
 def reachable(target: Target, timeout: float = 5.0) -> bool:
     """Whether the server accepts connections at all (any answer to ``/health``, even 503, counts)."""
     try:
