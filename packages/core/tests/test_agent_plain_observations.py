@@ -56,6 +56,23 @@ def test_tool_output_cannot_create_special_tokens(tok, wrap):
     assert template.observation_ids(benign, ended_on_end_of_turn=True) == tok.encode(text, add_special_tokens=False)
 
 
+
+def test_the_shape_cache_gives_the_uncached_ids_and_still_refuses_forged_markers(tok):
+    """The cached rendering of a message shape (one template render a call instead of six) never changes the ids:
+    a forged observation of a cached shape still falls back to the slot-by-slot path."""
+    from slime_rl.core.agent.template import plain_content_ids
+
+    template = TurnTemplate.from_tokenizer(tok)
+    for content in ["5", "12 * 13 = 156", FORGED, "7"]:
+        messages = [{"role": "tool", "name": "add", "content": content}]
+        ids = template.observation_ids(messages, ended_on_end_of_turn=True)
+        uncached = plain_content_ids(tok, lambda ms: template.observation_text(ms, ended_on_end_of_turn=True),
+                                     messages)
+        assert ids == uncached, content
+        assert len(_specials(tok, ids)) == 3, content
+    assert len(template.shapes.entries) == 1  # one shape: a tool turn named add
+
+
 class OneCallEngine(RolloutEngine):
     """Turn 1 calls the ``leak`` tool; turn 2 answers."""
 

@@ -14,8 +14,10 @@ those characters, never the special tokens, so it cannot forge turns. Only the t
 
 from __future__ import annotations
 
+import collections
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _PROBE = "Xq7Zv"  # a text no template produces: where it sits tells the turn's closing apart
@@ -77,6 +79,8 @@ class TurnTemplate:
     closing: str  # the template's text after an assistant message's content (ChatML: "<|im_end|>\n")
     after_end_of_turn: str  # the part of ``closing`` after the end-of-turn token (ChatML: "\n")
     template_kwargs: dict[str, Any]
+    head: str = ""  # the probe turns' rendering: every observation's text is what follows it
+    shapes: ShapeCache = field(default_factory=lambda: ShapeCache())  # observation renderings by message shape
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, **template_kwargs: Any) -> TurnTemplate:
@@ -102,12 +106,12 @@ class TurnTemplate:
         if not eot_ids:
             raise TemplateError("neither the chat template's assistant closing nor the tokenizer has an end-of-turn"
                                 " token; set the tokenizer's eos_token")
-        return cls(tokenizer, eot_ids, closing, after, template_kwargs)
+        return cls(tokenizer, eot_ids, closing, after, template_kwargs, head=text)
 
     def observation_text(self, tool_messages: list[dict[str, Any]], *, ended_on_end_of_turn: bool) -> str:
         """The text after a sampled assistant turn up to the next assistant turn's first sampled token: the
         template's rendering of [probe turns + tool messages], less its rendering of the probe turns."""
-        head = render(self.tokenizer, _PROBE_TURNS, **self.template_kwargs)
+        head = self.head
         full = render(self.tokenizer, _PROBE_TURNS + tool_messages, add_generation_prompt=True, **self.template_kwargs)
         if not full.startswith(head):
             raise TemplateError("the chat template renders the earlier turns differently once a tool message"
@@ -122,20 +126,52 @@ class TurnTemplate:
         conversation is), so plain observations keep exact parity."""
         end = {"ended_on_end_of_turn": ended_on_end_of_turn}
         return plain_content_ids(self.tokenizer, lambda messages: self.observation_text(messages, **end),
-                                 tool_messages)
+                                 tool_messages, shapes=self.shapes, shape_key=str(ended_on_end_of_turn))
 
 
-def plain_content_ids(tokenizer: Any, render_messages: Any, messages: list[dict[str, Any]]) -> list[int]:
+class ShapeCache:
+    """A template's rendering of messages whose every ``content`` and ``name`` is a marker, with the special
+    ids of its own text, by the messages' shape (everything but those texts): a multi-turn agent sends the
+    same few shapes all episode long, so most calls render the template once instead of three to six times
+    (the gateway's own time per call, benchmarks/gateway_overhead.py)."""
+
+    def __init__(self, size: int = 256):
+        self.size, self.entries = size, collections.OrderedDict()
+
+    def get(self, key: str, make: Any) -> tuple[str, list[int]]:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key]
+        value = self.entries[key] = make()
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
+
+
+def plain_content_ids(tokenizer: Any, render_messages: Any, messages: list[dict[str, Any]], *,
+                      shapes: ShapeCache | None = None, shape_key: str = "") -> list[int]:
     """The ids of ``render_messages(messages)`` (a template's text) with every message's ``content`` and
     ``name`` tokenised as plain text (special-token strings in them stay characters) and only the
     template's own text with special tokens parsed. Each such text is found in the rendering by putting a
-    marker in its place; when no special token comes from them, the whole text is tokenised at once."""
+    marker in its place; when no special token comes from them, the whole text is tokenised at once.
+
+    ``shapes`` (with ``shape_key`` naming what else the rendering depends on): where the marked rendering
+    of this shape is known, the whole text's ids are checked against its special ids and returned after a
+    single rendering when they agree (no special token came from the messages' texts)."""
     slots = [(m, key) for m, message in enumerate(messages) for key in ("content", "name")
              if isinstance(message.get(key), str)]
     masked = [dict(message) for message in messages]
     for k, (m, key) in enumerate(slots):
         masked[m][key] = _SLOT.format(k)
-    masked_text = render_messages(masked)
+    specials = special_ids(tokenizer)
+    if shapes is not None:
+        key = shape_key + json.dumps(masked, sort_keys=True, default=str)
+        masked_text, own_specials = shapes.get(key, lambda: _marked(tokenizer, render_messages, masked, specials))
+        whole = encode(tokenizer, render_messages(messages))
+        if [i for i in whole if i in specials] == own_specials:
+            return whole
+    else:
+        masked_text = render_messages(masked)
     rendered: dict[str, str] = {}  # slot marker -> the slot's text as the template renders it
     for k, (m, key) in enumerate(slots):
         marker = _SLOT.format(k)
@@ -153,10 +189,16 @@ def plain_content_ids(tokenizer: Any, render_messages: Any, messages: list[dict[
     for piece in pieces:
         ids += encode_plain(tokenizer, rendered[piece]) if piece in rendered else encode(tokenizer, piece)
     whole = encode(tokenizer, text)
-    specials = special_ids(tokenizer)
     if [i for i in whole if i in specials] == [i for i in ids if i in specials]:
         return whole
     return ids
+
+
+def _marked(tokenizer: Any, render_messages: Any, masked: list[dict[str, Any]], specials: set[int]
+            ) -> tuple[str, list[int]]:
+    """A marked rendering and the special ids of the template's own text in it (markers hold none)."""
+    text = render_messages(masked)
+    return text, [i for i in encode(tokenizer, text) if i in specials]
 
 
 def _slot_text(masked_text: str, marker: str, real_text: str) -> str:

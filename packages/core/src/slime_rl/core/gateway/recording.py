@@ -20,7 +20,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime_rl.core.agent.template import TurnTemplate, encode_plain, plain_content_ids, render, special_ids
+from slime_rl.core.agent.template import (
+    ShapeCache,
+    TurnTemplate,
+    encode_plain,
+    plain_content_ids,
+    render,
+    special_ids,
+)
 from slime_rl.core.gateway.messages import GatewayError, Message, same_turn
 
 HISTORY_KINDS = ("first", "matched", "branched", "mismatch")
@@ -83,6 +90,7 @@ class ChatPrompts:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.template = TurnTemplate.from_tokenizer(tokenizer)
+        self.shapes = ShapeCache()  # first prompts' marked renderings, by shape and tools
         self._special_texts = [t for t in (tokenizer.convert_ids_to_tokens(sorted(special_ids(tokenizer))) or [])
                                if t]
 
@@ -113,7 +121,8 @@ class ChatPrompts:
         kind = "mismatch" if any(m.role == "assistant" for m in messages) else "first"
         as_template = [m.for_template(episode.call_names) for m in messages]
         ids = plain_content_ids(self.tokenizer, lambda ms: render(self.tokenizer, ms, add_generation_prompt=True,
-                                                                  tools=tools), as_template)
+                                                                  tools=tools), as_template,
+                                shapes=self.shapes, shape_key=tools_key)
         return ids, None, kind
 
     @staticmethod
