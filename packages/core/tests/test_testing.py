@@ -47,3 +47,16 @@ def test_the_tokenizer_puts_the_special_tokens_first():
 def test_an_unknown_family_is_named():
     with pytest.raises(ValueError, match="family: 'gpt2'; use one of llama, qwen2, qwen3"):
         tiny_config("gpt2", vocab_size=64)
+
+
+def test_a_tiny_glm4_moe_has_what_its_family_has():
+    """A dense first layer then MoE layers, grouped experts, a shared expert, partial RoPE, and a router
+    correction bias that is not zeros (a fresh transformers model's are; a real checkpoint's are learnt)."""
+    config = tiny_config("glm4_moe", vocab_size=64)
+    assert (config.first_k_dense_replace, config.n_group, config.topk_group, config.n_shared_experts) == (1, 2, 1, 1)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.5 and config.routed_scaling_factor != 1.0
+    weights = tiny_model(config, seed=1).state_dict()
+    assert "model.layers.0.mlp.gate_proj.weight" in weights and "model.layers.1.mlp.shared_experts.up_proj.weight" in weights
+    bias = weights["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.abs().min() > 0 and torch.equal(bias, tiny_model(config, seed=1).state_dict()[
+        "model.layers.1.mlp.gate.e_score_correction_bias"])

@@ -2,7 +2,7 @@
 
 Every package's tests build theirs with these (core is every package's dependency):
 - `train_tokenizer`: a byte-level BPE trained on the text given (`stdlib_text` when any text will do);
-- `tiny_config` and `tiny_model`: a random Llama, Qwen2 or Qwen3 causal LM of a few layers, in memory;
+- `tiny_config` and `tiny_model`: a random causal LM of a few layers (each of `FAMILIES`), in memory;
 - `save_model`, `tiny_model_folder`: an HF folder (config.json, model.safetensors, tokenizer files)
   that transformers, SGLang and the Megatron trainer load like any model.
 """
@@ -19,10 +19,18 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "glm4_moe")
 #: Tiny mixture-of-experts defaults (8 experts, top-2; Qwen2-MoE adds its gated shared expert).
 MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
                 "mlp_only_layers": []}
+#: Tiny GLM-4.5-style defaults: a dense first layer, then MoE layers of 8 experts in 2 groups (top-2 from the
+#: best group: sigmoid scores plus the correction bias), one shared expert, a routed scaling factor other
+#: than 1, half the head dim rotated, attention biases and q/k norms (GLM-4.5 ships biases; use_qk_norm is
+#: the config's choice): every GLM-specific path matters to the outputs. No MTP layers (transformers makes none).
+GLM4_MOE_DEFAULTS = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                     "norm_topk_prob": True, "routed_scaling_factor": 2.5, "attention_bias": True,
+                     "use_qk_norm": True, "num_nextn_predict_layers": 0}
 
 
 def stdlib_text(num_files: int = 60) -> list[str]:
@@ -59,10 +67,14 @@ def tiny_config(family: str = "llama", *, vocab_size: int, hidden_size: int = 64
     import transformers
 
     classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-               "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}
+               "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+               "glm4_moe": transformers.Glm4MoeConfig}
     if family not in classes:
         raise ValueError(f"family: {family!r}; use one of {', '.join(FAMILIES)}")
-    if family.endswith("_moe"):
+    if family == "glm4_moe":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        fields = {**GLM4_MOE_DEFAULTS, "rope_parameters": rope, **fields}
+    elif family.endswith("_moe"):
         shared = {"shared_expert_intermediate_size": 48} if family == "qwen2_moe" else {}
         fields = {**MOE_DEFAULTS, **shared, **fields}
     return classes[family](
@@ -76,11 +88,17 @@ def tiny_model(config: PretrainedConfig, *, seed: int = 0, perturb_norms: bool =
     """A random causal LM of ``config`` in float32, in eval mode, the same for the same ``seed``.
 
     ``perturb_norms``: noise on the norm weights and biases, which start as ones and zeros, so that a
-    weight loaded into the wrong place (or not at all) shows in the outputs."""
+    weight loaded into the wrong place (or not at all) shows in the outputs. GLM/DeepSeek routers'
+    ``e_score_correction_bias`` (zeros in a fresh model; learnt in a real checkpoint) always gets random
+    values: with zeros, routing that ignored the bias would pass every test."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.05)
     if perturb_norms:
         with torch.no_grad():
             for name, param in model.named_parameters():
