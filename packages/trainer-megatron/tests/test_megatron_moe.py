@@ -1,5 +1,6 @@
-"""Mixture-of-experts models (Qwen3-MoE; Qwen2-MoE with its gated shared expert) on megatron-core's MoE
-layer: HF -> Megatron -> HF is bit-exact, log-probs equal transformers' (fp32, <= 1e-4), expert
+"""Mixture-of-experts models (Qwen3-MoE; Qwen2-MoE with its gated shared expert; GLM-4.5 with a dense first
+layer, sigmoid group-limited routing with a correction bias, shared experts and partial RoPE) on megatron-core's
+MoE layer: HF -> Megatron -> HF is bit-exact, log-probs equal transformers' (fp32, <= 1e-4), expert
 parallelism over gloo (EP=2) gives EP=1's log-probs, losses, gradient norms and updated weights
 (<= 1e-5 over three steps), and routing replay makes the forward use the experts it is given."""
 
@@ -32,7 +33,10 @@ def trainer_for(model_dir, overrides=()):
     return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "glm4_moe"]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_round_trip_and_log_probs_match_transformers(family, tmp_path):
     model_dir = make_hf_model(tmp_path / "m", family, vocab=VOCAB)
     trainer = trainer_for(model_dir)
@@ -62,12 +66,20 @@ def _with_old(batch, trainer):
 
 
 @pytest.mark.parametrize("family,batching", [("qwen2_moe", ["trainer.max_tokens_per_gpu=40"]),
-                                             ("qwen3_moe", ["trainer.micro_batch_size=2"])])
+                                             ("qwen3_moe", ["trainer.micro_batch_size=2"]),
+                                             # adam_eps: as in the four-rank test below (a ~1e-9 gradient
+                                             # of the dense layer summed in another order moved one weight
+                                             # by 1.6e-5 at the default eps; 4e-8 with this one)
+                                             pytest.param("glm4_moe", ["trainer.micro_batch_size=2",
+                                                                       "trainer.adam_eps=1e-6"],
+                                                          marks=pytest.mark.slow)])
 def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
     """Packed micro-batches (qwen2_moe) pack differently on the two ranks: split_to_count evens them.
     With a KL term (reference weights swapped in) and a resume from a checkpoint saved after step 1.
-    The one rank runs Megatron's SequentialMLP, the two ranks the grouped experts (the default)."""
+    The one rank runs Megatron's SequentialMLP, the two ranks the grouped experts (the default).
+    GLM-4.5's two layers are one dense and one MoE layer."""
     model = make_hf_model(tmp_path / "model", family, vocab=VOCAB)
+    moe_layers = 1 if family == "glm4_moe" else 2
     spec = dict(model=str(model), num_samples=6, vocab=VOCAB, steps=3, ref=True)
     batching = batching + ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"]
     ensure_single_rank_group()
@@ -76,7 +88,7 @@ def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
                                                                 "cluster.actor_num_gpus_per_node=2"],
                        "save_after": 1, "ckpt": str(tmp_path / "ckpt")}, tmp_path)
     assert single["roundtrip_exact"] and multi["roundtrip_exact"]
-    assert (single["local_experts"], multi["local_experts"]) == (2 * 8, 2 * 4)  # 2 layers; EP=2 holds half
+    assert (single["local_experts"], multi["local_experts"]) == (moe_layers * 8, moe_layers * 4)  # EP=2: half
     assert (single["experts_modules"], multi["experts_modules"]) == (["SequentialMLP"], ["GroupedExperts"])
     for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
@@ -95,43 +107,95 @@ def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
     assert all(torch.equal(t, multi["resumed_final"][n]) for n, t in multi["final"].items())
 
 
+def _hf_gates(hf) -> dict[int, torch.nn.Module]:
+    """transformers' routers by layer (MoE layers only: GLM's first layer is dense)."""
+    return {i: layer.mlp.gate for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts")}
+
+
+def _routing_weights(gate, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The weights ``gate`` gives experts ``idx``, as its family computes them from the router logits."""
+    if hasattr(gate, "e_score_correction_bias"):  # GLM: unbiased sigmoid scores, renormalised, scaled
+        scores = logits.float().sigmoid().gather(1, idx)
+        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20) if gate.norm_topk_prob else scores
+        return scores * gate.routed_scaling_factor
+    scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, idx)
+    return scores / scores.sum(-1, keepdim=True) if gate.norm_topk_prob else scores
+
+
 def _hf_routing(hf, tokens: list[int], forced: dict[int, torch.Tensor] | None = None):
-    """transformers' top-k per layer for ``tokens`` ([len, layers, k]) and its response log-probs, with
-    each layer's router made to pick ``forced[layer]`` instead (weights: its own renormalised scores)."""
-    gates = [layer.mlp.gate for layer in hf.model.layers]
-    originals = [g.forward for g in gates]
+    """transformers' own expert choices for ``tokens`` ([len, all layers, k]; zeros at dense layers, as an
+    engine reports them) and its log-probs, with each MoE layer's router made to pick ``forced[layer]``
+    instead (weighted by its own scores)."""
+    gates = _hf_gates(hf)
+    originals = {layer: g.forward for layer, g in gates.items()}
+    k = hf.config.num_experts_per_tok
+    chosen = torch.zeros(len(tokens), len(hf.model.layers), k, dtype=torch.int64)
+
+    def keep(layer: int):
+        def hook(module, inputs, out) -> None:  # (a hook that returns something replaces the output)
+            chosen[:, layer] = out[2]
+        return hook
+
+    hooks = [g.register_forward_hook(keep(layer)) for layer, g in gates.items()]
     if forced is not None:
-        for layer, gate in enumerate(gates):
+        for layer, gate in gates.items():
             def pick(hidden, gate=gate, idx=forced[layer]):
-                logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
-                scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, idx)
-                if gate.norm_topk_prob:
-                    scores = scores / scores.sum(-1, keepdim=True)
-                return logits, scores.to(logits.dtype), idx
+                logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim).float(), gate.weight.float())
+                return logits, _routing_weights(gate, logits, idx).to(hidden.dtype), idx
             gate.forward = pick
     try:
         with torch.no_grad():
-            out = hf(torch.tensor([tokens]), output_router_logits=True)
+            out = hf(torch.tensor([tokens]))
     finally:
-        for gate, original in zip(gates, originals, strict=True):
-            gate.forward = original
-    k = hf.config.num_experts_per_tok
-    chosen = torch.stack([logits.topk(k, dim=-1).indices for logits in out.router_logits], dim=1)
+        for layer, gate in gates.items():
+            gate.forward = originals[layer]
+        for hook in hooks:
+            hook.remove()
     return chosen, torch.log_softmax(out.logits[0].float(), -1)
 
 
+def _router_logits(hf, tokens: list[int]) -> dict[int, torch.Tensor]:
+    """Each MoE layer's router logits for ``tokens``, ``[len, experts]``."""
+    logits = {}
+    hooks = [g.register_forward_hook(lambda m, i, out, layer=layer: logits.__setitem__(layer, out[0].float()))
+             for layer, g in _hf_gates(hf).items()]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([tokens]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits
+
+
 def _min_topk_gap(hf, samples, k: int) -> float:
-    """The smallest gap, over every token and layer of ``samples``, between the k-th and (k+1)-th router score."""
+    """The smallest gap, over every token and MoE layer of ``samples``, between the last chosen and the first
+    unchosen candidate: experts by router score (GLM: sigmoid + bias, within the chosen groups), and GLM's
+    groups by group score (the sum of their 2 best)."""
     gaps = []
-    with torch.no_grad():
-        for s in samples:
-            for logits in hf(torch.tensor([s.tokens]), output_router_logits=True).router_logits:
-                top = torch.softmax(logits.float(), dim=-1).topk(k + 1, dim=-1).values
+    gates = _hf_gates(hf)
+    for s in samples:
+        for layer, logits in _router_logits(hf, s.tokens).items():
+            gate = gates[layer]
+            if not hasattr(gate, "e_score_correction_bias"):
+                top = torch.softmax(logits, dim=-1).topk(k + 1, dim=-1).values
                 gaps.append((top[:, k - 1] - top[:, k]).min().item())
+                continue
+            biased = logits.sigmoid() + gate.e_score_correction_bias
+            groups = biased.view(len(biased), gate.num_group, -1)
+            group_scores = groups.topk(2, dim=-1).values.sum(-1)
+            if gate.topk_group < gate.num_group:
+                ranked = group_scores.topk(gate.topk_group + 1, dim=-1).values
+                gaps.append((ranked[:, -2] - ranked[:, -1]).min().item())
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(
+                1, group_scores.topk(gate.topk_group, dim=-1).indices, True)
+            candidates = groups.masked_fill(~keep[..., None], float("-inf")).reshape(len(biased), -1)
+            top = candidates.topk(k + 1, dim=-1).values
+            gaps.append((top[:, k - 1] - top[:, k]).min().item())
     return min(gaps)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_routing_replay_follows_the_given_experts(family, tmp_path):
     """The engine's choices (here transformers' own, and then the least likely experts, which no router
     picks) replace the router's top-k: natural choices give the unreplayed log-probs, forced ones give
@@ -148,11 +212,11 @@ def test_routing_replay_follows_the_given_experts(family, tmp_path):
     for s in samples:
         chosen, _ = _hf_routing(hf, s.tokens)
         natural.append(chosen)
-        with torch.no_grad():
-            logits = hf(torch.tensor([s.tokens]), output_router_logits=True).router_logits
-        least = torch.stack([(-lg).topk(k, dim=-1).indices for lg in logits], dim=1)
+        least = torch.zeros_like(chosen)  # the lowest router logits (dense layers: zeros, never read)
+        for layer, logits in _router_logits(hf, s.tokens).items():
+            least[:, layer] = (-logits).topk(k, dim=-1).indices
         forced.append(least)
-        _, logp = _hf_routing(hf, s.tokens, {layer: least[:, layer] for layer in range(least.shape[1])})
+        _, logp = _hf_routing(hf, s.tokens, {layer: least[:, layer] for layer in _hf_gates(hf)})
         ids = torch.tensor(s.tokens)
         expected.append(logp[:-1].gather(1, ids[1:, None]).squeeze(1)[-s.response_length:])
     replay = ["algorithm.routing_replay=rollout"]
@@ -180,10 +244,13 @@ def test_routing_replay_follows_the_given_experts(family, tmp_path):
 FOUR_RANK_LAYOUTS = {
     # EP=2 x ETP=2: each expert split over two ranks (gloo's missing reduce-scatter replaced on the CPU)
     "ep2-etp2": (["parallel.expert_model_parallel_size=2", "parallel.expert_tensor_parallel_size=2"],
-                 ["trainer.micro_batch_size=2"], 2 * 4),
+                 ["trainer.micro_batch_size=2"], 2 * 4, "qwen2_moe", 2),
     # PP=2 x EP=2 x DP=2: one layer per stage, 1F1B over packed micro-batches evened across EP ranks
     "pp2-ep2": (["parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],
-                ["trainer.max_tokens_per_gpu=40"], 1 * 4),
+                ["trainer.max_tokens_per_gpu=40"], 1 * 4, "qwen2_moe", 2),
+    # GLM-4.5, 4 layers (dense, then 3 MoE): the first stage holds the dense layer and one MoE layer
+    "glm-pp2-ep2": (["parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],
+                    ["trainer.max_tokens_per_gpu=40"], 1 * 4, "glm4_moe", 4),
 }
 
 
@@ -191,8 +258,8 @@ FOUR_RANK_LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(FOUR_RANK_LAYOUTS))
 def test_four_rank_expert_layouts_match_one_rank(layout, tmp_path):
     """Losses, gradient norms and weights of one rank (Megatron's SequentialMLP), over three steps."""
-    parallel, batching, local_experts = FOUR_RANK_LAYOUTS[layout]
-    model = make_hf_model(tmp_path / "model", "qwen2_moe", vocab=VOCAB)
+    parallel, batching, local_experts, family, layers = FOUR_RANK_LAYOUTS[layout]
+    model = make_hf_model(tmp_path / "model", family, vocab=VOCAB, layers=layers)
     spec = dict(model=str(model), num_samples=8, vocab=VOCAB, steps=3)
     # Adam's first steps move every weight by about +-lr whatever its gradient's size: at the default
     # eps a gradient of ~1e-9 summed in another order (four ranks) flips one weight by 1.3e-5.
@@ -288,3 +355,116 @@ def test_split_to_count_evens_micro_batch_counts():
     assert split_to_count([[0], [1]], lengths, 2) == [[0], [1]]
     with pytest.raises(ValueError, match="expert parallelism: 2 samples on this rank cannot make the 3"):
         split_to_count([[0], [1]], lengths, 3)
+
+
+def _hf_variant(model_dir, tmp_path, name: str, **config_fields):
+    """transformers' model of ``model_dir`` with ``config_fields`` changed in its config.json."""
+    import json
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in config_fields.items():
+        if key == "partial_rotary_factor":
+            config["rope_parameters"][key] = value
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    return load_hf(folder)
+
+
+def test_each_glm_routing_and_attention_part_shows_in_the_log_probs(tmp_path):
+    """The trainer matches transformers on the tiny GLM-4.5 (<= 1e-4) and each GLM-specific part moves
+    transformers' log-probs by far more than that when left out (the correction bias, the group limit,
+    the routed scaling factor, partial RoPE): a trainer that ignored one would fail the parity check."""
+    model_dir = make_hf_model(tmp_path / "m", "glm4_moe", vocab=VOCAB)
+    samples = make_samples(5, VOCAB, prompt=(4, 12), response=(4, 20))
+    batch = to_batch(samples)
+    ours = per_sample(batch, trainer_for(model_dir).compute_log_probs(batch))
+
+    def max_diff(hf) -> float:
+        return max(float((torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length)).abs().max())
+                   for s, lp in zip(samples, ours, strict=True))
+
+    hf = load_hf(model_dir)
+    assert max_diff(hf) <= 1e-4
+    for gate in _hf_gates(hf).values():
+        gate.e_score_correction_bias.zero_()
+    variants = {"no correction bias": hf,
+                "one group": _hf_variant(model_dir, tmp_path, "groups", n_group=1, topk_group=1),
+                "no routed scaling": _hf_variant(model_dir, tmp_path, "scaling", routed_scaling_factor=1.0),
+                "full RoPE": _hf_variant(model_dir, tmp_path, "rope", partial_rotary_factor=1.0)}
+    for name, variant in variants.items():
+        assert max_diff(variant) > 1e-3, name
+
+
+def _glm_checkpoint_as_released(model_dir, tmp_path):
+    """``model_dir`` stored as GLM-4.5's releases are: bf16 weights but a float32 e_score_correction_bias,
+    and a multi-token-prediction layer after the last decoder layer (``num_nextn_predict_layers: 1``), which
+    transformers does not build: random tensors under the names GLM-4.5 uses."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors = {n: t if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16) for n, t in tensors.items()}
+    g = torch.Generator().manual_seed(5)
+    mtp = {"eh_proj.weight": (64, 128), "enorm.weight": (64,), "hnorm.weight": (64,),
+           "shared_head.norm.weight": (64,), "self_attn.q_proj.weight": (64, 64),
+           "mlp.experts.0.gate_proj.weight": (32, 64), "mlp.gate.e_score_correction_bias": (8,)}
+    for suffix, size in mtp.items():
+        tensors[f"model.layers.2.{suffix}"] = torch.randn(size, generator=g).to(torch.bfloat16)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1, "dtype": "bfloat16"}))
+    return sorted(n for n in tensors if n.startswith("model.layers.2."))
+
+
+def test_glm_checkpoint_round_trips_with_its_float32_bias_and_mtp_layer(tmp_path):
+    """A bf16 GLM-4.5 checkpoint: the router's correction bias stays float32 in the trainer (its bf16 cast
+    would move it) and out of it; the MTP layer is not trained and not synced (the engine keeps the
+    checkpoint's), and save_hf writes it back as it was: every tensor of the checkpoint, bit for bit."""
+    model_dir = make_hf_model(tmp_path / "m", "glm4_moe", vocab=VOCAB)
+    mtp_names = _glm_checkpoint_as_released(model_dir, tmp_path)
+    reader = SafetensorsFolder(model_dir)
+    bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert reader.get(bias_name).dtype == torch.float32
+    trainer = trainer_for(model_dir, ["model.dtype=bfloat16"])
+    routers = [m for m in trainer.model.modules() if type(m).__name__ == "TopKRouter"]
+    assert len(routers) == 1 and routers[0].expert_bias.dtype == torch.float32
+    assert torch.equal(routers[0].expert_bias, reader.get(bias_name))
+
+    synced = dict(item for bucket in trainer.named_weights(bucket_bytes=1 << 20) for item in bucket)
+    assert sorted(synced) == sorted(set(reader.weight_map) - set(mtp_names))
+    assert all(torch.equal(t, reader.get(n)) for n, t in synced.items())
+    assert synced[bias_name].dtype == torch.float32
+
+    batch = to_batch(make_samples(4, VOCAB))
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    trainer.train_step(batch)
+    assert torch.equal(routers[0].expert_bias, reader.get(bias_name))  # frozen: no load-balancing update
+    trainer.save_hf(str(tmp_path / "out"))
+    saved = SafetensorsFolder(tmp_path / "out")
+    assert sorted(saved.weight_map) == sorted(reader.weight_map)
+    for name in mtp_names + [bias_name]:
+        assert saved.get(name).dtype == reader.get(name).dtype and torch.equal(saved.get(name), reader.get(name)), name
+    assert not torch.equal(saved.get("model.layers.1.mlp.gate.weight"), reader.get("model.layers.1.mlp.gate.weight"))
+
+
+def test_glm_routing_megatron_cannot_match_is_refused(tmp_path):
+    from slime_rl.trainer_megatron.model import hf_model_shape
+    from slime_rl.trainer_megatron.moe import check_expert_parallel
+
+    config = load_hf(make_hf_model(tmp_path / "m", "glm4_moe", vocab=VOCAB)).config
+    shape = hf_model_shape(config)
+    assert (shape.moe.dense_layers, shape.moe.num_groups, shape.moe.group_topk, shape.moe.scaling_factor,
+            shape.rotary_percent, shape.qk_norm, shape.qkv_bias) == ((0,), 2, 1, 2.5, 0.5, True, True)
+    with pytest.raises(ValueError, match="GLM-4.5-style MoE .* runs at TP=1"):
+        check_expert_parallel(shape.moe, tp=2, ep=1, etp=1, sequence_parallel=True)
+    config.norm_topk_prob = False
+    with pytest.raises(ValueError, match="norm_topk_prob=false with sigmoid routing"):
+        hf_model_shape(config)
+    config.norm_topk_prob, config.num_experts_per_tok = True, 3
+    with pytest.raises(ValueError, match="num_experts_per_tok=3 and topk_group=1 is not supported"):
+        hf_model_shape(config)

@@ -14,6 +14,12 @@ Megatron layouts (local spec):
 - MoE experts: each expert's ``linear_fc1``/``linear_fc2`` as above, over expert-TP ranks; the
   grouped experts stack them (``experts.fc1_weight`` ``[local experts, ...]``) and are read and
   written one expert view at a time, under SequentialMLP's per-expert names.
+- GLM-4.5: the first ``first_k_dense_replace`` layers have a dense MLP, the rest the MoE layer; the
+  router's ``e_score_correction_bias`` is megatron's ``router.expert_bias`` buffer (float32 whatever the
+  model's dtype, as megatron-core and transformers keep it); the shared experts are ``shared_experts``.
+  Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are not built: they are
+  neither trained nor synced to engines (which keep the checkpoint's), and `save_hf` copies them
+  unchanged from the source folder, so a saved folder holds every tensor the checkpoint had.
 """
 
 from __future__ import annotations
@@ -52,9 +58,15 @@ _LAYER_PARAMS = {
 # and Qwen2-MoE's gated shared expert. "{e}" is the global expert index.
 _MOE_PARAMS = {
     "mlp.router.weight": ("mlp.gate.weight", None),
+    "mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias", None),
     "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.{gate,up}_proj.weight", "glu"),
     "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_expert.down_proj.weight", 1),
     "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight", None),
+}
+# GLM-4.5's ungated shared experts, under its own HF names
+_SHARED_EXPERTS_PARAMS = {
+    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_experts.{gate,up}_proj.weight", "glu"),
+    "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight", 1),
 }
 _EXPERT_PARAMS = {
     "mlp.experts.local_experts.{e}.linear_fc1.weight": ("mlp.experts.{e}.{gate,up}_proj.weight", "glu"),
@@ -63,6 +75,8 @@ _EXPERT_PARAMS = {
 _LOCAL_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
 # GroupedExperts (grouped_experts.py) stacks each local expert's linear_fc1/linear_fc2 weight
 _STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)(fc1|fc2)_weight$")
+_EXPERT_BIAS = "mlp.router.expert_bias"  # a buffer, not a parameter: float32, frozen (moe.py)
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _GLOBAL_PARAMS = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
     "decoder.final_layernorm.weight": ("model.norm.weight", None),
@@ -98,11 +112,11 @@ def param_refs(shape: HFModelShape) -> list[ParamRef]:
             if "q_layernorm" in suffix or "k_layernorm" in suffix:
                 if not shape.qk_norm:
                     continue
-            if suffix.startswith("mlp.") and shape.moe is not None:
+            if suffix.startswith("mlp.") and shape.moe is not None and shape.moe.is_moe_layer(i):
                 continue
             hf = tuple(f"model.layers.{i}.{name}" for name in _expand(hf_suffix))
             refs.append(ParamRef(f"decoder.layers.{i}.{suffix}", hf, split, i))
-        if shape.moe is not None:
+        if shape.moe is not None and shape.moe.is_moe_layer(i):
             refs += _moe_refs(shape, i)
     refs.append(ParamRef("decoder.final_layernorm.weight", ("model.norm.weight",), None, None))
     if not shape.tie_word_embeddings:
@@ -112,8 +126,16 @@ def param_refs(shape: HFModelShape) -> list[ParamRef]:
 
 def _moe_refs(shape: HFModelShape, i: int) -> list[ParamRef]:
     refs = []
-    for suffix, (hf_suffix, split) in _MOE_PARAMS.items():
-        if "shared_expert" in hf_suffix and shape.moe.shared_expert_intermediate_size is None:
+    moe = shape.moe
+    params = dict(_MOE_PARAMS)
+    if shape.family == "glm4_moe":  # ungated shared experts named shared_experts
+        params = {k: v for k, v in params.items() if "shared_expert" not in v[0]} | _SHARED_EXPERTS_PARAMS
+    for suffix, (hf_suffix, split) in params.items():
+        if "shared_expert" in hf_suffix and moe.shared_expert_intermediate_size is None:
+            continue
+        if suffix == "mlp.shared_experts.gate_weight" and not moe.shared_expert_gate:
+            continue
+        if suffix == _EXPERT_BIAS and not moe.expert_bias:
             continue
         hf = tuple(f"model.layers.{i}.{name}" for name in _expand(hf_suffix))
         refs.append(ParamRef(f"decoder.layers.{i}.{suffix}", hf, split, i))
@@ -237,7 +259,8 @@ def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[Param
 def _per_expert_parameters(model: PolicyGPT) -> Iterator[tuple[str, torch.Tensor]]:
     """``model.named_parameters()`` with GroupedExperts' stacked weights as one view per local
     expert, named as SequentialMLP names that expert's weight (``...experts.local_experts.{j}.
-    linear_fc1.weight``): what the HF mapping reads and writes, one expert at a time."""
+    linear_fc1.weight``): what the HF mapping reads and writes, one expert at a time; then the
+    routers' expert-bias buffers (GLM's ``e_score_correction_bias``)."""
     for name, param in model.named_parameters():
         m = _STACKED_EXPERTS.match(name)
         if m is None:
@@ -245,6 +268,9 @@ def _per_expert_parameters(model: PolicyGPT) -> Iterator[tuple[str, torch.Tensor
             continue
         for j, expert in enumerate(param.detach().unbind(0)):
             yield f"{m.group(1)}local_experts.{j}.linear_{m.group(2)}.weight", expert
+    for name, buffer in model.named_buffers():
+        if name.endswith(_EXPERT_BIAS):
+            yield name, buffer
 
 
 # ---------------------------------------------------------------- HF folder in
@@ -295,6 +321,11 @@ def load_hf(model: PolicyGPT, folder: str | Path, shape: HFModelShape) -> None:
         local = shard(ref, full, *_split_layout(ref))
         if local.shape != param.shape:
             raise ValueError(f"{folder}: {hf_names} give shape {tuple(local.shape)} for {name}, expected {tuple(param.shape)}")
+        if name.endswith(_EXPERT_BIAS):
+            # float32 even in a bf16 model (whose cast made the buffer bf16): megatron-core routes with
+            # it in float32, and a bf16 copy would move experts' scores by up to 2^-9
+            param.data = local.to(param.device, torch.float32).clone()
+            continue
         param.data.copy_(local)
 
 
@@ -317,13 +348,15 @@ def _hf_shapes(ref: ParamRef, shape: HFModelShape) -> list[tuple[int, ...]]:
     out = []
     moe = shape.moe
     for name in ref.hf_names:
-        if moe is not None and (".experts." in name or ".shared_expert." in name):
+        if moe is not None and (".experts." in name or ".shared_expert." in name or ".shared_experts." in name):
             size = moe.expert_intermediate_size if ".experts." in name else moe.shared_expert_intermediate_size
             out.append((h, size) if name.endswith("down_proj.weight") else (size, h))
         elif name.endswith("mlp.gate.weight"):
             out.append((moe.num_experts, h))
         elif name.endswith("shared_expert_gate.weight"):
             out.append((1, h))
+        elif name.endswith("e_score_correction_bias"):
+            out.append((moe.num_experts,))
         elif name.endswith(("q_proj.weight",)):
             out.append((shape.num_heads * d, h))
         elif name.endswith(("k_proj.weight", "v_proj.weight")):
@@ -372,11 +405,28 @@ def iter_hf_tensors(model: PolicyGPT, shape: HFModelShape) -> Iterator[tuple[str
                 shards = [local]
             tensors = full_to_hf(ref, unshard(ref, shards), shape)
         else:
-            tensors = [torch.empty(s, dtype=dtype, device=device) for s in _hf_shapes(ref, shape)]
+            tensors = [torch.empty(s, dtype=_hf_dtype(ref, dtype), device=device) for s in _hf_shapes(ref, shape)]
         if pp_size > 1:
             for t in tensors:
                 dist.broadcast(t, src=pp_ranks[owner], group=pp_group)
         yield from zip(ref.hf_names, tensors, strict=True)
+
+
+def _hf_dtype(ref: ParamRef, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a ref's HF tensors leave the trainer in: the model's, but the expert bias's float32."""
+    return torch.float32 if ref.megatron_name.endswith(_EXPERT_BIAS) else model_dtype
+
+
+def carried_tensors(shape: HFModelShape, folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors the Megatron model does not hold and a saved folder must still have:
+    its multi-token-prediction layers (``model.layers.{num_hidden_layers + i}.*``), as stored."""
+    if not shape.mtp_layers:
+        return
+    reader = SafetensorsFolder(folder)
+    for name in sorted(reader.weight_map):
+        m = _HF_LAYER.match(name)
+        if m is not None and shape.num_layers <= int(m.group(1)) < shape.num_layers + shape.mtp_layers:
+            yield name, reader.get(name)
 
 
 def _gather_expert(ref: ParamRef, by_global: dict, shape: HFModelShape, dtype: torch.dtype,
@@ -422,7 +472,8 @@ def save_hf(
     tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
 ) -> None:
     """Write an HF folder (config, tokenizer files copied from ``source_folder``, safetensors shards)
-    of ``tensors`` (default: the model's, `iter_hf_tensors`).
+    of ``tensors`` (default: the model's, `iter_hf_tensors`), then the checkpoint's tensors the model does not
+    hold (`carried_tensors`: MTP layers) as ``source_folder`` has them.
 
     Collective: every rank must call it; rank 0 writes.
     """
@@ -434,16 +485,24 @@ def save_hf(
         out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, t in tensors if tensors is not None else iter_hf_tensors(model, shape):
-        if not writer:
-            continue
-        t = t.to("cpu", dtype or t.dtype).contiguous()
+
+    def add(name: str, t: torch.Tensor) -> None:
+        nonlocal size
         if shards[-1] and size + t.numel() * t.element_size() > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = t
         size += t.numel() * t.element_size()
+
+    for name, t in tensors if tensors is not None else iter_hf_tensors(model, shape):
+        if not writer:
+            continue
+        # the expert bias stays float32 (GLM checkpoints store it so; transformers keeps it so)
+        keep = t.dtype if name.endswith("e_score_correction_bias") else dtype
+        add(name, t.to("cpu", keep or t.dtype).contiguous())
     if writer:
+        for name, t in carried_tensors(shape, source_folder):  # MTP layers, as the checkpoint has them
+            add(name, t.contiguous())
         _write_shards(save_file, shards, out)
         src = Path(source_folder)
         for f in src.iterdir():

@@ -1,5 +1,5 @@
 """A Hugging Face config -> a Megatron GPTModel (local layer spec) for Llama, Qwen2/2.5, Qwen3, and the
-mixture-of-experts Qwen3-MoE and Qwen2-MoE (moe.py).
+mixture-of-experts Qwen3-MoE, Qwen2-MoE and GLM-4.5 (moe.py; GLM's first layers are dense).
 
 The model returns the final hidden states (after the last RMSNorm) instead of logits:
 ``logprobs.py`` applies the output layer in chunks, so full-vocabulary logits for a
@@ -22,7 +22,10 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import transformer_block
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from slime_rl.trainer_megatron import fused_rope, sequence_parallel
 from slime_rl.trainer_megatron.attention import PACKED_ATTENTION_CHOICES, SDPAttention
@@ -30,14 +33,15 @@ from slime_rl.trainer_megatron.grouped_experts import GroupedExperts
 from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                           "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe"}
+                           "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+                           "Glm4MoeForCausalLM": "glm4_moe"}
 
 
 @dataclass(frozen=True)
 class HFModelShape:
     """What the conversion and the model need from an HF config.json."""
 
-    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe | glm4_moe
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -54,6 +58,8 @@ class HFModelShape:
     qkv_bias: bool
     qk_norm: bool
     moe: MoEShape | None = None  # the experts of an MoE family, None for dense models
+    rotary_percent: float = 1.0  # the share of each head's dims that RoPE rotates (GLM-4.5: 0.5)
+    mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint: not built, carried through (convert.py)
 
 
 def read_hf_config(path: str | Path):
@@ -95,6 +101,12 @@ def hf_model_shape(hf_config) -> HFModelShape:
         qkv_bias = True  # Qwen2 always has q/k/v biases
     else:
         qkv_bias = bool(getattr(hf_config, "attention_bias", False))
+    # GLM-4.5 makes q/k norms a config choice; Qwen3 always has them
+    qk_norm = family in ("qwen3", "qwen3_moe") or (family == "glm4_moe" and bool(getattr(hf_config, "use_qk_norm", False)))
+    # transformers 5 keeps partial_rotary_factor in rope_parameters, 4.x on the config
+    rotary_percent = float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
+    if int(head_dim * rotary_percent) % 2:
+        raise ValueError(f"model.path: partial_rotary_factor={rotary_percent} rotates an odd number of head dims")
     return HFModelShape(
         family=family,
         architecture=arch,
@@ -111,8 +123,10 @@ def hf_model_shape(hf_config) -> HFModelShape:
         max_position_embeddings=hf_config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=qk_norm,
         moe=moe_shape(hf_config, family) if family in MOE_FAMILIES else None,
+        rotary_percent=rotary_percent,
+        mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0) if family == "glm4_moe" else 0,
     )
 
 
@@ -123,12 +137,15 @@ def attention_cost_weight(shape: HFModelShape) -> float:
     and 2 * heads * head_dim per earlier token for QK^T and attention x V (L / 2 of them on average)."""
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     projections = shape.hidden_size * (2 * q + 2 * kv)
+    dense_mlp = 3 * shape.hidden_size * shape.intermediate_size
     if shape.moe is not None:
         moe = shape.moe
-        mlp = shape.hidden_size * (moe.num_experts + 3 * moe.expert_intermediate_size * moe.topk
-                                   + 3 * (moe.shared_expert_intermediate_size or 0))
+        moe_mlp = shape.hidden_size * (moe.num_experts + 3 * moe.expert_intermediate_size * moe.topk
+                                       + 3 * (moe.shared_expert_intermediate_size or 0))
+        dense = len(moe.dense_layers)  # GLM/DeepSeek: the first layers' MLPs are dense
+        mlp = (dense * dense_mlp + (shape.num_layers - dense) * moe_mlp) / shape.num_layers
     else:
-        mlp = 3 * shape.hidden_size * shape.intermediate_size
+        mlp = dense_mlp
     return q / (projections + mlp)
 
 
@@ -166,6 +183,7 @@ def transformer_config(
     if compiled_fusions:
         fused_rope.install()  # before the config: its checks look for the fused RoPE functions
     extra = {"bias_activation_fusion": compiled_fusions, "apply_rope_fusion": compiled_fusions, **(moe_fields or {}),
+             **_moe_layer_pattern(shape),
              "context_parallel_size": context_parallel_size,
              "sequence_parallel": sequence_parallel and tp > 1}  # our own norms allow it (sequence_parallel.py)
     if recompute is True:
@@ -180,6 +198,14 @@ def transformer_config(
     config.variable_seq_lengths = True
     config.packed_attention = packed_attention  # read by SDPAttention; not a Megatron field
     return config
+
+
+def _moe_layer_pattern(shape: HFModelShape) -> dict:
+    """``moe_layer_freq`` as a list (1: MoE layer, 0: dense) where some layers are dense (GLM/DeepSeek's
+    first ``first_k_dense_replace``): megatron-core then names their weights per layer in distributed checkpoints."""
+    if shape.moe is None or not shape.moe.dense_layers:
+        return {}
+    return {"moe_layer_freq": [int(shape.moe.is_moe_layer(i)) for i in range(shape.num_layers)]}
 
 
 def _make_transformer_config(shape: HFModelShape, tp: int, pp: int, dtype: torch.dtype, extra: dict):
@@ -244,17 +270,27 @@ class PolicyGPT(GPTModel):
         return self.output_layer.weight
 
 
-def layer_spec(shape: HFModelShape, *, grouped_experts: bool = True):
+def layer_spec(shape: HFModelShape, *, grouped_experts: bool = True, moe_layer: bool = True):
     """The local spec with SDPA attention; an MoE model's experts are ``GroupedExperts`` (one grouped
-    GEMM per projection) unless ``grouped_experts`` is false (Megatron's SequentialMLP)."""
-    num_experts = shape.moe.num_experts if shape.moe else None
+    GEMM per projection) unless ``grouped_experts`` is false (Megatron's SequentialMLP). ``moe_layer``
+    false: the dense-MLP layer of a model whose first layers are dense (GLM/DeepSeek)."""
+    num_experts = shape.moe.num_experts if shape.moe and moe_layer else None
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
                                     normalization="RMSNorm")
     attention = spec.submodules.self_attention.submodules
     spec.submodules.self_attention.submodules = dataclasses.replace(attention, core_attention=SDPAttention)
-    if shape.moe is not None and grouped_experts:
+    if num_experts is not None and grouped_experts:
         spec.submodules.mlp = _with_experts(spec.submodules.mlp, GroupedExperts)
     return spec
+
+
+def stage_layer_specs(shape: HFModelShape, config: TransformerConfig, *, grouped_experts: bool = True) -> list:
+    """The specs of this pipeline stage's layers, dense or MoE as each global layer is."""
+    moe_spec = layer_spec(shape, grouped_experts=grouped_experts)
+    dense_spec = layer_spec(shape, moe_layer=False) if shape.moe is not None and shape.moe.dense_layers else None
+    first = get_transformer_layer_offset(config)
+    layers = range(first, first + get_num_layers_to_build(config))
+    return [dense_spec if dense_spec is not None and not shape.moe.is_moe_layer(i) else moe_spec for i in layers]
 
 
 def _with_experts(moe_spec, experts: type):
@@ -271,7 +307,7 @@ def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, va
     """This rank's pipeline stage of the model (weights uninitialised until convert.load_hf)."""
     model = PolicyGPT(
         config=config,
-        transformer_layer_spec=_block_spec(layer_spec(shape, grouped_experts=grouped_experts), config),
+        transformer_layer_spec=_block_spec(stage_layer_specs(shape, config, grouped_experts=grouped_experts), config),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -279,6 +315,7 @@ def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, va
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,
+        rotary_percent=shape.rotary_percent,
         value_head=value_head,
     )
     _apply_hf_rope_scaling(model, shape, hf_config)
@@ -286,9 +323,16 @@ def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, va
     return model
 
 
-def _block_spec(spec, config: TransformerConfig):
-    """Under sequence parallelism every norm is our SP-aware one (megatron's torch norms refuse SP)."""
-    return sequence_parallel.with_local_norms(spec, config) if config.sequence_parallel else spec
+def _block_spec(layer_specs: list, config: TransformerConfig):
+    """The decoder block of this stage's layers (one layer spec where all are alike, as megatron-core takes it;
+    a TransformerBlockSubmodules where dense and MoE layers mix); under sequence parallelism every norm is our SP-aware
+    one (megatron's torch norms refuse SP)."""
+    if config.sequence_parallel:
+        return sequence_parallel.with_local_norms(layer_specs, config)
+    if all(spec is layer_specs[0] for spec in layer_specs):
+        return layer_specs[0]  # one spec for every layer: megatron-core builds the block as it always has
+    # mixed dense and MoE layers: the final norm megatron-core would pick for a single spec
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=transformer_block.LayerNormImpl)
 
 
 def _mark_tensor_parallel_weights(model: torch.nn.Module) -> None:

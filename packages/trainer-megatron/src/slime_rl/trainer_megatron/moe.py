@@ -1,5 +1,14 @@
-"""Mixture-of-experts pieces of the Megatron trainer: Qwen3-MoE and Qwen2-MoE on megatron-core's
-MoE layer (local spec, no TransformerEngine).
+"""Mixture-of-experts pieces of the Megatron trainer: Qwen3-MoE, Qwen2-MoE and GLM-4.5-style MoE on
+megatron-core's MoE layer (local spec, no TransformerEngine).
+
+Routing, as each family's HF model defines it (moe_utils.topk_routing_with_score_function in megatron-core):
+- Qwen3-MoE / Qwen2-MoE: softmax over the router logits, top-k, Qwen3 renormalises the top-k.
+- GLM-4.5 (and DeepSeek-V3, which routes the same way: "noaux_tc"): sigmoid scores; the experts are
+  chosen by score + ``e_score_correction_bias`` (megatron's ``expert_bias``), first among the
+  ``topk_group`` best of ``n_group`` groups (a group scores the sum of its 2 best biased scores), and
+  weighted by their unbiased scores, renormalised, times ``routed_scaling_factor``. The bias is frozen
+  in training (``moe_router_bias_update_rate=0``): it is loaded from and saved to the checkpoint as it is,
+  and never updated from the expert loads (DeepSeek's auxiliary-loss-free balancing is not run).
 
 Experts run as ``GroupedExperts`` (grouped_experts.py: all local experts in one ``torch._grouped_mm``
 per projection), or with ``trainer.megatron.moe_grouped_gemm: false`` as megatron's SequentialMLP (one MLP
@@ -16,22 +25,36 @@ from dataclasses import dataclass
 
 import torch
 
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe")
+#: Families whose routers score experts with a sigmoid and choose them with a correction bias (noaux_tc).
+BIAS_ROUTED_FAMILIES = ("glm4_moe",)
 
 
 @dataclass(frozen=True)
 class MoEShape:
-    """The MoE fields of an HF config (Qwen2-MoE / Qwen3-MoE)."""
+    """The MoE fields of an HF config (Qwen2-MoE / Qwen3-MoE / GLM-4.5)."""
 
     num_experts: int
     topk: int
     expert_intermediate_size: int
     norm_topk_prob: bool
-    shared_expert_intermediate_size: int | None  # Qwen2-MoE: one gated shared expert
+    shared_expert_intermediate_size: int | None  # Qwen2-MoE: one gated shared expert; GLM: ungated
+    shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert's output
+    score_function: str = "softmax"  # "sigmoid" for noaux_tc routing (GLM-4.5, DeepSeek-V3)
+    expert_bias: bool = False  # e_score_correction_bias: added to the scores to choose, not to weigh
+    num_groups: int | None = None  # group-limited routing: experts in n_group groups ...
+    group_topk: int | None = None  # ... of which topk_group are searched
+    scaling_factor: float | None = None  # routed_scaling_factor on the routing weights
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (GLM/DeepSeek: the first k)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
 
 def moe_shape(hf_config, family: str) -> MoEShape:
-    """Read and check the MoE fields; every layer must be an MoE layer."""
+    """Read and check the MoE fields."""
+    if family in BIAS_ROUTED_FAMILIES:
+        return _noaux_tc_shape(hf_config)
     sparse_step = getattr(hf_config, "decoder_sparse_step", 1)
     dense_layers = list(getattr(hf_config, "mlp_only_layers", None) or [])
     if sparse_step != 1 or dense_layers:
@@ -46,6 +69,44 @@ def moe_shape(hf_config, family: str) -> MoEShape:
         expert_intermediate_size=hf_config.moe_intermediate_size,
         norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", family == "qwen3_moe")),
         shared_expert_intermediate_size=shared or None,
+        shared_expert_gate=bool(shared),
+    )
+
+
+def _noaux_tc_shape(hf_config) -> MoEShape:
+    """GLM-4.5's (and DeepSeek-V3's) MoE fields, refusing what megatron-core's router would compute
+    differently from the HF model."""
+    experts, topk = hf_config.n_routed_experts, hf_config.num_experts_per_tok
+    groups, group_topk = getattr(hf_config, "n_group", 1) or 1, getattr(hf_config, "topk_group", 1) or 1
+    if not getattr(hf_config, "norm_topk_prob", True) and topk > 1:
+        # megatron-core's sigmoid router always renormalises the top-k weights
+        raise ValueError("model.path: norm_topk_prob=false with sigmoid routing is not supported")
+    if experts % groups or group_topk > groups:
+        raise ValueError(f"model.path: n_group={groups} must divide the {experts} experts and be >= topk_group"
+                         f" ({group_topk})")
+    if groups > 1 and (topk % group_topk or topk // group_topk != 2):
+        # HF (and SGLang) score a group by the sum of its 2 best biased scores; megatron-core by the sum
+        # of its best num_experts_per_tok / topk_group (2 for GLM-4.5 and DeepSeek-V3: 8 / 4)
+        raise ValueError(f"model.path: group-limited routing with num_experts_per_tok={topk} and"
+                         f" topk_group={group_topk} is not supported; their ratio must be 2")
+    dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
+    if dense >= hf_config.num_hidden_layers:
+        raise ValueError(f"model.path: first_k_dense_replace={dense} leaves no MoE layer")
+    shared = (getattr(hf_config, "n_shared_experts", 0) or 0) * hf_config.moe_intermediate_size
+    scaling = float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0)
+    return MoEShape(
+        num_experts=experts,
+        topk=topk,
+        expert_intermediate_size=hf_config.moe_intermediate_size,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=shared or None,
+        score_function="sigmoid",
+        expert_bias=True,
+        # one group: every expert is searched, as a plain top-k does
+        num_groups=groups if groups > 1 else None,
+        group_topk=group_topk if groups > 1 else None,
+        scaling_factor=scaling if scaling != 1.0 else None,
+        dense_layers=tuple(range(dense)),
     )
 
 
@@ -68,28 +129,38 @@ def expert_backend() -> str:
 def transformer_config_fields(moe: MoEShape, *, ep: int, etp: int, aux_loss_coeff: float,
                               z_loss_coeff: float | None, load_balancing_type: str,
                               routing_replay: bool) -> dict:
-    """TransformerConfig fields for the MoE layer (HF routing: softmax, top-k, optional renormalisation)."""
-    return dict(
+    """TransformerConfig fields for the MoE layers (routing as the family's HF model routes: see the module
+    docstring)."""
+    fields = dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.topk,
         moe_ffn_hidden_size=moe.expert_intermediate_size,
-        # Qwen3 renormalises the top-k softmax (== softmax over the top-k logits); Qwen2-MoE keeps
-        # the full softmax's probabilities (softmax first, then top-k).
-        moe_router_pre_softmax=not moe.norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_score_function=moe.score_function,
         moe_router_load_balancing_type=load_balancing_type,
         moe_aux_loss_coeff=aux_loss_coeff,
         moe_z_loss_coeff=z_loss_coeff,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
-        moe_shared_expert_gate=moe.shared_expert_intermediate_size is not None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
         moe_shared_expert_overlap=False,
         moe_router_dtype="fp32",
         moe_enable_routing_replay=routing_replay,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
+    if moe.score_function == "softmax":
+        # Qwen3 renormalises the top-k softmax (== softmax over the top-k logits); Qwen2-MoE keeps
+        # the full softmax's probabilities (softmax first, then top-k).
+        fields["moe_router_pre_softmax"] = not moe.norm_topk_prob
+    if moe.expert_bias:
+        # the checkpoint's e_score_correction_bias, frozen: a rate of 0 leaves it as loaded
+        fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if moe.num_groups is not None:
+        fields.update(moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk)
+    if moe.scaling_factor is not None:
+        fields["moe_router_topk_scaling_factor"] = moe.scaling_factor
+    return fields
 
 
 def check_expert_parallel(moe: MoEShape | None, *, tp: int, ep: int, etp: int, sequence_parallel: bool = False) -> None:
@@ -99,6 +170,9 @@ def check_expert_parallel(moe: MoEShape | None, *, tp: int, ep: int, etp: int, s
             raise ValueError("parallel.expert_model_parallel_size / expert_tensor_parallel_size: the model has no"
                              " experts; set both to 1")
         return
+    if tp > 1 and (moe.expert_bias or moe.dense_layers):
+        raise ValueError("parallel.tensor_model_parallel_size: GLM-4.5-style MoE (sigmoid routing, dense first layers)"
+                         " runs at TP=1 so far; spread the experts with parallel.expert_model_parallel_size")
     if tp > 1 and not sequence_parallel:
         # megatron-core's MoE layer under TP works on the sequence-split hidden states (the router
         # and dispatcher each see this TP rank's share of the tokens): sequence_parallel.py
@@ -250,25 +324,25 @@ class RoutingReplay:
     routers (``moe_enable_routing_replay``): each router then takes the given top-k instead of its
     own and weighs them by its own scores, so gradients still reach the router."""
 
-    def __init__(self, model: torch.nn.Module, first_layer: int):
+    def __init__(self, model: torch.nn.Module):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        # this model's routers in layer order (megatron's global list also holds other models')
-        self.replays = [m.router_replay for m in model.modules()
+        # this model's routers (megatron's global list also holds other models'), each with its global
+        # layer index: the engine reports every layer, dense ones (GLM/DeepSeek's first) included
+        self.replays = [(m.layer_number - 1, m.router_replay) for m in model.modules()
                         if isinstance(m, TopKRouter) and m.router_replay is not None]
-        self.first_layer = first_layer
 
     def use(self, routed: torch.Tensor | None, device: torch.device) -> None:
         """Replay ``routed`` (``[tokens, all layers, k]``, the router's token order) in the next
         forward; None: route as usual."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        for layer, replay in enumerate(self.replays):
+        for layer, replay in self.replays:
             replay.clear_indices()
             if routed is None:
                 replay.clear_router_replay_action()
                 continue
-            replay.set_target_indices(routed[:, self.first_layer + layer].to(device, torch.int64).contiguous())
+            replay.set_target_indices(routed[:, layer].to(device, torch.int64).contiguous())
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def clear(self) -> None:

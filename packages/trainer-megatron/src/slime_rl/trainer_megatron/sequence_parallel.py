@@ -21,7 +21,7 @@ import dataclasses
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from slime_rl.trainer_megatron.attention import packed_seq_params
 
@@ -42,15 +42,22 @@ class LocalNorm:
         return norm
 
 
-def with_local_norms(layer_spec, config) -> TransformerBlockSubmodules:
-    """The decoder block's spec: ``layer_spec`` with each of megatron's torch norms (input, pre-MLP and,
-    where the model has them, q/k) a ``LocalNorm``, and a ``LocalNorm`` as the final norm."""
+def with_local_norms(layer_specs: list, config) -> TransformerBlockSubmodules:
+    """The decoder block's spec: this stage's ``layer_specs`` with each of megatron's torch norms (input,
+    pre-MLP and, where the model has them, q/k) a ``LocalNorm``, and a ``LocalNorm`` as the final norm."""
+    converted = {}  # one converted spec per distinct spec (dense and MoE layers differ)
+    for spec in layer_specs:
+        if id(spec) not in converted:
+            converted[id(spec)] = _with_local_norms_in_layer(spec)
+    return TransformerBlockSubmodules(layer_specs=[converted[id(spec)] for spec in layer_specs], layer_norm=LocalNorm)
+
+
+def _with_local_norms_in_layer(layer_spec):
     layer = _local_norms_in(layer_spec.submodules)
     attention = layer.self_attention
     layer = dataclasses.replace(layer, self_attention=dataclasses.replace(
         attention, submodules=_local_norms_in(attention.submodules)))
-    spec = dataclasses.replace(layer_spec, submodules=layer)
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=LocalNorm)
+    return dataclasses.replace(layer_spec, submodules=layer)
 
 
 def _local_norms_in(submodules):

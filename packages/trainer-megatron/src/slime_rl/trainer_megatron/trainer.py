@@ -198,7 +198,7 @@ class MegatronTrainer(PolicyTrainer):
             if mt.recompute:
                 raise ValueError("algorithm.routing_replay: rollout does not support trainer.megatron.recompute yet (the"
                                  " recomputed forward would need the replayed experts again); set recompute to false")
-            self.routing_replay = moe.RoutingReplay(self.model, convert.layer_offset(self.model))
+            self.routing_replay = moe.RoutingReplay(self.model)
         if self.device_type == "cuda":
             self.model.cuda()
         # bf16: Float16Module also casts the torch norms' fp32 weights, so every parameter has its
