@@ -5,10 +5,17 @@ stand-in's model is a `StandinModel` whose ``load_weights`` takes HF-named tenso
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from slime_rl.core.infra.plugins import load_attr
 from slime_rl.rollout_sglang.testing.lora import decode_tensor_payload
+
+
+def scheduler_crash(message: str) -> None:
+    """An exception in SGLang's scheduler process: it logs it and SIGQUITs the server, which exits unanswered."""
+    print(f"[standin-sglang] Scheduler hit an exception: {message}", flush=True)
+    os._exit(1)
 
 
 class UncaughtInScheduler(Exception):

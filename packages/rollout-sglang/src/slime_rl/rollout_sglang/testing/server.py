@@ -30,7 +30,6 @@ import asyncio
 import base64
 import hashlib
 import json
-import os
 import secrets
 import time
 from pathlib import Path
@@ -42,7 +41,11 @@ from tokenizers import Tokenizer
 
 from slime_rl.rollout_sglang.testing.auth import ADMIN_OPTIONAL, auth_decision, auth_middleware  # noqa: F401 (re-exported)
 from slime_rl.rollout_sglang.testing.checks import context_length, request_error
-from slime_rl.rollout_sglang.testing.custom_loader import UncaughtInScheduler, load_tensor_payload
+from slime_rl.rollout_sglang.testing.custom_loader import (
+    UncaughtInScheduler,
+    load_tensor_payload,
+    scheduler_crash,
+)
 from slime_rl.rollout_sglang.testing.gate import ModelGate, RequestAborted
 from slime_rl.rollout_sglang.testing.lora import LoraError, LoraRegistry, add_flags
 from slime_rl.rollout_sglang.testing.nccl import join_group, receive_broadcast
@@ -387,7 +390,7 @@ class StandinServer:
         tags = body.get("tags") or list(self.memory)
         self.record("release_memory_occupation", tags=tags)
         if self.gate.in_model:  # held in place, or running: the scheduler's assertion kills the server
-            _scheduler_crash("AssertionError: release_memory_occupation should be called only when server is idle.")
+            scheduler_crash("AssertionError: release_memory_occupation should be called only when server is idle.")
         for tag in tags:
             self.memory[tag] = False
         if "kv_cache" in tags:  # SGLang flushes the cache with the KV pool
@@ -399,7 +402,7 @@ class StandinServer:
         tags = body.get("tags") or list(self.memory)
         self.record("resume_memory_occupation", tags=tags)
         if any(self.memory[tag] for tag in tags):  # SGLang: offload_tags.remove(tag) raises in the scheduler
-            _scheduler_crash(f"KeyError: {[t for t in tags if self.memory[t]][0]!r}")
+            scheduler_crash(f"KeyError: {[t for t in tags if self.memory[t]][0]!r}")
         for tag in tags:
             self.memory[tag] = True
         return web.json_response(None)
@@ -418,7 +421,7 @@ class StandinServer:
             response = await work()
             if response.status == 200 and body.get("flush_cache", True):
                 if self.gate.in_model:
-                    _scheduler_crash("AssertionError: Cache flush failed after updating weights")
+                    scheduler_crash("AssertionError: Cache flush failed after updating weights")
                 self.prefix_cache.clear()
         return response
 
@@ -444,7 +447,7 @@ class StandinServer:
                     raise ValueError(f"{len(payloads)} payloads for tp_size {self.args.tp_size}")
                 load_tensor_payload(self, payloads[0], body.get("load_format"), body.get("weight_version"))
             except UncaughtInScheduler as err:
-                _scheduler_crash(str(err))
+                scheduler_crash(str(err))
             except Exception as err:  # SGLang answers 400 with success=false
                 return web.json_response({"success": False, "message": f"{type(err).__name__}: {err}"}, status=400)
             return web.json_response({"success": True, "message": "Success"})
@@ -540,12 +543,6 @@ class StandinServer:
 async def _json_or_empty(request: web.Request) -> dict:
     raw = await request.read()
     return json.loads(raw) if raw.strip() else {}
-
-
-def _scheduler_crash(message: str) -> None:
-    """An exception in SGLang's scheduler process: it logs it and SIGQUITs the server, which exits unanswered."""
-    print(f"[standin-sglang] Scheduler hit an exception: {message}", flush=True)
-    os._exit(1)
 
 
 def _error(message: str, status: int = 400) -> web.Response:
