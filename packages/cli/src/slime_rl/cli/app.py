@@ -331,19 +331,27 @@ def _console() -> Console:
 @app.command()
 def doctor(
     model: Annotated[str | None, typer.Option(
-        "--model", metavar="PATH", help="Also check this model's chat template for multi-turn parity (an HF folder,"
-        " a .gguf file or builtin:<name>).")] = None,
+        "--model", metavar="PATH", help="Also check whether the trainers build this model (an HF folder) and its chat"
+        " template for multi-turn parity (an HF folder, a .gguf file or builtin:<name>).")] = None,
 ) -> None:
     """Report what is installed: Python, torch and CUDA, slime-rl packages and backends, libraries.
 
-    With --model, also build a sample tool-calling conversation turn by turn as the multi-turn agent does and
+    With --model, say whether each installed trainer builds the model folder's architecture (and if not, which
+    part is missing), and build a sample tool-calling conversation turn by turn as the multi-turn agent does and
     compare its ids with the chat template's rendering, printing the first differing position with both
-    decodings. Exits 1 when an installed slime-rl package or backend does not import, or the template drifts."""
+    decodings. Exits 1 when an installed slime-rl package or backend does not import, no installed trainer
+    builds the model, or the template drifts."""
     from slime_rl.cli.doctor import collect, render
 
     report = collect()
     typer.echo(render(report))
-    drift = False
+    drift = unsupported = False
+    if model is not None and (Path(model) / "config.json").is_file():
+        from slime_rl.cli.doctor import model_support
+
+        supported, text = model_support(model)
+        typer.echo(f"\n{text}")
+        unsupported = not supported
     if model is not None:
         from slime_rl.core.agent.parity import DIFFERS, UNUSABLE, check_parity, format_report, load_tokenizer
 
@@ -355,7 +363,7 @@ def doctor(
         typer.echo(f"\nchat template of {model} (multi-turn parity, docs/agents.md):")
         typer.echo(format_report(results))
         drift = any(r.status in (DIFFERS, UNUSABLE) for r in results)
-    raise typer.Exit(1 if report.broken or drift else 0)
+    raise typer.Exit(1 if report.broken or drift or unsupported else 0)
 
 
 @app.command()

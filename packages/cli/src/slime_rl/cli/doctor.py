@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, entry_points, version
 
+from slime_rl.core.config.backends import registered_settings
 from slime_rl.core.config.cpu import choose_cpu_dtype, cpu_info
 from slime_rl.core.infra.plugins import GROUPS, PluginError, installed, load_plugin
 
@@ -28,6 +29,7 @@ SLIME_PACKAGES = {
 }
 ENGINES = "slime_rl.rollout_engines"
 DOCTOR_CHECKS = "slime_rl.doctor_checks"
+TRAINERS = "slime_rl.trainers"
 LIBRARIES = ("megatron-core", "sglang", "sglang-router", "ray", "transformers", "pydantic")
 
 
@@ -149,6 +151,29 @@ def _add_contribution(report: Report, section: str, target: str) -> None:
         return
     for name, status in lines:
         report.add(section, name, status)
+
+
+def model_support(path: str) -> tuple[bool, str]:
+    """`doctor --model`: what each installed trainer backend makes of the model folder at ``path`` (its settings
+    model's ``model_support``), and whether one of them trains it (True where none has anything to say)."""
+    out = [f"model support of {path} (trainer backends):"]
+    verdicts = []
+    for name in sorted(installed(TRAINERS)):
+        try:
+            settings = registered_settings(TRAINERS, name)
+            verdict = settings.model_support(path) if settings is not None else None
+        except Exception as err:  # a backend's broken check is reported, not raised
+            out.append(f"  {name}: does not run: {_cause(err)}")
+            continue
+        if verdict is None:
+            continue
+        supported, lines = verdict
+        verdicts.append(supported)
+        out.append(f"  {name}: {'supported' if supported else 'NOT supported'}")
+        out += [f"    {line_name}: {status}" for line_name, status in lines]
+    if len(out) == 1:
+        out.append("  (no installed trainer checks models)")
+    return any(verdicts) or not verdicts, "\n".join(out)
 
 
 def render(report: Report) -> str:

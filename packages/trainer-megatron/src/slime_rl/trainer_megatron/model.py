@@ -31,10 +31,7 @@ from slime_rl.trainer_megatron import fused_rope, sequence_parallel
 from slime_rl.trainer_megatron.attention import PACKED_ATTENTION_CHOICES, SDPAttention
 from slime_rl.trainer_megatron.grouped_experts import GroupedExperts
 from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
-
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                           "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-                           "Glm4MoeForCausalLM": "glm4_moe"}
+from slime_rl.trainer_megatron.support import SUPPORTED_ARCHITECTURES, architecture_family
 
 
 @dataclass(frozen=True)
@@ -73,17 +70,12 @@ def read_hf_config(path: str | Path):
 
 
 def hf_model_shape(hf_config) -> HFModelShape:
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        by_type = {family: name for name, family in SUPPORTED_ARCHITECTURES.items()}
-        arch = by_type.get(getattr(hf_config, "model_type", ""))
-    if arch is None:
-        raise ValueError(
-            f"model.path: architecture {archs or hf_config.model_type!r} is not supported; "
-            f"the Megatron trainer handles {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    family = SUPPORTED_ARCHITECTURES[arch]
+    try:
+        family = architecture_family({"architectures": getattr(hf_config, "architectures", None),
+                                      "model_type": getattr(hf_config, "model_type", None)})
+    except ValueError as err:
+        raise ValueError(f"model.path: {err}") from None
+    arch = next(name for name, named in SUPPORTED_ARCHITECTURES.items() if named == family)
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"model.path: hidden_act={act!r} is not supported (only silu/SwiGLU)")

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator
 
-from slime_rl.core.config import BackendSettings
+from slime_rl.core.config import BackendSettings, ConfigError
+from slime_rl.trainer_megatron.support import architecture_family, read_config
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -60,6 +61,24 @@ class MegatronSettings(BackendSettings):
                     " (Megatron's layernorm recompute needs TransformerEngine, which the local spec does not use)")
             return list(value)
         return value
+
+    def check(self, cfg: Config, where: str) -> None:
+        """The model's architecture is one the trainer builds (read from its config.json: `slime-cli plan`
+        refuses the others with the list, before anything starts). ``builtin:`` models are Llama."""
+        hf = read_config(cfg.model.path)
+        if hf is None or not (hf.get("architectures") or hf.get("model_type")):
+            return  # a builtin: name or a folder check_model reports; one naming no model is left to the build
+        try:
+            architecture_family(hf)
+        except ValueError as err:
+            raise ConfigError("model.path", f"{cfg.model.path}: {err}") from None
+
+    @classmethod
+    def model_support(cls, path: str) -> tuple[bool, list[tuple[str, str]]]:
+        """Whether the trainer builds the checkpoint at ``path``, and if not which part is missing (support.py)."""
+        from slime_rl.trainer_megatron.support import model_support
+
+        return model_support(path)
 
 
 def megatron_settings(cfg: Config) -> MegatronSettings:

@@ -35,6 +35,12 @@ class BackendSettings(BaseModel):
         """Checks the values alone cannot make (a file exists, a key fits the rest of ``cfg``), run with core's
         cross-field checks for the chosen backend; raise ConfigError naming ``<where>.<field>``. None here."""
 
+    @classmethod
+    def model_support(cls, path: str) -> tuple[bool, list[tuple[str, str]]] | None:
+        """`slime-cli doctor --model PATH`: whether this backend runs the model folder at ``path`` and, if not,
+        which part is missing, as (supported, (name, status) lines). None: nothing to say (here)."""
+        return None
+
 
 class NoSettings(BackendSettings):
     """The settings of a backend that declares none: no keys."""

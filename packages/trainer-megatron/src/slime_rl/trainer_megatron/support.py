@@ -1,0 +1,84 @@
+"""Which Hugging Face architectures the Megatron trainer builds, read from a config.json without importing
+torch or megatron-core: `slime-cli plan` refuses an unsupported one (``MegatronSettings.check``) and
+`slime-cli doctor --model` says what the trainer makes of a checkpoint (`model_support`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+#: HF architecture -> the trainer's family name (model.py builds each).
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                           "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+                           "Glm4MoeForCausalLM": "glm4_moe"}
+#: Architectures users ask for that are not built yet, with the part that is missing.
+MISSING_PARTS = {
+    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA: low-rank q/kv projections, decoupled RoPE) so far;"
+                             " its MoE routing is GLM-4.5's, which it has",
+    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and V2's softmax routing (greedy or group-limited"
+                             " greedy) so far",
+}
+
+
+def architecture_family(hf: dict[str, Any]) -> str:
+    """The family of an HF config.json's mapping, found by ``architectures`` (by ``model_type`` where no entry is
+    a causal LM); a ValueError naming the supported architectures, and what is missing where that is known."""
+    archs = list(hf.get("architectures") or [])
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is not None:
+        return SUPPORTED_ARCHITECTURES[arch]
+    causal_lms = [a for a in archs if a.endswith("ForCausalLM")]
+    if not causal_lms and hf.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+        return hf["model_type"]  # no architectures, or another head on a supported backbone (a reward model's)
+    named = archs or [hf.get("model_type")]
+    missing = next((MISSING_PARTS[a] for a in named if a in MISSING_PARTS), None)
+    why = f": the Megatron trainer lacks {missing}" if missing else ""
+    raise ValueError(f"architecture {', '.join(map(str, named))} is not supported{why}; the Megatron trainer handles"
+                     f" {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def read_config(path: str | Path) -> dict[str, Any] | None:
+    """``path/config.json`` as a mapping; None where there is none (or it is not a JSON object)."""
+    try:
+        hf = json.loads((Path(path) / "config.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    return hf if isinstance(hf, dict) else None
+
+
+def model_support(path: str | Path) -> tuple[bool, list[tuple[str, str]]]:
+    """`slime-cli doctor --model`: whether the trainer builds the checkpoint at ``path`` and, if not, which
+    part is missing: its architecture, then every field the trainer reads from the full config (this imports
+    transformers and megatron-core). Returns (supported, (name, status) lines)."""
+    hf = read_config(path)
+    if hf is None:
+        return False, [("config.json", f"{Path(path) / 'config.json'} is missing or not a JSON object")]
+    archs = ", ".join(hf.get("architectures") or [str(hf.get("model_type"))])
+    try:
+        family = architecture_family(hf)
+    except ValueError as err:
+        return False, [("architecture", str(err))]
+    from slime_rl.trainer_megatron.model import hf_model_shape, read_hf_config
+
+    try:
+        shape = hf_model_shape(read_hf_config(path))
+    except (ValueError, OSError) as err:  # a field the trainer does not handle (hidden_act, routing, ...)
+        return False, [("architecture", f"{archs}: family {family}"),
+                       ("config", str(err).removeprefix("model.path: "))]
+    lines = [("architecture", f"{archs}: supported (family {family})")]
+    if shape.moe is not None:
+        moe = shape.moe
+        experts = f"{moe.num_experts} routed, top-{moe.topk}, " + (
+            f"sigmoid scores with the correction bias (frozen in training), {moe.num_groups or 1} group(s)"
+            if moe.expert_bias else "softmax scores")
+        if moe.dense_layers:
+            experts += f"; the first {len(moe.dense_layers)} layer(s) dense"
+        if moe.expert_bias or moe.dense_layers:
+            experts += "; TP=1 (spread the experts with parallel.expert_model_parallel_size)"
+        lines.append(("experts", experts))
+    if shape.mtp_layers:
+        lines.append(("mtp", f"{shape.mtp_layers} multi-token-prediction layer(s): not trained, carried unchanged"
+                             " into saved checkpoints"))
+    return True, lines
