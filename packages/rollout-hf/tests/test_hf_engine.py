@@ -405,13 +405,13 @@ def test_moe_weight_sync_takes_the_checkpoints_per_expert_names(tokenizer, make_
     assert all(torch.equal(t, mine[n]) for n, t in other.state_dict().items())
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 def test_moe_returns_the_experts_of_every_token_fed(arch, tokenizer, make_model):
     """With return_routed_experts, each response carries [prompt + new - 1][layers][top-k]: what one
     transformers forward over the whole sequence routes (batched, left-padded prefill and cached decode
-    included); without it, nothing."""
-    from slime_rl.rollout_hf.moe import routed_experts
-
+    included); without it, nothing. GLM-4.5's dense first layer reports zeros (as SGLang's buffer does), and
+    its MoE layer the router's own choice (sigmoid + correction bias within the best group), which is not the
+    top-k of its logits."""
     model = make_model(arch, len(tokenizer))
     engine = HFEngine(model, tokenizer)
     prompts = encode(tokenizer, PROMPTS[:3]) * 2
@@ -419,14 +419,29 @@ def test_moe_returns_the_experts_of_every_token_fed(arch, tokenizer, make_model)
                              return_routed_experts=i != 5) for i in range(len(prompts))]
     outputs = asyncio.run(generate_all(engine, prompts, params))
     assert outputs[5].routed_experts is None
+    gates = {i: layer.mlp.gate for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
+    assert sorted(gates) == ([1] if arch == "glm4_moe" else [0, 1])
+    differs_from_logits_topk = False
     for prompt, out in list(zip(prompts, outputs, strict=True))[:5]:
         fed = torch.tensor([prompt + out.token_ids[:-1]])
+        seen: dict[int, tuple] = {}
+        hooks = [g.register_forward_hook(lambda m, i, o, layer=layer, seen=seen: seen.__setitem__(layer, o))
+                 for layer, g in gates.items()]
         with torch.no_grad():
-            logits = model(fed, output_router_logits=True).router_logits
-        expected = routed_experts(logits, model.config, fed.shape)[0]
+            model(fed)
+        for hook in hooks:
+            hook.remove()
         got = torch.tensor(out.routed_experts)
         assert got.shape == (len(prompt) + 5, 2, 2)
-        assert torch.equal(got, expected)
+        for layer in range(2):
+            if layer not in gates:
+                assert torch.equal(got[:, layer], torch.zeros_like(got[:, layer]))
+                continue
+            logits, _, indices = seen[layer]
+            assert torch.equal(got[:, layer].sort(-1).values, indices.sort(-1).values.to(got.dtype))
+            logits_topk = logits.float().topk(2, dim=-1).indices.sort(-1).values
+            differs_from_logits_topk |= not torch.equal(got[:, layer].sort(-1).values, logits_topk.to(got.dtype))
+    assert differs_from_logits_topk == (arch == "glm4_moe")
 
 
 def test_pause_holds_requests_and_a_weight_update_lands_mid_response(tokenizer, make_model):

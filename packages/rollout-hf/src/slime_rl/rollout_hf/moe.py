@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 _CHECKPOINT_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)$")
 
 
 def weight_target(name: str, params: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -34,17 +35,24 @@ def weight_target(name: str, params: dict[str, torch.Tensor]) -> torch.Tensor | 
 
 
 class RouterRecorder:
-    """Forward hooks on an MoE model's routers (``mlp.gate`` of each layer) that keep their logits
-    while ``recording``: the experts the engine chose are the top-k of these. (transformers'
-    ``output_router_logits`` also computes the load-balancing loss, which fails on cached decode.)"""
+    """Forward hooks on an MoE model's routers (``mlp.gate`` of each MoE layer) that keep the experts each one
+    chose while ``recording``: transformers 5's routers return ``(logits, weights, indices)``, and the indices
+    are the family's own choice (GLM-4.5: sigmoid scores plus the correction bias, within the best groups;
+    not the top-k of the logits). (transformers' ``output_router_logits`` also computes the load-balancing
+    loss, which fails on cached decode.)"""
 
     def __init__(self, model: PreTrainedModel):
-        self.logits: list[torch.Tensor] = []
+        self.chosen: dict[int, torch.Tensor] = {}  # by layer index: [tokens, k]
         self._on = False
-        self.gates = [m.mlp.gate for m in model.modules() if hasattr(getattr(m, "mlp", None), "gate")
-                      and hasattr(m.mlp, "experts")]
-        for gate in self.gates:
-            gate.register_forward_hook(self._keep)
+        self.top_k = model.config.get_text_config().num_experts_per_tok
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.gates = {}
+        for name, module in model.named_modules():
+            layer = _LAYER_INDEX.search(name)
+            if layer is not None and hasattr(getattr(module, "mlp", None), "gate") and hasattr(module.mlp, "experts"):
+                self.gates[int(layer.group(1))] = module.mlp.gate
+        for layer, gate in self.gates.items():
+            gate.register_forward_hook(self._keep(layer))
 
     @classmethod
     def for_model(cls, model: PreTrainedModel) -> RouterRecorder | None:
@@ -52,27 +60,39 @@ class RouterRecorder:
             return None
         return cls(model)
 
-    def _keep(self, module, inputs, output):
-        if self._on:
-            self.logits.append((output[0] if isinstance(output, tuple) else output).detach())
+    def _keep(self, layer: int):
+        def hook(module, inputs, output) -> None:
+            if not self._on:
+                return
+            if isinstance(output, tuple) and len(output) >= 3:  # (logits, weights, indices)
+                chosen = output[2]
+            else:  # a router that returns its logits only: softmax routing picks their top-k
+                logits = output[0] if isinstance(output, tuple) else output
+                chosen = logits.float().topk(self.top_k, dim=-1).indices
+            self.chosen[layer] = chosen.detach()
+
+        return hook
 
     @contextlib.contextmanager
     def recording(self):
-        self.logits, self._on = [], True
+        self.chosen, self._on = {}, True
         try:
             yield
         finally:
             self._on = False
 
-    def take(self) -> list[torch.Tensor]:
-        logits, self.logits = self.logits, []
-        return logits
+    def take(self) -> dict[int, torch.Tensor]:
+        chosen, self.chosen = self.chosen, {}
+        return chosen
 
 
-def routed_experts(router_logits, config, shape: torch.Size) -> torch.Tensor:
-    """The top-k experts of every token fed, ``[batch, seq, layers, k]`` int16, from transformers'
-    per-layer router logits (``[batch * seq, experts]`` each): MoE routing picks the top-k of the
-    softmax of these, the same order as the top-k of the logits."""
-    k = config.get_text_config().num_experts_per_tok
-    chosen = [logits.float().topk(k, dim=-1).indices for logits in router_logits]
-    return torch.stack(chosen, dim=1).reshape(*shape, len(chosen), k).to(torch.int16).cpu()
+def routed_experts(chosen: dict[int, torch.Tensor], config, shape: torch.Size) -> torch.Tensor:
+    """The experts of every token fed, ``[batch, seq, layers, k]`` int16 over all ``num_hidden_layers`` (as
+    SGLang reports them; zeros at dense layers, such as GLM-4.5's first), from each MoE layer's ``[batch * seq,
+    k]`` choices by layer index (`RouterRecorder.take`)."""
+    text_config = config.get_text_config()
+    k = text_config.num_experts_per_tok
+    out = torch.zeros(*shape, text_config.num_hidden_layers, k, dtype=torch.int16)
+    for layer, indices in chosen.items():
+        out[..., layer, :] = indices.reshape(*shape, k).to(torch.int16).cpu()
+    return out
