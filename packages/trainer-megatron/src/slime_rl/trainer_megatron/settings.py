@@ -27,7 +27,9 @@ class MegatronSettings(BackendSettings):
         " Megatron's selective recompute of those modules (its `layernorm` needs TransformerEngine)"
         " (`--recompute-granularity selective --recompute-modules ...`)"))
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0, description=(
-        "MoE router load-balancing loss weight, per micro-batch (`--moe-aux-loss-coeff`)"))
+        "MoE router load-balancing loss weight, per micro-batch (`--moe-aux-loss-coeff`). GLM-4.5's router"
+        " correction bias (`e_score_correction_bias`) is frozen: used to choose experts, loaded and saved as the"
+        " checkpoint has it, never updated from the expert loads (no auxiliary-loss-free balancing)"))
     moe_z_loss_coeff: float | None = Field(None, ge=0.0, description=(
         "MoE router z-loss weight; `null`: off (`--moe-z-loss-coeff`)"))
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = Field(
