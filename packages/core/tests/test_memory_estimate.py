@@ -100,6 +100,13 @@ def test_experts_split_over_expert_parallel_ranks():
     assert one.terms["weights"] - two.terms["weights"] == pytest.approx(saved)
 
 
+def test_shared_experts_count_in_each_family_s_names():
+    qwen2 = ModelSize.from_hf({**TINY, "num_experts": 8, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96})
+    glm = ModelSize.from_hf({**TINY, "n_routed_experts": 8, "moe_intermediate_size": 64, "n_shared_experts": 2})
+    assert (qwen2.shared_expert_intermediate, glm.shared_expert_intermediate) == (96, 128)
+    assert glm.dense_mlp_params == 3 * 64 * 128
+
+
 def test_the_activation_term_follows_its_formula():
     size = ModelSize.from_hf(TINY)
     per_layer = 4 * 64 + (2 * 4 + 2 * 2) * 16 + 4 * 128

@@ -78,7 +78,9 @@ class ModelSize:
             experts=experts,
             expert_intermediate=(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0) if experts else 0,
             experts_per_token=hf.get("num_experts_per_tok") or 0,
-            shared_expert_intermediate=hf.get("shared_expert_intermediate_size") or 0,
+            # Qwen2-MoE names the shared expert's width; GLM-4.5 and DeepSeek count shared experts of the routed width
+            shared_expert_intermediate=hf.get("shared_expert_intermediate_size")
+            or (hf.get("n_shared_experts") or 0) * (hf.get("moe_intermediate_size") or 0),
         )
 
     @classmethod
