@@ -23,6 +23,7 @@ LAYOUTS = {
     "cp2_tp2": ("qwen2", 4, ["parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2"], False),
     "cp4_moe": ("qwen3_moe", 4, ["parallel.context_parallel_size=4"], False),
     "cp2_moe": ("qwen2_moe", 2, ["parallel.context_parallel_size=2"], True),
+    "cp2_glm": ("glm4_moe", 2, ["parallel.context_parallel_size=2"], True),  # partial RoPE on CP's chunks
     "cp4": ("llama", 4, ["parallel.context_parallel_size=4"], True),
     "cp2_pp2": ("llama", 4, ["parallel.context_parallel_size=2", "parallel.pipeline_model_parallel_size=2"], True),
     "cp2_dp2": ("qwen3", 4, ["parallel.context_parallel_size=2"], True),
