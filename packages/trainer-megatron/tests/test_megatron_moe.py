@@ -468,3 +468,28 @@ def test_glm_routing_megatron_cannot_match_is_refused(tmp_path):
     config.norm_topk_prob, config.num_experts_per_tok = True, 3
     with pytest.raises(ValueError, match="num_experts_per_tok=3 and topk_group=1 is not supported"):
         hf_model_shape(config)
+
+
+def test_a_glm_reference_checkpoint_routes_with_its_own_correction_bias(tmp_path):
+    """model.ref_path differing from the policy only in e_score_correction_bias (a buffer, not a parameter):
+    the reference pass routes with the reference's bias, as transformers does with that checkpoint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_hf_model(tmp_path / "m", "glm4_moe", vocab=VOCAB)
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(model_dir, ref_dir)
+    tensors = load_file(ref_dir / "model.safetensors")
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    tensors[bias] = torch.randn(tensors[bias].shape, generator=torch.Generator().manual_seed(9)) * 0.2
+    save_file(tensors, ref_dir / "model.safetensors", metadata={"format": "pt"})
+    samples = make_samples(5, VOCAB, prompt=(4, 12), response=(4, 20))
+    batch = to_batch(samples)
+    trainer = trainer_for(model_dir, [f"model.ref_path={ref_dir}"])
+    ref, policy = trainer.compute_log_probs(batch, model="ref"), trainer.compute_log_probs(batch)
+    hf_ref = load_hf(ref_dir)
+    expected = torch.cat([hf_response_log_probs(hf_ref, s.tokens, s.response_length) for s in samples])
+    assert torch.allclose(ref, expected, atol=1e-4, rtol=0)
+    assert (ref - policy).abs().max() > 1e-3  # the bias alone moves the log-probs
+    assert torch.equal(trainer.compute_log_probs(batch), policy)  # and the policy's came back

@@ -256,21 +256,26 @@ def local_params(model: PolicyGPT, shape: HFModelShape) -> dict[str, tuple[Param
     return out
 
 
+def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of this rank's model that a checkpoint sets: its parameters, then the routers'
+    expert-bias buffers (GLM's ``e_score_correction_bias``: frozen, so not a parameter)."""
+    yield from model.named_parameters()
+    for name, buffer in model.named_buffers():
+        if name.endswith(_EXPERT_BIAS):
+            yield name, buffer
+
+
 def _per_expert_parameters(model: PolicyGPT) -> Iterator[tuple[str, torch.Tensor]]:
-    """``model.named_parameters()`` with GroupedExperts' stacked weights as one view per local
+    """`checkpoint_tensors` with GroupedExperts' stacked weights as one view per local
     expert, named as SequentialMLP names that expert's weight (``...experts.local_experts.{j}.
-    linear_fc1.weight``): what the HF mapping reads and writes, one expert at a time; then the
-    routers' expert-bias buffers (GLM's ``e_score_correction_bias``)."""
-    for name, param in model.named_parameters():
+    linear_fc1.weight``): what the HF mapping reads and writes, one expert at a time."""
+    for name, param in checkpoint_tensors(model):
         m = _STACKED_EXPERTS.match(name)
         if m is None:
             yield name, param
             continue
         for j, expert in enumerate(param.detach().unbind(0)):
             yield f"{m.group(1)}local_experts.{j}.linear_{m.group(2)}.weight", expert
-    for name, buffer in model.named_buffers():
-        if name.endswith(_EXPERT_BIAS):
-            yield name, buffer
 
 
 # ---------------------------------------------------------------- HF folder in

@@ -15,7 +15,8 @@ from slime_rl.trainer_megatron.model import HFModelShape
 
 
 class ReferenceWeights:
-    """Host-held weights of the reference policy, parameter by parameter (this rank's shards)."""
+    """Host-held weights of the reference policy, parameter by parameter (this rank's shards), and the
+    routers' expert-bias buffers."""
 
     def __init__(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]):
         self.model, self.weights = model, weights
@@ -24,7 +25,7 @@ class ReferenceWeights:
     @classmethod
     def snapshot(cls, model: torch.nn.Module) -> ReferenceWeights:
         """The model's current weights, copied to the host."""
-        return cls(model, {name: _host_copy(p.detach()) for name, p in model.named_parameters()})
+        return cls(model, {name: _host_copy(p.detach()) for name, p in convert.checkpoint_tensors(model)})
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -39,7 +40,8 @@ class ReferenceWeights:
     def _swap(self) -> None:
         """Exchange the model's weights with the host-held ones (the reference, or the actor's)."""
         copied = False
-        for name, param in self.model.named_parameters():
+        # the routers' correction bias too (GLM): a reference checkpoint may route differently
+        for name, param in convert.checkpoint_tensors(self.model):
             held = self.weights[name]
             # Same dtype only: a dtype change would give the parameter a new grad accumulator and
             # silently detach Megatron's DDP gradient hook from it.
