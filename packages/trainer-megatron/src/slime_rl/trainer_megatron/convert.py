@@ -59,14 +59,10 @@ _LAYER_PARAMS = {
 _MOE_PARAMS = {
     "mlp.router.weight": ("mlp.gate.weight", None),
     "mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias", None),
-    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.{gate,up}_proj.weight", "glu"),
-    "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_expert.down_proj.weight", 1),
+    # "<shared>": the HF module, MoEShape.hf_shared_experts (Qwen2-MoE's shared_expert, GLM's shared_experts)
+    "mlp.shared_experts.linear_fc1.weight": ("mlp.<shared>.{gate,up}_proj.weight", "glu"),
+    "mlp.shared_experts.linear_fc2.weight": ("mlp.<shared>.down_proj.weight", 1),
     "mlp.shared_experts.gate_weight": ("mlp.shared_expert_gate.weight", None),
-}
-# GLM-4.5's ungated shared experts, under its own HF names
-_SHARED_EXPERTS_PARAMS = {
-    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_experts.{gate,up}_proj.weight", "glu"),
-    "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight", 1),
 }
 _EXPERT_PARAMS = {
     "mlp.experts.local_experts.{e}.linear_fc1.weight": ("mlp.experts.{e}.{gate,up}_proj.weight", "glu"),
@@ -127,10 +123,8 @@ def param_refs(shape: HFModelShape) -> list[ParamRef]:
 def _moe_refs(shape: HFModelShape, i: int) -> list[ParamRef]:
     refs = []
     moe = shape.moe
-    params = dict(_MOE_PARAMS)
-    if shape.family == "glm4_moe":  # ungated shared experts named shared_experts
-        params = {k: v for k, v in params.items() if "shared_expert" not in v[0]} | _SHARED_EXPERTS_PARAMS
-    for suffix, (hf_suffix, split) in params.items():
+    for suffix, (hf_suffix, split) in _MOE_PARAMS.items():
+        hf_suffix = hf_suffix.replace("<shared>", moe.hf_shared_experts)
         if "shared_expert" in hf_suffix and moe.shared_expert_intermediate_size is None:
             continue
         if suffix == "mlp.shared_experts.gate_weight" and not moe.shared_expert_gate:

@@ -118,7 +118,7 @@ def hf_model_shape(hf_config) -> HFModelShape:
         qk_norm=qk_norm,
         moe=moe_shape(hf_config, family) if family in MOE_FAMILIES else None,
         rotary_percent=rotary_percent,
-        mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0) if family == "glm4_moe" else 0,
+        mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0),  # GLM-4.5 (and DeepSeek-V3)
     )
 
 

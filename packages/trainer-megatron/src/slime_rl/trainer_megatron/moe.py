@@ -40,6 +40,7 @@ class MoEShape:
     norm_topk_prob: bool
     shared_expert_intermediate_size: int | None  # Qwen2-MoE: one gated shared expert; GLM: ungated
     shared_expert_gate: bool = False  # Qwen2-MoE's sigmoid gate on the shared expert's output
+    hf_shared_experts: str = "shared_expert"  # the HF module's name: GLM's (and DeepSeek's) is shared_experts
     score_function: str = "softmax"  # "sigmoid" for noaux_tc routing (GLM-4.5, DeepSeek-V3)
     expert_bias: bool = False  # e_score_correction_bias: added to the scores to choose, not to weigh
     num_groups: int | None = None  # group-limited routing: experts in n_group groups ...
@@ -100,6 +101,7 @@ def _noaux_tc_shape(hf_config) -> MoEShape:
         expert_intermediate_size=hf_config.moe_intermediate_size,
         norm_topk_prob=True,
         shared_expert_intermediate_size=shared or None,
+        hf_shared_experts="shared_experts",
         score_function="sigmoid",
         expert_bias=True,
         # one group: every expert is searched, as a plain top-k does
