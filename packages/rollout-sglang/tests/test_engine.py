@@ -533,7 +533,7 @@ def test_routed_experts_go_straight_to_an_engine(tiny_model, standin_python, tmp
     moe = tmp_path / "tiny-moe"
     shutil.copytree(tiny_model, moe)  # the stand-in's routing reads only config.json's MoE fields
     config = json.loads((moe / "config.json").read_text())
-    config.update(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2)
+    config.update(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2)  # GLM-4.5's name (Qwen's: conformance)
     (moe / "config.json").write_text(json.dumps(config))
     cfg = make_config(moe, standin_python, tmp_path / "run", engine_args={"enable_return_routed_experts": True})
     engine = SGLangEngine.from_config(cfg)

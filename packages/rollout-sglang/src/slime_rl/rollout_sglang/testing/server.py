@@ -167,8 +167,9 @@ class StandinServer:
         import numpy as np
 
         layers, k = int(self.hf_config["num_hidden_layers"]), int(self.hf_config["num_experts_per_tok"])
-        # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts
-        experts = int(self.hf_config.get("num_experts") or self.hf_config["num_local_experts"])
+        # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts; GLM-4.5's is n_routed_experts
+        experts = int(self.hf_config.get("num_experts") or self.hf_config.get("num_local_experts")
+                      or self.hf_config["n_routed_experts"])
         ids = np.asarray(fed, dtype=np.int64)[:, None, None] + np.arange(layers)[None, :, None] + np.arange(k)
         return base64.b64encode((ids % experts).astype("<i4").tobytes()).decode("ascii")
 
