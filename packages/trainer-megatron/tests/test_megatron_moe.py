@@ -493,3 +493,22 @@ def test_a_glm_reference_checkpoint_routes_with_its_own_correction_bias(tmp_path
     assert torch.allclose(ref, expected, atol=1e-4, rtol=0)
     assert (ref - policy).abs().max() > 1e-3  # the bias alone moves the log-probs
     assert torch.equal(trainer.compute_log_probs(batch), policy)  # and the policy's came back
+
+
+@pytest.mark.slow  # two ranks, two GRPO steps (~15 s)
+def test_pipeline_stages_replay_their_own_layers_experts(tmp_path):
+    """Routing replay under PP=2 on a GLM-4.5 of 4 layers (dense, then 3 MoE; the stages hold layers 0-1 and
+    2-3): each router takes its own global layer's experts (random ones, other ones in every layer), so the
+    log-probs, losses and gradient norms equal one rank's."""
+    model = make_hf_model(tmp_path / "model", "glm4_moe", vocab=VOCAB, layers=4)
+    spec = dict(model=str(model), num_samples=6, vocab=VOCAB, steps=2, random_routes=True)
+    overrides = COMMON + ["algorithm.routing_replay=rollout", "trainer.micro_batch_size=2"]
+    ensure_single_rank_group()
+    single = run_scenario({**spec, "overrides": overrides})
+    multi = launch(2, {**spec, "overrides": overrides + ["parallel.pipeline_model_parallel_size=2",
+                                                         "cluster.actor_num_gpus_per_node=2"]}, tmp_path)
+    for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
+        assert one["moe_routing_replayed"] == two["moe_routing_replayed"] == 1.0
+        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
