@@ -55,15 +55,23 @@ def new_weights(trainer, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=gen, device="cuda", dtype=torch.float32) * 0.05)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+# GLM-4.5 (issue 37): a dense first layer, 16 experts in 2 groups (both kept: megatron scores a group by its top
+# num_experts_per_tok / topk_group = 2 experts, as SGLang does), the shared expert and the correction bias. SGLang
+# 0.5.17's Glm4MoeGate keeps a float32 copy of its gate weight from the first forward: a synced router reaches its
+# routing only if that copy follows, which the log-probs after the sync show.
+SHAPES = {"qwen3_moe": MOE_SHAPE, "qwen2_moe": dict(MOE_SHAPE, shared_expert_intermediate_size=256),
+          "glm4_moe": {"hidden_size": 256, "num_heads": 4, "moe_intermediate_size": 128, "n_routed_experts": 16,
+                       "num_experts_per_tok": 4, "n_group": 2, "topk_group": 2, "num_layers": 3}}
+
+
+@pytest.mark.parametrize("family", sorted(SHAPES))
 def test_moe_weights_reach_sglang_by_every_transport(family, tmp_path, monkeypatch):
     from slime_rl.core.testing import tiny_model_folder
     from slime_rl.rollout_sglang.engine import SGLangEngine
     from slime_rl.rollout_sglang.weights.trainer_sender import SGLangWeightSender
     from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
-    shape = dict(MOE_SHAPE, **({"shared_expert_intermediate_size": 256} if family == "qwen2_moe" else {}))
-    model = tiny_model_folder(tmp_path / family, family, dtype=torch.bfloat16, **shape)
+    model = tiny_model_folder(tmp_path / family, family, dtype=torch.bfloat16, **SHAPES[family])
     cfg = load_config(None, [f"model.path={model}", "model.dtype=bfloat16", "rollout.engine=sglang",
                              f"rollout.sglang.server_args={json.dumps(ENGINE_ARGS)}", "cluster.device=cuda",
                              f"logging.dir={tmp_path / 'run'}", "data.source=none"], check=False)
