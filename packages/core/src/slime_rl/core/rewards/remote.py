@@ -11,7 +11,6 @@ wrong, not the server busy). After the last try the error says what happened.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 
 from slime_rl.core.config.secrets import Secret, redact, redact_url
+from slime_rl.core.infra.http_retry import NoAnswer, post_retrying
 from slime_rl.core.sample import Reward, Sample
 
 
@@ -40,28 +40,20 @@ class RemoteReward:
              "metadata": sample.metadata},
             default=str,  # metadata may hold objects JSON does not know; the server gets their text
         )
-        last = ""
         headers = {"content-type": "application/json"}
         if self.api_key is not None:
             headers["authorization"] = f"Bearer {self.api_key.reveal()}"
         shown = redact_url(self.url)  # errors land in logs, metadata.error and step-failure lines
         async with httpx.AsyncClient(timeout=self.request_timeout_s) as client:
-            for attempt in range(self.attempts):
-                if attempt:
-                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-                try:
-                    response = await client.post(self.url, content=body, headers=headers)
-                except httpx.TransportError as err:
-                    last = redact(f"{type(err).__name__}: {err or 'no detail'}")
-                    continue
-                if response.status_code == 429 or response.status_code >= 500:
-                    last = redact(f"HTTP {response.status_code}: {response.text[:200]}")
-                    continue
-                if response.status_code >= 400:
-                    raise RemoteRewardError(f"remote reward {shown} refused the request: "
-                                            + redact(f"HTTP {response.status_code}: {response.text[:200]}"))
-                return parse_reward_body(response, shown)
-        raise RemoteRewardError(f"remote reward {shown}: no answer after {self.attempts} tries; last error {last}")
+            response = await post_retrying(client, self.url, attempts=self.attempts, backoff_s=self.backoff_s,
+                                           content=body, headers=headers)
+        if isinstance(response, NoAnswer):
+            raise RemoteRewardError(f"remote reward {shown}: no answer after {self.attempts} tries; last error"
+                                    f" {response.last}")
+        if response.status_code >= 400:
+            raise RemoteRewardError(f"remote reward {shown} refused the request: "
+                                    + redact(f"HTTP {response.status_code}: {response.text[:200]}"))
+        return parse_reward_body(response, shown)
 
 
 def parse_reward_body(response: httpx.Response, url: str) -> Reward:

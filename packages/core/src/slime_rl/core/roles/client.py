@@ -19,13 +19,13 @@ Errors say what failed with the key and any URL credentials redacted (config/sec
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from slime_rl.core.config.secrets import redact, redact_url, remember
+from slime_rl.core.infra.http_retry import NoAnswer, post_retrying
 
 
 class RoleError(RuntimeError):
@@ -54,31 +54,21 @@ class RoleClient:
         """``body`` POSTed to ``path``; the JSON reply. RoleError after the last try (or at once on a 4xx)."""
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         tries = attempts if attempts is not None else self.attempts
-        last = ""
         async with httpx.AsyncClient(timeout=timeout) as client:
-            for attempt in range(tries):
-                if attempt:
-                    await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-                try:
-                    response = await client.post(self.url + path, json=body, headers=self.headers)
-                except httpx.TimeoutException:
-                    last = f"no answer within {timeout:g} s"
-                    continue
-                except httpx.TransportError as err:
-                    last = redact(f"{type(err).__name__}: {err or 'no detail'}")
-                    continue
-                if response.status_code == 429 or response.status_code >= 500:
-                    last = redact(f"HTTP {response.status_code}: {response.text[:200]}")
-                    continue
-                if response.status_code >= 400:
-                    raise RoleError(f"role {self.name} ({redact_url(self.url)}{path}) refused the request: "
-                                    + redact(f"HTTP {response.status_code}: {response.text[:200]}"))
-                try:
-                    return response.json()
-                except ValueError:
-                    raise RoleError(f"role {self.name} answered {path} with non-JSON: "
-                                    f"{redact(response.text[:200])!r}") from None
-        raise RoleError(f"role {self.name} ({redact_url(self.url)}{path}): no answer after {tries} tries; last: {last}")
+            response = await post_retrying(client, self.url + path, attempts=tries, backoff_s=self.backoff_s,
+                                           timeout_text=f"no answer within {timeout:g} s", json=body,
+                                           headers=self.headers)
+        if isinstance(response, NoAnswer):
+            raise RoleError(f"role {self.name} ({redact_url(self.url)}{path}): no answer after {tries} tries;"
+                            f" last: {response.last}")
+        if response.status_code >= 400:
+            raise RoleError(f"role {self.name} ({redact_url(self.url)}{path}) refused the request: "
+                            + redact(f"HTTP {response.status_code}: {response.text[:200]}"))
+        try:
+            return response.json()
+        except ValueError:
+            raise RoleError(f"role {self.name} answered {path} with non-JSON: "
+                            f"{redact(response.text[:200])!r}") from None
 
     async def healthy(self, timeout_s: float = 5.0) -> bool:
         try:
