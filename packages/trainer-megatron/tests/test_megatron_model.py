@@ -252,3 +252,10 @@ def test_compiled_rope_takes_transformer_engines_place_with_the_same_values(tmp_
     expected = rope_utils.apply_rotary_pos_emb(packed, freqs, config=plain, cu_seqlens=cu, cp_group=cp)
     got = rope_utils.apply_rotary_pos_emb(packed, freqs, config=fused, cu_seqlens=cu, cp_group=cp)
     assert torch.allclose(got, expected, atol=1e-6)
+    # the positions are kept for the next call of the same micro-batch, never reused for another one
+    again = rope_utils.apply_rotary_pos_emb(packed, freqs, config=fused, cu_seqlens=cu, cp_group=cp)
+    assert torch.equal(again, got)
+    other = torch.tensor([0, 7, 12], dtype=torch.int32)  # same tokens, other sequences
+    expected = rope_utils.apply_rotary_pos_emb(packed, freqs, config=plain, cu_seqlens=other, cp_group=cp)
+    got = rope_utils.apply_rotary_pos_emb(packed, freqs, config=fused, cu_seqlens=other, cp_group=cp)
+    assert torch.allclose(got, expected, atol=1e-6) and not torch.allclose(got, again)

@@ -43,16 +43,35 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
     # One call for the whole row, each token with the freqs of its position in its own sequence: a call per
     # sequence cost a few kernels and a compiled-guard check per sequence, per layer, forward and backward
     # (hundreds of short RL samples in a micro-batch). The same values, token for token.
+    return compiled(_rope)(t.unsqueeze(1), freqs[_positions(cu_seqlens, t.shape[0], cp_size, cp_rank,
+                                                                 freqs.device)]).squeeze(1)
+
+
+class _LastPositions:
+    """The last micro-batch's positions on the device: q and k of every layer, forward and backward, ask for the
+    same ones (4 x layers calls a micro-batch), each of which built them on the host and copied them over."""
+
+    key: tuple | None = None
+    positions: torch.Tensor | None = None
+
+
+def _positions(cu_seqlens: torch.Tensor, tokens: int, cp_size: int, cp_rank: int, device: torch.device) -> torch.Tensor:
+    """Each token's position in its own sequence, on ``device``. Keyed by the values of ``cu_seqlens`` (a few
+    hundred ints on the host; never by the tensor's identity, which a freed and reused buffer could repeat)."""
     cu = cu_seqlens.long()  # on the host (attention.packed_seq_params); anywhere works
+    key = (tuple(cu.tolist()), tokens, cp_size, cp_rank, device)
+    if _LastPositions.key == key:
+        return _LastPositions.positions
     if cp_size != 1:
         positions = local_positions(cu, cp_size, cp_rank)
     else:
-        positions = torch.arange(t.shape[0], device=cu.device) - torch.repeat_interleave(cu[:-1], cu.diff())
-    if positions.device != freqs.device:
+        positions = torch.arange(tokens, device=cu.device) - torch.repeat_interleave(cu[:-1], cu.diff())
+    if positions.device != device:
         # Pinned and sent without waiting: a blocking host-to-device copy waited on the GPU in every
         # layer's forward (82d8156; docs/trainer-performance.md "bench-moe halving").
-        positions = positions.pin_memory().to(freqs.device, non_blocking=True)
-    return compiled(_rope)(t.unsqueeze(1), freqs[positions]).squeeze(1)
+        positions = positions.pin_memory().to(device, non_blocking=True)
+    _LastPositions.key, _LastPositions.positions = key, positions
+    return positions
 
 
 def install() -> None:
