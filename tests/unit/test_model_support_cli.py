@@ -29,7 +29,7 @@ def _model_folder(folder: Path, architecture: str, model_type: str) -> Path:
 
 
 @pytest.mark.parametrize("architecture,model_type,supported", [("Glm4MoeForCausalLM", "glm4_moe", True),
-                                                                ("DeepseekV3ForCausalLM", "deepseek_v3", False)])
+                                                                ("DeepseekV2ForCausalLM", "deepseek_v2", False)])
 def test_plan_and_doctor_say_whether_the_trainer_builds_the_model(architecture, model_type, supported, tmp_path):
     model = _model_folder(tmp_path / "m", architecture, model_type)
     plan = runner.invoke(app, ["plan", str(EXAMPLE), f"model.path={model}"])
@@ -42,7 +42,7 @@ def test_plan_and_doctor_say_whether_the_trainer_builds_the_model(architecture, 
         return
     assert plan.exit_code == 2 and plan.stdout == ""
     (line,) = plan.stderr.splitlines()
-    assert line.startswith(f"error: model.path: {model}: architecture DeepseekV3ForCausalLM is not supported")
-    assert "lacks multi-head latent attention" in line and line.endswith("Qwen2MoeForCausalLM, Glm4MoeForCausalLM")
-    assert "megatron: NOT supported" in support and "lacks multi-head latent attention" in support
+    assert line.startswith(f"error: model.path: {model}: architecture DeepseekV2ForCausalLM is not supported")
+    assert "lacks V2's softmax routing" in line and line.endswith("Glm4MoeForCausalLM, DeepseekV3ForCausalLM")
+    assert "megatron: NOT supported" in support and "lacks V2's softmax routing" in support
     assert doctor.exit_code == 1

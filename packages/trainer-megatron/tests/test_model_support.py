@@ -26,11 +26,12 @@ def _config_folder(tmp_path, family: str, **fields):
 
 def test_architectures_map_to_families_and_the_rest_are_named():
     assert architecture_family({"architectures": ["Glm4MoeForCausalLM"]}) == "glm4_moe"
+    assert architecture_family({"architectures": ["DeepseekV3ForCausalLM"]}) == "deepseek_v3"
     # a reward model's backbone: its own head is not the trainer's business
     assert architecture_family({"architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2"}) == "qwen2"
     with pytest.raises(ValueError) as err:
-        architecture_family({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"})
-    assert "DeepseekV3ForCausalLM is not supported: the Megatron trainer lacks multi-head latent attention" in str(err.value)
+        architecture_family({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"})
+    assert "DeepseekV2ForCausalLM is not supported: the Megatron trainer lacks V2's softmax routing" in str(err.value)
     assert str(err.value).endswith(", ".join(SUPPORTED_ARCHITECTURES))
     with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported; the Megatron trainer handles LlamaForCausalLM"):
         architecture_family({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
@@ -43,9 +44,9 @@ def test_the_config_check_refuses_an_unsupported_model_path(tmp_path):
     settings = MegatronSettings()
     settings.check(make_config(folder), "trainer.megatron")  # supported: nothing to say
     hf = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**hf, "architectures": ["DeepseekV3ForCausalLM"],
-                                                    "model_type": "deepseek_v3"}))
-    with pytest.raises(ConfigError, match="model.path: .*DeepseekV3ForCausalLM is not supported"):
+    (folder / "config.json").write_text(json.dumps({**hf, "architectures": ["DeepseekV2ForCausalLM"],
+                                                    "model_type": "deepseek_v2"}))
+    with pytest.raises(ConfigError, match="model.path: .*DeepseekV2ForCausalLM is not supported"):
         settings.check(make_config(folder), "trainer.megatron")
 
 
@@ -58,7 +59,11 @@ def test_model_support_says_what_is_built_and_which_field_is_not(tmp_path):
 
     supported, lines = model_support(_config_folder(tmp_path / "bad", "glm4_moe", norm_topk_prob=False))
     assert not supported and dict(lines)["config"] == "norm_topk_prob=false with sigmoid routing is not supported"
-    supported, lines = model_support(_config_folder(tmp_path / "ds", "glm4_moe", architectures=["DeepseekV3ForCausalLM"],
-                                                    model_type="deepseek_v3"))
-    assert not supported and "lacks multi-head latent attention" in dict(lines)["architecture"]
+    supported, lines = model_support(_config_folder(tmp_path / "ds", "deepseek_v3"))
+    said = dict(lines)
+    assert supported and said["architecture"] == "DeepseekV3ForCausalLM: supported (family deepseek_v3)"
+    assert said["attention"] == "multi-head latent attention (q rank 24, kv rank 16, qk 12+8, v 10); TP=1, CP=1"
+    supported, lines = model_support(_config_folder(tmp_path / "v2", "glm4_moe", architectures=["DeepseekV2ForCausalLM"],
+                                                    model_type="deepseek_v2"))
+    assert not supported and "lacks V2's softmax routing" in dict(lines)["architecture"]
     assert model_support(tmp_path / "nowhere")[0] is False

@@ -4,7 +4,8 @@ An RL micro-batch packs many sequences of very different lengths into one row. A
 stay inside each sequence, and how it runs decides the step's speed (docs/trainer-performance.md):
 
 - ``varlen`` (CUDA, bf16/fp16): one flash-attention call for the whole packed row per layer,
-  forward and backward (``torch.nn.attention.varlen.varlen_attn``), K/V heads left unrepeated.
+  forward and backward (``torch.nn.attention.varlen.varlen_attn``), K/V heads left unrepeated; V of a
+  smaller head dim (MLA's) is zero-padded to the q/k dim and the output's extra columns sliced off.
 - ``padded``: the packed rows are scattered into a ``[batch, longest]`` layout for one SDPA call,
   where padding stays small (per-call overhead dominates short sequences; the CPU has no varlen).
 - ``per_sequence``: one SDPA call per sequence; exact work, no padding, but a launch-bound
@@ -110,9 +111,15 @@ _GQA_WITHOUT_FLAG: bool | None = None
 def varlen_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSequences,
                   scale: float) -> torch.Tensor:
     """Causal attention within each packed sequence in one flash call: ``[t, heads, dim]`` each (K/V may
-    have fewer heads) -> ``[t, heads, dim]``."""
+    have fewer heads; V a smaller head dim, as MLA's) -> ``[t, heads, v dim]``."""
     cu = params.cu_seqlens_on(query.device)
-    return varlen_attention(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv, scale)
+    v_dim = value.shape[-1]
+    if v_dim < query.shape[-1]:
+        # MLA (q/k 192, v 128 in DeepSeek-V3): flash takes one head dim for q, k and v; zero columns of V give
+        # zero output columns, sliced off (the extra work is V's share of the attention matmuls)
+        value = F.pad(value, (0, query.shape[-1] - v_dim))
+    out = varlen_attention(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv, scale)
+    return out[..., :v_dim]
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor,

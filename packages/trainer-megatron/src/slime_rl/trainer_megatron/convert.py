@@ -20,6 +20,9 @@ Megatron layouts (local spec):
   Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are not built: they are
   neither trained nor synced to engines (which keep the checkpoint's), and `save_hf` copies them
   unchanged from the source folder, so a saved folder holds every tensor the checkpoint had.
+- DeepSeek-V3 (the layers and MTP as GLM-4.5's): multi-head latent attention's projections and norms (mla.py) are
+  HF's tensors one to one, unfused and unpermuted (``kv_b_proj`` stays whole: SGLang derives its ``w_kc``/``w_vc``
+  from it after loading). TP=1 only.
 """
 
 from __future__ import annotations
@@ -54,6 +57,18 @@ _LAYER_PARAMS = {
     "mlp.linear_fc1.weight": ("mlp.{gate,up}_proj.weight", "glu"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight", 1),
 }
+# Multi-head latent attention (mla.py) in place of linear_qkv (and q/k norms); linear_proj is o_proj as above.
+# V2-Lite (q_lora_rank null) has linear_q_proj (q_proj) instead of the q down-projection, norm and up-projection.
+_MLA_PARAMS = {
+    "self_attention.linear_q_proj.weight": ("self_attn.q_proj.weight", 0),
+    "self_attention.linear_q_down_proj.weight": ("self_attn.q_a_proj.weight", None),
+    "self_attention.q_layernorm.weight": ("self_attn.q_a_layernorm.weight", None),
+    "self_attention.linear_q_up_proj.weight": ("self_attn.q_b_proj.weight", 0),
+    "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight", None),
+    "self_attention.kv_layernorm.weight": ("self_attn.kv_a_layernorm.weight", None),
+    "self_attention.linear_kv_up_proj.weight": ("self_attn.kv_b_proj.weight", 0),
+}
+_QKV_ATTENTION = ("self_attention.linear_qkv.", "self_attention.q_layernorm.", "self_attention.k_layernorm.")
 # MoE layers (moe.py): the router, each expert (split over expert-TP ranks, spread over EP ranks)
 # and Qwen2-MoE's gated shared expert. "{e}" is the global expert index.
 _MOE_PARAMS = {
@@ -102,12 +117,11 @@ def param_refs(shape: HFModelShape) -> list[ParamRef]:
     """Every Megatron parameter of the whole model (all stages), in HF order."""
     refs = [ParamRef("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), 0, None)]
     for i in range(shape.num_layers):
-        for suffix, (hf_suffix, split) in _LAYER_PARAMS.items():
+        for suffix, (hf_suffix, split) in _layer_params(shape).items():
             if suffix.endswith("linear_qkv.bias") and not shape.qkv_bias:
                 continue
-            if "q_layernorm" in suffix or "k_layernorm" in suffix:
-                if not shape.qk_norm:
-                    continue
+            if suffix.startswith(_QKV_ATTENTION[1:]) and not shape.qk_norm and shape.mla is None:  # MLA's q_a norm
+                continue
             if suffix.startswith("mlp.") and shape.moe is not None and shape.moe.is_moe_layer(i):
                 continue
             hf = tuple(f"model.layers.{i}.{name}" for name in _expand(hf_suffix))
@@ -118,6 +132,18 @@ def param_refs(shape: HFModelShape) -> list[ParamRef]:
     if not shape.tie_word_embeddings:
         refs.append(ParamRef("output_layer.weight", ("lm_head.weight",), 0, None))
     return refs
+
+
+def _layer_params(shape: HFModelShape) -> dict[str, tuple[str, int | str | None]]:
+    """A layer's attention, norms and dense MLP: q/k/v attention's, or MLA's with V2-Lite's q_proj or V3's q
+    down- and up-projections."""
+    if shape.mla is None:
+        return _LAYER_PARAMS
+    low_rank_q = ("linear_q_down_proj", "q_layernorm", "linear_q_up_proj")
+    unused = low_rank_q if shape.mla.q_lora_rank is None else ("linear_q_proj",)
+    mla = {suffix: hf for suffix, hf in _MLA_PARAMS.items() if suffix.split(".")[1] not in unused}
+    layer = {suffix: hf for suffix, hf in _LAYER_PARAMS.items() if not suffix.startswith(_QKV_ATTENTION)}
+    return {**mla, **layer}
 
 
 def _moe_refs(shape: HFModelShape, i: int) -> list[ParamRef]:

@@ -1,5 +1,6 @@
 """A Hugging Face config -> a Megatron GPTModel (local layer spec) for Llama, Qwen2/2.5, Qwen3, and the
-mixture-of-experts Qwen3-MoE, Qwen2-MoE and GLM-4.5 (moe.py; GLM's first layers are dense).
+mixture-of-experts Qwen3-MoE, Qwen2-MoE, GLM-4.5 and DeepSeek-V3 (moe.py; their first layers are dense;
+DeepSeek's attention is multi-head latent attention, mla.py).
 
 The model returns the final hidden states (after the last RMSNorm) instead of logits:
 ``logprobs.py`` applies the output layer in chunks, so full-vocabulary logits for a
@@ -23,6 +24,8 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import transformer_block
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -30,6 +33,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from slime_rl.trainer_megatron import fused_rope, sequence_parallel
 from slime_rl.trainer_megatron.attention import PACKED_ATTENTION_CHOICES, SDPAttention
 from slime_rl.trainer_megatron.grouped_experts import GroupedExperts
+from slime_rl.trainer_megatron.mla import MLAShape, MultiLatentSelfAttention, mla_shape
 from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
 from slime_rl.trainer_megatron.support import SUPPORTED_ARCHITECTURES, architecture_family
 
@@ -38,7 +42,7 @@ from slime_rl.trainer_megatron.support import SUPPORTED_ARCHITECTURES, architect
 class HFModelShape:
     """What the conversion and the model need from an HF config.json."""
 
-    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe | glm4_moe
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe | glm4_moe | deepseek_v3
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -46,7 +50,7 @@ class HFModelShape:
     num_layers: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # MLA: qk_rope_head_dim, the dims Megatron's RoPE rotates (the rest are in ``mla``)
     rms_norm_eps: float
     rope_theta: float
     rope_type: str
@@ -57,6 +61,7 @@ class HFModelShape:
     moe: MoEShape | None = None  # the experts of an MoE family, None for dense models
     rotary_percent: float = 1.0  # the share of each head's dims that RoPE rotates (GLM-4.5: 0.5)
     mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint: not built, carried through (convert.py)
+    mla: MLAShape | None = None  # DeepSeek-V3's multi-head latent attention, None for q/k/v attention
 
 
 def read_hf_config(path: str | Path):
@@ -89,6 +94,11 @@ def hf_model_shape(hf_config) -> HFModelShape:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    mla = mla_shape(hf_config, rope) if family == "deepseek_v3" else None
+    if mla is not None:  # Megatron's RoPE (kv_channels) rotates the rope dims; every head has its keys and values
+        head_dim, num_kv_heads = mla.qk_rope_head_dim, heads
+    else:
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if family in ("qwen2", "qwen2_moe"):
         qkv_bias = True  # Qwen2 always has q/k/v biases
     else:
@@ -97,6 +107,9 @@ def hf_model_shape(hf_config) -> HFModelShape:
     qk_norm = family in ("qwen3", "qwen3_moe") or (family == "glm4_moe" and bool(getattr(hf_config, "use_qk_norm", False)))
     # transformers 5 keeps partial_rotary_factor in rope_parameters, 4.x on the config
     rotary_percent = float(rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)) or 1.0)
+    if mla is not None and rotary_percent != 1.0:
+        raise ValueError(f"model.path: partial_rotary_factor={rotary_percent} with multi-head latent attention; its"
+                         " rope dims are qk_rope_head_dim")
     if int(head_dim * rotary_percent) % 2:
         raise ValueError(f"model.path: partial_rotary_factor={rotary_percent} rotates an odd number of head dims")
     return HFModelShape(
@@ -107,7 +120,7 @@ def hf_model_shape(hf_config) -> HFModelShape:
         intermediate_size=hf_config.intermediate_size,
         num_layers=hf_config.num_hidden_layers,
         num_heads=heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=hf_config.rms_norm_eps,
         rope_theta=float(rope_theta),
@@ -118,7 +131,8 @@ def hf_model_shape(hf_config) -> HFModelShape:
         qk_norm=qk_norm,
         moe=moe_shape(hf_config, family) if family in MOE_FAMILIES else None,
         rotary_percent=rotary_percent,
-        mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0),  # GLM-4.5 (and DeepSeek-V3)
+        mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0),  # GLM-4.5 and DeepSeek-V3
+        mla=mla,
     )
 
 
@@ -141,7 +155,11 @@ def attention_cost_weight(shape: HFModelShape) -> float:
     return q / (projections + mlp)
 
 
-def check_parallel_fits(shape: HFModelShape, tp: int, pp: int) -> None:
+def check_parallel_fits(shape: HFModelShape, tp: int, pp: int, cp: int = 1) -> None:
+    if shape.mla is not None and (tp > 1 or cp > 1):
+        raise ValueError(f"parallel: multi-head latent attention (DeepSeek-V3) runs at TP=1 and CP=1 (here TP={tp},"
+                         f" CP={cp}); spread the experts with parallel.expert_model_parallel_size and the layers with"
+                         " parallel.pipeline_model_parallel_size")
     if shape.num_heads % tp:
         raise ValueError(f"parallel.tensor_model_parallel_size: {tp} must divide the model's {shape.num_heads} heads")
     if shape.num_kv_heads % tp:
@@ -269,8 +287,12 @@ def layer_spec(shape: HFModelShape, *, grouped_experts: bool = True, moe_layer: 
     num_experts = shape.moe.num_experts if shape.moe and moe_layer else None
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
                                     normalization="RMSNorm")
-    attention = spec.submodules.self_attention.submodules
-    spec.submodules.self_attention.submodules = dataclasses.replace(attention, core_attention=SDPAttention)
+    if shape.mla is not None:  # our MLA module, its core attention SDPAttention (mla.py)
+        spec.submodules.self_attention = ModuleSpec(module=MultiLatentSelfAttention,
+                                                    params={"attn_mask_type": AttnMaskType.causal, "mla": shape.mla})
+    else:
+        attention = spec.submodules.self_attention.submodules
+        spec.submodules.self_attention.submodules = dataclasses.replace(attention, core_attention=SDPAttention)
     if num_experts is not None and grouped_experts:
         spec.submodules.mlp = _with_experts(spec.submodules.mlp, GroupedExperts)
     return spec
@@ -352,7 +374,7 @@ def _apply_hf_rope_scaling(model: PolicyGPT, shape: HFModelShape, hf_config) -> 
     if shape.rope_type not in ROPE_INIT_FUNCTIONS or shape.rope_type in ("dynamic", "longrope"):
         raise ValueError(f"model.path: rope_type={shape.rope_type!r} is not supported (default, linear, llama3, yarn)")
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[shape.rope_type](hf_config, torch.device("cpu"))
-    if abs(attention_factor - 1.0) > 1e-12:
+    if abs(attention_factor - 1.0) > 1e-12 and shape.mla is None:  # MLA applies it to its rope dims (mla.py)
         raise ValueError(f"model.path: rope_type={shape.rope_type!r} with attention factor {attention_factor} != 1")
     rotary = getattr(model, "rotary_pos_emb", None)
     if rotary is not None:

@@ -1,4 +1,4 @@
-"""Mixture-of-experts pieces of the Megatron trainer: Qwen3-MoE, Qwen2-MoE and GLM-4.5-style MoE on
+"""Mixture-of-experts pieces of the Megatron trainer: Qwen3-MoE, Qwen2-MoE, GLM-4.5-style MoE and DeepSeek-V3 on
 megatron-core's MoE layer (local spec, no TransformerEngine).
 
 Routing, as each family's HF model defines it (moe_utils.topk_routing_with_score_function in megatron-core):
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
 #: Families whose routers score experts with a sigmoid and choose them with a correction bias (noaux_tc).
-BIAS_ROUTED_FAMILIES = ("glm4_moe",)
+BIAS_ROUTED_FAMILIES = ("glm4_moe", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,11 @@ def _noaux_tc_shape(hf_config) -> MoEShape:
     """GLM-4.5's (and DeepSeek-V3's) MoE fields, refusing what megatron-core's router would compute
     differently from the HF model."""
     experts, topk = hf_config.n_routed_experts, hf_config.num_experts_per_tok
+    # DeepSeek checkpoints name their routing; V2's (softmax, greedy or group-limited greedy) is not this one
+    method, scoring = getattr(hf_config, "topk_method", "noaux_tc"), getattr(hf_config, "scoring_func", "sigmoid")
+    if (method or "noaux_tc") != "noaux_tc" or (scoring or "sigmoid") != "sigmoid":
+        raise ValueError(f"model.path: topk_method={method!r} with scoring_func={scoring!r} is not supported; the"
+                         " trainer routes as DeepSeek-V3 and GLM-4.5 do (noaux_tc, sigmoid)")
     groups, group_topk = getattr(hf_config, "n_group", 1) or 1, getattr(hf_config, "topk_group", 1) or 1
     if not getattr(hf_config, "norm_topk_prob", True) and topk > 1:
         # megatron-core's sigmoid router always renormalises the top-k weights

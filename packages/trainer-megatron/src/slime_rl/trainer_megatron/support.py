@@ -12,13 +12,11 @@ from typing import Any
 #: HF architecture -> the trainer's family name (model.py builds each).
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                            "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-                           "Glm4MoeForCausalLM": "glm4_moe"}
+                           "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3"}
 #: Architectures users ask for that are not built yet, with the part that is missing.
 MISSING_PARTS = {
-    "DeepseekV3ForCausalLM": "multi-head latent attention (MLA: low-rank q/kv projections, decoupled RoPE) so far;"
-                             " its MoE routing is GLM-4.5's, which it has",
-    "DeepseekV2ForCausalLM": "multi-head latent attention (MLA) and V2's softmax routing (greedy or group-limited"
-                             " greedy) so far",
+    "DeepseekV2ForCausalLM": "V2's softmax routing (greedy or group-limited greedy) so far; its multi-head latent"
+                             " attention is DeepSeek-V3's, which it has",
 }
 
 
@@ -78,6 +76,11 @@ def model_support(path: str | Path) -> tuple[bool, list[tuple[str, str]]]:
         if moe.expert_bias or moe.dense_layers:
             experts += "; TP=1 (spread the experts with parallel.expert_model_parallel_size)"
         lines.append(("experts", experts))
+    if shape.mla is not None:
+        mla = shape.mla
+        q = f"q rank {mla.q_lora_rank}" if mla.q_lora_rank else "q unprojected (q_lora_rank null)"
+        lines.append(("attention", f"multi-head latent attention ({q}, kv rank {mla.kv_lora_rank}, qk"
+                                   f" {mla.qk_nope_head_dim}+{mla.qk_rope_head_dim}, v {mla.v_head_dim}); TP=1, CP=1"))
     if shape.mtp_layers:
         lines.append(("mtp", f"{shape.mtp_layers} multi-token-prediction layer(s): not trained, carried unchanged"
                              " into saved checkpoints"))

@@ -164,7 +164,7 @@ class MegatronTrainer(PolicyTrainer):
         """This rank's stage of the model, on its device; returns the module DDP wraps."""
         p = self.cfg.parallel
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        check_parallel_fits(self.shape, tp, pp)
+        check_parallel_fits(self.shape, tp, pp, p.context_parallel_size)
         ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
         moe.check_expert_parallel(self.shape.moe, tp=tp, ep=ep, etp=etp, sequence_parallel=p.sequence_parallel)
         sequence_parallel.check_supported(tp=tp if p.sequence_parallel else 1, cp=p.context_parallel_size,
