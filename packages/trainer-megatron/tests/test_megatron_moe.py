@@ -255,6 +255,9 @@ FOUR_RANK_LAYOUTS = {
     # GLM-4.5, 4 layers (dense, then 3 MoE): the first stage holds the dense layer and one MoE layer
     "glm-pp2-ep2": (["parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],
                     ["trainer.max_tokens_per_gpu=40"], 1 * 4, "glm4_moe", 4),
+    # DeepSeek-V3 as GLM-4.5 above: multi-head latent attention on both stages
+    "deepseek-pp2-ep2": (["parallel.pipeline_model_parallel_size=2", "parallel.expert_model_parallel_size=2"],
+                         ["trainer.max_tokens_per_gpu=40"], 1 * 4, "deepseek_v3", 4),
 }
 
 

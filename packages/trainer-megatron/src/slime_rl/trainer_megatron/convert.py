@@ -39,6 +39,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from slime_rl.core.contracts import NamedTensors
+from slime_rl.trainer_megatron.mla import hf_tensor_shape
 from slime_rl.trainer_megatron.model import HFModelShape, PolicyGPT
 
 ADAPTER_SUFFIX = "_lora"  # a LoRA adapter beside linear X is the module X_lora (lora.py)
@@ -373,7 +374,9 @@ def _hf_shapes(ref: ParamRef, shape: HFModelShape) -> list[tuple[int, ...]]:
     out = []
     moe = shape.moe
     for name in ref.hf_names:
-        if moe is not None and (".experts." in name or ".shared_expert." in name or ".shared_experts." in name):
+        if shape.mla is not None and (mla := hf_tensor_shape(shape.mla, name, shape.num_heads, h)) is not None:
+            out.append(mla)
+        elif moe is not None and (".experts." in name or ".shared_expert." in name or ".shared_experts." in name):
             size = moe.expert_intermediate_size if ".experts." in name else moe.shared_expert_intermediate_size
             out.append((h, size) if name.endswith("down_proj.weight") else (size, h))
         elif name.endswith("mlp.gate.weight"):

@@ -88,6 +88,20 @@ def mla_shape(hf_config, rope: dict) -> MLAShape:
                     rope_mscale=float(rope_mscale))
 
 
+def hf_tensor_shape(mla: MLAShape, name: str, heads: int, hidden: int) -> tuple[int, ...] | None:
+    """The shape of the HF attention tensor ``name`` (``...self_attn.<module>.weight``) of an MLA layer; None for
+    a tensor outside the attention."""
+    if ".self_attn." not in name:
+        return None
+    q_rank, kv_rank = mla.q_lora_rank, mla.kv_lora_rank
+    shapes = {"q_proj": (heads * mla.qk_head_dim, hidden), "q_a_proj": (q_rank, hidden), "q_a_layernorm": (q_rank,),
+              "q_b_proj": (heads * mla.qk_head_dim, q_rank),
+              "kv_a_proj_with_mqa": (kv_rank + mla.qk_rope_head_dim, hidden), "kv_a_layernorm": (kv_rank,),
+              "kv_b_proj": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), kv_rank),
+              "o_proj": (hidden, heads * mla.v_head_dim)}
+    return shapes[name.split(".self_attn.", 1)[1].split(".", 1)[0]]
+
+
 def yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN's attention temperature, as DeepSeek defines it (transformers' yarn_get_mscale)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
