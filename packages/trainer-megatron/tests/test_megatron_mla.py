@@ -164,6 +164,38 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path):
     assert _max_gap(samples, ours, hf) > 1e-3
 
 
+def test_deepseek_checkpoint_carries_its_mtp_layer_through(tmp_path):
+    """A bf16 DeepSeek-V3 checkpoint as released: float32 correction bias and a multi-token-prediction layer after
+    the last decoder layer (num_nextn_predict_layers: 1; transformers builds none). The trainer neither builds nor
+    syncs the MTP layer, and save_hf writes every tensor of the checkpoint back, the MTP layer's bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = deepseek_model(tmp_path / "m")
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors = {n: t if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16) for n, t in tensors.items()}
+    g = torch.Generator().manual_seed(5)
+    mtp = {"eh_proj.weight": (64, 128), "enorm.weight": (64,), "hnorm.weight": (64,),
+           "self_attn.kv_b_proj.weight": (88, 16), "mlp.experts.0.gate_proj.weight": (32, 64)}
+    for suffix, size in mtp.items():
+        tensors[f"model.layers.2.{suffix}"] = torch.randn(size, generator=g).to(torch.bfloat16)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1, "dtype": "bfloat16"}))
+    mtp_names = sorted(f"model.layers.2.{suffix}" for suffix in mtp)
+
+    trainer = trainer_for(model_dir, ["model.dtype=bfloat16"])
+    assert trainer.shape.mtp_layers == 1
+    reader = SafetensorsFolder(model_dir)
+    synced = dict(item for bucket in trainer.named_weights(bucket_bytes=1 << 20) for item in bucket)
+    assert sorted(synced) == sorted(set(reader.weight_map) - set(mtp_names))
+    assert all(torch.equal(t, reader.get(n)) for n, t in synced.items())
+    trainer.save_hf(str(tmp_path / "out"))
+    saved = SafetensorsFolder(tmp_path / "out")
+    assert sorted(saved.weight_map) == sorted(reader.weight_map)
+    for name in mtp_names + ["model.layers.1.mlp.gate.e_score_correction_bias"]:
+        assert saved.get(name).dtype == reader.get(name).dtype and torch.equal(saved.get(name), reader.get(name)), name
+
+
 def test_mla_refuses_what_it_does_not_build(tmp_path):
     from slime_rl.trainer_megatron.model import check_parallel_fits, hf_model_shape
 
