@@ -27,8 +27,8 @@ class MegatronSettings(BackendSettings):
         " Megatron's selective recompute of those modules (its `layernorm` needs TransformerEngine)"
         " (`--recompute-granularity selective --recompute-modules ...`)"))
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0, description=(
-        "MoE router load-balancing loss weight, per micro-batch (`--moe-aux-loss-coeff`). GLM-4.5's router"
-        " correction bias (`e_score_correction_bias`) is frozen: used to choose experts, loaded and saved as the"
+        "MoE router load-balancing loss weight, per micro-batch (`--moe-aux-loss-coeff`). GLM-4.5's and"
+        " DeepSeek-V3's router correction bias (`e_score_correction_bias`) is frozen: used to choose experts, loaded and saved as the"
         " checkpoint has it, never updated from the expert loads (no auxiliary-loss-free balancing)"))
     moe_z_loss_coeff: float | None = Field(None, ge=0.0, description=(
         "MoE router z-loss weight; `null`: off (`--moe-z-loss-coeff`)"))
@@ -50,7 +50,8 @@ class MegatronSettings(BackendSettings):
     packed_attention: Literal["auto", "varlen", "padded", "per_sequence"] = Field("auto", description=(
         "How packed micro-batches (`trainer.max_tokens_per_gpu`) attend within each sequence. `auto`: one flash"
         " varlen call per layer on CUDA in bf16/fp16, else one padded SDPA call (the CPU's choice), else one"
-        " call per sequence; `varlen`, `padded`, `per_sequence` force one (benchmarks, debugging)"))
+        " call per sequence; `varlen`, `padded`, `per_sequence` force one (benchmarks, debugging). Multi-head latent"
+        " attention (DeepSeek-V3) takes every kernel: varlen with V zero-padded to the q/k head dim"))
 
     @field_validator("recompute", mode="before")
     @classmethod
