@@ -1,5 +1,6 @@
 """Mixture-of-experts models (Qwen3-MoE; Qwen2-MoE with its gated shared expert; GLM-4.5 with a dense first
-layer, sigmoid group-limited routing with a correction bias, shared experts and partial RoPE) on megatron-core's
+layer, sigmoid group-limited routing with a correction bias, shared experts and partial RoPE; DeepSeek-V3 with the same
+routing and multi-head latent attention) on megatron-core's
 MoE layer: HF -> Megatron -> HF is bit-exact, log-probs equal transformers' (fp32, <= 1e-4), expert
 parallelism over gloo (EP=2) gives EP=1's log-probs, losses, gradient norms and updated weights
 (<= 1e-5 over three steps), and routing replay makes the forward use the experts it is given."""
@@ -33,7 +34,7 @@ def trainer_for(model_dir, overrides=()):
     return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
 
 
-MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "glm4_moe"]
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
