@@ -196,6 +196,21 @@ def test_deepseek_checkpoint_carries_its_mtp_layer_through(tmp_path):
         assert saved.get(name).dtype == reader.get(name).dtype and torch.equal(saved.get(name), reader.get(name)), name
 
 
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_the_micro_batch_cost_counts_mla_projections_as_transformers_builds_them(q_lora_rank, tmp_path):
+    """Dynamic batching weighs a token's attention against its layer's matmuls (model.attention_cost_weight): MLA's
+    projection weights counted from its shape are the weights transformers' attention layer holds."""
+    from slime_rl.trainer_megatron.mla import projection_params
+    from slime_rl.trainer_megatron.model import attention_cost_weight, hf_model_shape
+
+    hf = load_hf(deepseek_model(tmp_path / "m", q_lora_rank=q_lora_rank))
+    shape = hf_model_shape(hf.config)
+    attention = hf.model.layers[0].self_attn
+    held = sum(p.numel() for name, p in attention.named_parameters() if "layernorm" not in name)
+    assert projection_params(shape.mla, shape.num_heads, shape.hidden_size) == held
+    assert 0 < attention_cost_weight(shape) < 1
+
+
 def test_mla_refuses_what_it_does_not_build(tmp_path):
     from slime_rl.trainer_megatron.model import check_parallel_fits, hf_model_shape
 

@@ -88,6 +88,15 @@ def mla_shape(hf_config, rope: dict) -> MLAShape:
                     rope_mscale=float(rope_mscale))
 
 
+def projection_params(mla: MLAShape, heads: int, hidden: int) -> int:
+    """The weights of one MLA layer's projections (q, kv down and up, o): ~2 forward FLOPs a token each."""
+    q = (hidden * mla.q_lora_rank + mla.q_lora_rank * heads * mla.qk_head_dim if mla.q_lora_rank
+         else hidden * heads * mla.qk_head_dim)
+    kv = hidden * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim
+                                                                                          + mla.v_head_dim)
+    return q + kv + heads * mla.v_head_dim * hidden
+
+
 def hf_tensor_shape(mla: MLAShape, name: str, heads: int, hidden: int) -> tuple[int, ...] | None:
     """The shape of the HF attention tensor ``name`` (``...self_attn.<module>.weight``) of an MLA layer; None for
     a tensor outside the attention."""

@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from slime_rl.trainer_megatron import fused_rope, sequence_parallel
 from slime_rl.trainer_megatron.attention import PACKED_ATTENTION_CHOICES, SDPAttention
 from slime_rl.trainer_megatron.grouped_experts import GroupedExperts
-from slime_rl.trainer_megatron.mla import MLAShape, MultiLatentSelfAttention, mla_shape
+from slime_rl.trainer_megatron.mla import MLAShape, MultiLatentSelfAttention, mla_shape, projection_params
 from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
 from slime_rl.trainer_megatron.support import SUPPORTED_ARCHITECTURES, architecture_family
 
@@ -143,6 +143,9 @@ def attention_cost_weight(shape: HFModelShape) -> float:
     and 2 * heads * head_dim per earlier token for QK^T and attention x V (L / 2 of them on average)."""
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     projections = shape.hidden_size * (2 * q + 2 * kv)
+    if shape.mla is not None:  # QK^T over the q/k head dim, attention x V over the v head dim
+        q = shape.num_heads * (shape.mla.qk_head_dim + shape.mla.v_head_dim) // 2
+        projections = projection_params(shape.mla, shape.num_heads, shape.hidden_size)
     dense_mlp = 3 * shape.hidden_size * shape.intermediate_size
     if shape.moe is not None:
         moe = shape.moe
