@@ -196,6 +196,27 @@ def test_deepseek_checkpoint_carries_its_mtp_layer_through(tmp_path):
         assert saved.get(name).dtype == reader.get(name).dtype and torch.equal(saved.get(name), reader.get(name)), name
 
 
+def test_selective_recompute_of_core_attention_gives_the_same_step(tmp_path, monkeypatch):
+    """trainer.megatron.recompute: [core_attn] reruns MLA's core attention in backward (twice the calls in a training
+    step) and gives the step without it: the same loss and gradient norm."""
+    from slime_rl.trainer_megatron.attention import SDPAttention
+
+    calls = []
+    forward = SDPAttention.forward
+    monkeypatch.setattr(SDPAttention, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    model_dir = deepseek_model(tmp_path / "m")
+    steps = {}
+    for recompute in ([], ["trainer.megatron.recompute=[core_attn]"]):
+        trainer = trainer_for(model_dir, recompute)
+        batch = to_batch(_samples())
+        batch.old_log_probs = trainer.compute_log_probs(batch)
+        calls.clear()
+        steps[bool(recompute)] = (trainer.train_step(batch), len(calls))
+    (plain, plain_calls), (recomputed, recomputed_calls) = steps[False], steps[True]
+    assert recomputed_calls == 2 * plain_calls > 0
+    assert abs(plain["loss"] - recomputed["loss"]) <= 1e-6 and abs(plain["grad_norm"] - recomputed["grad_norm"]) <= 1e-6
+
+
 @pytest.mark.parametrize("q_lora_rank", [24, None])
 def test_the_micro_batch_cost_counts_mla_projections_as_transformers_builds_them(q_lora_rank, tmp_path):
     """Dynamic batching weighs a token's attention against its layer's matmuls (model.attention_cost_weight): MLA's

@@ -153,6 +153,9 @@ class MultiLatentSelfAttention(MegatronModule):
         self.linear_kv_up_proj = linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))
         self.core_attention = SDPAttention(config, layer_number, attn_mask_type, "self",
                                            softmax_scale=mla.softmax_scale)
+        # trainer.megatron.recompute: [core_attn], as megatron-core's Attention reads it
+        self.checkpoint_core_attention = (config.recompute_granularity == "selective"
+                                          and "core_attn" in (config.recompute_modules or ()))
         self.linear_proj = tensor_parallel.RowParallelLinear(
             heads * mla.v_head_dim, hidden, config=config, init_method=config.output_layer_init_method, bias=False,
             input_is_parallel=True, skip_bias_add=True)
@@ -182,8 +185,14 @@ class MultiLatentSelfAttention(MegatronModule):
             q_rot, k_rot = self._rope(q_rot, k_rot, rotary_pos_emb, packed_seq_params if packed else None)
         query = torch.cat([q_nope, q_rot], dim=-1)
         key = torch.cat([k_nope, k_rot.expand(*k_nope.shape[:-1], -1)], dim=-1)
-        out = self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type,
-                                  packed_seq_params=packed_seq_params)
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self.core_attention(q, k, v, attention_mask, attn_mask_type=self.attn_mask_type,
+                                       packed_seq_params=packed_seq_params)
+
+        if self.checkpoint_core_attention and self.training:  # attention's scores recomputed in backward
+            out = tensor_parallel.checkpoint(attend, False, query, key, value)
+        else:
+            out = attend(query, key, value)
         if packed:
             out = out.reshape(out.size(0), 1, -1)  # [t, 1, heads * v_head_dim], as the layer expects
         return self.linear_proj(out)
