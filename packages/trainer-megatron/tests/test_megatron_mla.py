@@ -83,6 +83,17 @@ def test_deepseek_round_trip_is_bit_exact_and_log_probs_match_transformers(tmp_p
     assert not torch.equal(saved.get(kv_b), reader.get(kv_b))  # trained, and written back under HF's name
 
 
+def test_sync_buckets_keep_each_q_a_proj_with_its_kv_a_proj(tmp_path):
+    """SGLang fuses a layer's q_a_proj and kv_a_proj_with_mqa at load and drops a half that arrives alone in one
+    update call: with buckets of one tensor each, every q_a_proj still shares its bucket with its kv_a_proj_with_mqa,
+    and nothing else is bundled."""
+    trainer = trainer_for(deepseek_model(tmp_path / "m"))
+    buckets = [[name for name, _ in bucket] for bucket in trainer.named_weights(bucket_bytes=1)]
+    pairs = [b for b in buckets if len(b) > 1]
+    assert pairs == [[f"model.layers.{i}.self_attn.q_a_proj.weight", f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight"]
+                     for i in (0, 1)]
+
+
 @pytest.mark.parametrize("kernel", ["padded", "per_sequence"])
 def test_packed_micro_batches_match_transformers(kernel, tmp_path):
     """Packed rows (q/k head dim 20, v head dim 10) through each CPU kernel of attention.py."""

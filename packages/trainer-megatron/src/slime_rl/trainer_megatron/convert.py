@@ -60,12 +60,13 @@ _LAYER_PARAMS = {
 }
 # Multi-head latent attention (mla.py) in place of linear_qkv (and q/k norms); linear_proj is o_proj as above.
 # V2-Lite (q_lora_rank null) has linear_q_proj (q_proj) instead of the q down-projection, norm and up-projection.
+# q_a_proj right before kv_a_proj_with_mqa: SGLang fuses the two (see `bucketed`).
 _MLA_PARAMS = {
     "self_attention.linear_q_proj.weight": ("self_attn.q_proj.weight", 0),
     "self_attention.linear_q_down_proj.weight": ("self_attn.q_a_proj.weight", None),
+    "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight", None),
     "self_attention.q_layernorm.weight": ("self_attn.q_a_layernorm.weight", None),
     "self_attention.linear_q_up_proj.weight": ("self_attn.q_b_proj.weight", 0),
-    "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight", None),
     "self_attention.kv_layernorm.weight": ("self_attn.kv_a_layernorm.weight", None),
     "self_attention.linear_kv_up_proj.weight": ("self_attn.kv_b_proj.weight", 0),
 }
@@ -481,11 +482,14 @@ def _gather_expert(ref: ParamRef, by_global: dict, shape: HFModelShape, dtype: t
 
 
 def bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
-    """Group (name, tensor) pairs into lists of about ``bucket_bytes`` (a tensor never splits)."""
+    """Group (name, tensor) pairs into lists of about ``bucket_bytes`` (a tensor never splits). A bucket never ends
+    on an MLA layer's ``q_a_proj``: SGLang loads it fused with the ``kv_a_proj_with_mqa`` that follows it
+    (``fused_qkv_a_proj_with_mqa``) only when both come in one load call, and silently drops a half that comes alone
+    (deepseek_weight_loader.py's ``cached_a_proj`` lives for one call)."""
     bucket, size = [], 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not bucket[-1][0].endswith(".self_attn.q_a_proj.weight"):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, t))
