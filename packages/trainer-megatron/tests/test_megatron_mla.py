@@ -260,6 +260,11 @@ def test_mla_refuses_what_it_does_not_build(tmp_path):
     config.topk_method, config.scoring_func, config.attention_bias = "noaux_tc", "sigmoid", True
     with pytest.raises(ValueError, match="attention_bias=true with multi-head latent attention"):
         hf_model_shape(config)
+    config.attention_bias = False
+    # DeepSeek-V3 as released: block-FP8 weights, which mean nothing without their scales
+    config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match=r"quantized checkpoint \(quantization_config: fp8\) is not supported"):
+        hf_model_shape(config)
 
 
 def test_varlen_pads_v_to_the_qk_head_dim_and_slices_the_output(monkeypatch):

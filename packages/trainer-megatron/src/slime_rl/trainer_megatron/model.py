@@ -86,6 +86,11 @@ def hf_model_shape(hf_config) -> HFModelShape:
         raise ValueError(f"model.path: hidden_act={act!r} is not supported (only silu/SwiGLU)")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("model.path: mlp_bias=true is not supported")
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization:  # DeepSeek-V3's release is block-FP8: its weights need their scale_inv tensors to mean anything
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"model.path: a quantized checkpoint (quantization_config: {method}) is not supported; convert"
+                         " it to bf16 first (DeepSeek-V3: its inference/fp8_cast_bf16.py)")
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("model.path: use_sliding_window=true is not supported; set it to false in config.json")
     # transformers 5: rope_parameters holds theta and scaling; 4.x: rope_theta and rope_scaling
