@@ -154,6 +154,16 @@ def test_without_q_down_projection_as_v2_lite(tmp_path):
     assert _max_gap(samples, _log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
 
 
+@pytest.mark.parametrize("fields", [{"rope_interleave": False},
+                                    {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}],
+                         ids=["rope-half-split", "linear-rope-scaling"])
+def test_other_rope_layouts_match_transformers(fields, tmp_path):
+    """Rope dims stored half-split (rope_interleave: false) and linear RoPE scaling, as transformers computes them."""
+    model_dir = deepseek_model(tmp_path / "m", **fields)
+    samples = _samples()
+    assert _max_gap(samples, _log_probs(trainer_for(model_dir), samples), load_hf(model_dir)) <= 1e-4
+
+
 def test_yarn_rope_scaling_matches_transformers(tmp_path):
     """DeepSeek's YaRN: scaled frequencies, cos/sin times mscale(factor, mscale) / mscale(factor, mscale_all_dim),
     and the softmax scale times mscale(factor, mscale_all_dim)^2; without any of it the log-probs move."""
