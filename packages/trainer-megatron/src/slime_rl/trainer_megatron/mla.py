@@ -71,17 +71,17 @@ def mla_shape(hf_config, rope: dict) -> MLAShape:
                          f" keys and values for every one of the {heads} heads")
     scale = (nope + rope_dim) ** -0.5
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "yarn"):
+        raise ValueError(f"model.path: rope_type={rope_type!r} with multi-head latent attention is not supported"
+                         " (default, linear, yarn)")
     rope_mscale = 1.0
     if rope_type == "yarn":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         _, rope_mscale = ROPE_INIT_FUNCTIONS["yarn"](hf_config, torch.device("cpu"))
-        if rope.get("mscale_all_dim"):
-            mscale = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
-            scale *= mscale * mscale
-    elif rope_type not in ("default", "linear"):
-        raise ValueError(f"model.path: rope_type={rope_type!r} with multi-head latent attention is not supported"
-                         " (default, linear, yarn)")
+    if rope_type != "default" and rope.get("mscale_all_dim"):  # as transformers' yarn_apply_mscale reads it
+        mscale = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+        scale *= mscale * mscale
     return MLAShape(q_lora_rank=q_lora_rank or None, kv_lora_rank=hf_config.kv_lora_rank, qk_nope_head_dim=nope,
                     qk_rope_head_dim=rope_dim, v_head_dim=hf_config.v_head_dim,
                     rope_interleave=bool(getattr(hf_config, "rope_interleave", True)), softmax_scale=scale,
