@@ -107,6 +107,22 @@ def test_shared_experts_count_in_each_family_s_names():
     assert glm.dense_mlp_params == 3 * 64 * 128
 
 
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_mla_attention_is_counted_as_transformers_builds_it(q_lora_rank):
+    """DeepSeek's multi-head latent attention: its projections' weights are those transformers' layer holds, and an
+    SGLang engine caches one kv latent plus the rope key a token and layer (not K and V of every head)."""
+    from slime_rl.core.testing import tiny_config, tiny_model
+
+    config = tiny_config("deepseek_v3", vocab_size=256, q_lora_rank=q_lora_rank)
+    attention = tiny_model(config).model.layers[0].self_attn
+    size = ModelSize.from_hf(config.to_dict())
+    assert size.attention_params == sum(p.numel() for n, p in attention.named_parameters() if "layernorm" not in n)
+    assert (size.kv_heads, size.head_dim) == (4, (12 + 8 + 10) // 2)
+    cfg = Config.model_validate({"rollout": {"max_response_len": 64}, "cluster": {"rollout_num_gpus_per_engine": 2}})
+    cfg.rollout.engine = "sglang"
+    assert memory.engine_estimate(cfg, size, "cuda").kv_bytes_per_token == 2 * (16 + 8) * 2  # layers, latent+rope, bf16
+
+
 def test_the_activation_term_follows_its_formula():
     size = ModelSize.from_hf(TINY)
     per_layer = 4 * 64 + (2 * 4 + 2 * 2) * 16 + 4 * 128

@@ -64,16 +64,23 @@ class ModelSize:
     expert_intermediate: int = 0
     experts_per_token: int = 0
     shared_expert_intermediate: int = 0
+    # DeepSeek's multi-head latent attention: its projections' weights a layer, and what SGLang caches a token and
+    # layer (the kv latent and the shared rope key, on every engine TP rank); 0 for q/k/v attention
+    mla_attention_params: int = 0
+    mla_cache_dim: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelSize:
         """Llama-style names; MoE under Mixtral's, Qwen's or DeepSeek's."""
         heads = hf["num_attention_heads"]
         experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts") or 0
+        mla = _mla_fields(hf, heads)
         return cls(
             hidden=hf["hidden_size"], layers=hf["num_hidden_layers"], heads=heads,
-            kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, vocab=hf["vocab_size"],
+            kv_heads=heads if mla else hf.get("num_key_value_heads") or heads,
+            # MLA: the mean of the q/k and v head dims, which the activations hold
+            head_dim=mla.pop("head_dim", None) or hf.get("head_dim") or hf["hidden_size"] // heads,
+            vocab=hf["vocab_size"],
             intermediate=hf.get("intermediate_size") or 0, tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
             experts=experts,
             expert_intermediate=(hf.get("moe_intermediate_size") or hf.get("intermediate_size") or 0) if experts else 0,
@@ -81,6 +88,7 @@ class ModelSize:
             # Qwen2-MoE names the shared expert's width; GLM-4.5 and DeepSeek count shared experts of the routed width
             shared_expert_intermediate=hf.get("shared_expert_intermediate_size")
             or (hf.get("n_shared_experts") or 0) * (hf.get("moe_intermediate_size") or 0),
+            **mla,
         )
 
     @classmethod
@@ -94,7 +102,9 @@ class ModelSize:
             return None
 
     @property
-    def attention_params(self) -> int:  # per layer: q, k, v, o
+    def attention_params(self) -> int:  # per layer: q, k, v, o (MLA: its q, kv down and up, o)
+        if self.mla_attention_params:
+            return self.mla_attention_params
         q = self.heads * self.head_dim
         return self.hidden * (2 * q + 2 * self.kv_heads * self.head_dim)
 
@@ -366,6 +376,18 @@ class EngineEstimate:
                 f" mem_fraction_static {self.static_fraction:g})")
 
 
+def _mla_fields(hf: dict[str, Any], heads: int) -> dict[str, int]:
+    """ModelSize's MLA fields (and its head dim) from a DeepSeek config.json; {} without kv_lora_rank."""
+    if hf.get("kv_lora_rank") is None:
+        return {}
+    hidden, q_rank, kv_rank = hf["hidden_size"], hf.get("q_lora_rank"), hf["kv_lora_rank"]
+    nope, rope, v = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+    q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+    kv = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v)
+    return {"mla_attention_params": q + kv + heads * v * hidden, "mla_cache_dim": kv_rank + rope,
+            "head_dim": (nope + rope + v) // 2}
+
+
 def engine_estimate(cfg: Config, size: ModelSize, device: str) -> EngineEstimate | None:
     """An SGLang engine's GPU memory for the config's longest sample; None for other engines or the CPU."""
     if cfg.rollout.engine != "sglang" or device != "cuda":
@@ -376,8 +398,9 @@ def engine_estimate(cfg: Config, size: ModelSize, device: str) -> EngineEstimate
     server_args = getattr((cfg.rollout.__pydantic_extra__ or {}).get("sglang"), "server_args", None) or {}
     fraction = next((v for k, v in server_args.items() if str(k).replace("-", "_") == "mem_fraction_static"),
                     SGLANG_STATIC_FRACTION)
+    kv_per_layer = size.mla_cache_dim or 2 * kv_heads * size.head_dim  # MLA: one latent a token, not K and V
     return EngineEstimate(weights=int(size.total_params * dtype_bytes / tp),
-                          kv_bytes_per_token=2 * size.layers * kv_heads * size.head_dim * dtype_bytes,
+                          kv_bytes_per_token=size.layers * kv_per_layer * dtype_bytes,
                           context_len=sample_tokens(cfg), static_fraction=float(fraction))
 
 
