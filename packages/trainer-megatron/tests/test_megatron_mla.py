@@ -253,6 +253,33 @@ def test_the_micro_batch_cost_counts_mla_projections_as_transformers_builds_them
     assert 0 < attention_cost_weight(shape) < 1
 
 
+def test_compiled_rope_gives_the_same_log_probs_with_yarn(tmp_path, monkeypatch):
+    """On CUDA the trainer routes RoPE through fused_rope's compiled kernel (compiled_fusions), which takes no
+    mscale: MLA applies YaRN's cos/sin factor after RoPE, so the compiled path (compiled here on the CPU) gives the
+    unfused path's log-probs, padded and packed."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from slime_rl.trainer_megatron import fused_rope
+
+    calls = []
+    for name, kernel in (("fused_apply_rotary_pos_emb", fused_rope.rope_bshd),
+                         ("fused_apply_rotary_pos_emb_thd", fused_rope.rope_thd)):
+        monkeypatch.setattr(rope_utils, name, lambda *a, kernel=kernel, **k: calls.append(kernel) or kernel(*a, **k))
+    model_dir = deepseek_model(tmp_path / "m", rope_parameters={"rope_theta": 10000.0, **YARN})
+    samples = _samples()
+    for batching, kernel in (([], fused_rope.rope_bshd), (["trainer.max_tokens_per_gpu=64"], fused_rope.rope_thd)):
+        trainer = trainer_for(model_dir, batching)
+        plain = _log_probs(trainer, samples)
+        calls.clear()
+        config = next(m.config for m in trainer.model.modules() if hasattr(m, "config"))
+        config.apply_rope_fusion = True  # what transformer_config sets with compiled_fusions (CUDA)
+        fused = _log_probs(trainer, samples)
+        config.apply_rope_fusion = False
+        assert trainer.shape.mla.rope_mscale != 1.0 and calls and set(calls) == {kernel}
+        assert max(float((torch.tensor(a) - torch.tensor(b)).abs().max()) for a, b in zip(plain, fused, strict=True)
+                   ) <= 1e-5
+
+
 def test_mla_refuses_what_it_does_not_build(tmp_path):
     from slime_rl.trainer_megatron.model import check_parallel_fits, hf_model_shape
 
