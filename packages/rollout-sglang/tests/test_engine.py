@@ -246,6 +246,17 @@ def test_weight_check_compares_checksums_and_names_what_differs(make_engine, tin
     assert sharded and all("norm" in n for n in sharded)
 
 
+def test_the_weight_check_samples_no_tensor_sglang_fuses_for_deepseek():
+    """SGLang 0.5.17 loads DeepSeek's q_a_proj and kv_a_proj_with_mqa into one fused_qkv_a_proj_with_mqa: a bucket
+    holding just that pair (the trainer never splits it) offers no sample, and kv_b_proj, which SGLang keeps under
+    its name (deriving w_kc/w_vc from it), is sampled."""
+    tensor = torch.ones(2, 2)
+    pair = [(f"model.layers.0.self_attn.{m}.weight", tensor) for m in ("q_a_proj", "kv_a_proj_with_mqa")]
+    assert verify.check_sample(pair, every=True) == {}
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert list(verify.check_sample([*pair, (kv_b, tensor)], every=True)) == [kv_b]
+
+
 def test_sync_and_memory_calls_go_on_when_asyncio_default_executor_is_full(make_engine, tiny_model):
     """Hung user code in asyncio's default executor (a plain reward stuck in a thread) must not stall
     the engine's control calls: they block in threads of the engine's own."""

@@ -12,9 +12,10 @@ import torch
 from slime_rl.core.contracts import NamedTensors
 from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError, post
 
-# SGLang loads these into fused parameters (qkv_proj, gate_up_proj), whose checksum no single
-# trainer tensor has; the check compares the parameters both sides hold under one name.
-_FUSED_IN_SGLANG = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
+# SGLang loads these into fused parameters (qkv_proj, gate_up_proj; DeepSeek's fused_qkv_a_proj_with_mqa), whose
+# checksum no single trainer tensor has; the check compares the parameters both sides hold under one name.
+_FUSED_IN_SGLANG = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.", ".q_a_proj.",
+                    ".kv_a_proj_with_mqa.")
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
