@@ -32,7 +32,9 @@
 # SIGKILLed mid-run), bench-affinity (issue 18: prefix-cache hit rate, affinity vs round robin, two
 # servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place),
 # restore-copy (the restore copy of CUDA buckets holds the pushed values; adapter folders keep dtypes),
-# moe-sync (issue 19: Qwen3-MoE and Qwen2-MoE weights from the Megatron trainer into SGLang by IPC and disk).
+# moe-sync (issue 19: Qwen3-MoE and Qwen2-MoE weights from the Megatron trainer into SGLang by IPC and disk; issue 37:
+# GLM-4.5 too), mla-varlen (issue 37: DeepSeek-V3's MLA tests on megatron-core 0.19.2, the GPU one on the flash varlen
+# kernel with V padded to the q/k head dim).
 # real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
 # pack it first with scripts/gpu/pack_smollm2.sh; ~11 min, more than one device call holds),
 # real-model-addition, real-model-chain-sum (one task each, ~5.5 min on one H200).
@@ -73,6 +75,7 @@ for stage in "$@"; do
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_e2e.py -p no:cacheprovider) ;;
     conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
     moe-sync) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_moe_sync.py -p no:cacheprovider) ;;
+    mla-varlen) cmd=(python3 -m pytest -x -q -s -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_mla.py) ;;
     restore-copy) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_restore_copy.py
                        packages/rollout-sglang/tests/test_adapter_folders.py -p no:cacheprovider) ;;
     sglang-pause) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_pause.py -p no:cacheprovider) ;;
