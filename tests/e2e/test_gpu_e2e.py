@@ -42,6 +42,19 @@ def gpu_model(tmp_path_factory) -> Path:
                              dtype=torch.bfloat16)
 
 
+def train_through_slime_cli(config: dict, *, tokenizer: Path, work: Path, timeout: int) -> list[dict]:
+    """``config`` run by `slime-cli train` in a subprocess (tests/support on its path, ``tokenizer`` for the toy
+    reward); the rows of its metrics.jsonl (``config``'s logging.dir must be ``work / "run"``)."""
+    (work / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "TOY_TOKENIZER": str(tokenizer),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "support"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", str(work / "config.yaml")],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    print(done.stdout[-4000:], done.stderr[-4000:])
+    assert done.returncode == 0
+    return [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_b_logprob_parity_sglang_vs_megatron(gpu_model, tmp_path, monkeypatch):
     from slime_rl.rollout_sglang.engine import SGLangEngine
     from slime_rl.trainer_megatron.trainer import MegatronTrainer
@@ -93,14 +106,7 @@ def test_f_colocated_grpo_through_slime_cli(offload, gpu_model, tmp_path):
         "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1, "offload": offload},
         "logging": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False},
     }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "TOY_TOKENIZER": str(gpu_model),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "support"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", str(tmp_path / "config.yaml")],
-                          env=env, capture_output=True, text=True, timeout=900)
-    print(done.stdout[-4000:], done.stderr[-4000:])
-    assert done.returncode == 0
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = train_through_slime_cli(config, tokenizer=gpu_model, work=tmp_path, timeout=900)
     rewards = [r["rollout/reward_mean"] for r in rows]
     print("[grpo] reward per step:", " ".join(f"{r:.3f}" for r in rewards))
     print("[grpo] grad norm per step:", " ".join(f"{r.get('train/grad_norm', float('nan')):.3g}" for r in rows))
@@ -137,14 +143,7 @@ def test_g_lora_grpo_through_sglang_adapters(shape, gpu_model, tmp_path):
         "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1},
         "logging": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False},
     }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "TOY_TOKENIZER": str(model),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "support"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", str(tmp_path / "config.yaml")],
-                          env=env, capture_output=True, text=True, timeout=1500)
-    print(done.stdout[-4000:], done.stderr[-4000:])
-    assert done.returncode == 0
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = train_through_slime_cli(config, tokenizer=model, work=tmp_path, timeout=1500)
     rewards = [r["rollout/reward_mean"] for r in rows]
     gaps = [r["train/train_rollout_logprob_abs_diff"] for r in rows]
     print(f"[lora-grpo {shape}] reward per step:", " ".join(f"{r:.3f}" for r in rewards))
@@ -187,14 +186,7 @@ def test_h_long_responses_through_slime_cli(tmp_path):
         "cluster": {"device": "cuda", "colocate": True, "actor_num_gpus_per_node": 1},
         "logging": {"dir": str(tmp_path / "run"), "tensorboard": False, "progress_bar": False},
     }
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "TOY_TOKENIZER": str(model),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "support"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", str(tmp_path / "config.yaml")],
-                          env=env, capture_output=True, text=True, timeout=540)
-    print(done.stdout[-3000:], done.stderr[-3000:])
-    assert done.returncode == 0
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = train_through_slime_cli(config, tokenizer=model, work=tmp_path, timeout=540)
     for i, r in enumerate(rows, 1):
         print(f"[long] step {i}: response_len mean {r['rollout/response_len_mean']:.0f} max"
               f" {r['rollout/response_len_max']:.0f}; rollout {r['rollout/tokens_per_s']:.0f} tok/s;"
