@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 SUPPORT = REPO / "tests" / "support"
 AGENT = REPO / "examples" / "react_agent"
 STEPS = int(os.environ.get("GATEWAY_E2E_STEPS", "20"))
-EPISODES = 4 * 8  # rollout_batch_size * n_samples_per_prompt
+EPISODES = 4 * 16  # rollout_batch_size * n_samples_per_prompt
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_react_agent_trains_through_the_gateway(react_model, tmp_path):
     config.write_text(yaml.safe_dump({
         "model": {"path": str(react_model), "dtype": "float32"},
         "data": {"prompt_data": str(prompts), "apply_chat_template": False, "rollout_batch_size": 4,
-                 "n_samples_per_prompt": 8, "num_rollout": STEPS},
+                 "n_samples_per_prompt": 16, "num_rollout": STEPS},
         "rollout": {"engine": "agent_e2e:RecordingEngine", "generate_fn": "gateway",
                     "gateway": {"agent": "react_agent:run", "samples": "trajectory", "agent_timeout": 120},
                     "reward": "react_e2e:calculator_then_answer", "max_response_len": 256, "temperature": 1.0},
