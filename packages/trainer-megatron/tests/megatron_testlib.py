@@ -134,3 +134,13 @@ def launch(world_size: int, spec: dict, tmp_path: Path, timeout: float = 300.0) 
     if failed:
         raise AssertionError("multi-rank run failed:\n" + "\n".join(logs))
     return torch.load(out_file, weights_only=True)
+
+
+def assert_replayed_like_one_rank(single: dict, multi: dict) -> None:
+    """Routing replay on several ranks against one rank (run_scenario's results): every micro-batch replayed the
+    given experts, and the log-probs, losses and grad norms agree within 1e-5."""
+    for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
+        assert one["moe_routing_replayed"] == two["moe_routing_replayed"] == 1.0
+        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_testlib import ensure_single_rank_group, launch, make_hf_model
+from megatron_testlib import assert_replayed_like_one_rank, ensure_single_rank_group, launch, make_hf_model
 from megatron_worker import run_scenario
 
 from slime_rl.trainer_megatron import context_parallel as cpmod
@@ -78,11 +78,7 @@ def test_context_parallel_replays_the_given_experts_as_one_rank_does(tmp_path):
     single = run_scenario({**spec, "overrides": overrides})
     multi = launch(2, {**spec, "overrides": overrides + ["parallel.context_parallel_size=2",
                                                          "cluster.actor_num_gpus_per_node=2"]}, tmp_path)
-    for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
-    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
-        assert one["moe_routing_replayed"] == two["moe_routing_replayed"] == 1.0
-        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
+    assert_replayed_like_one_rank(single, multi)
 
 
 @pytest.mark.slow

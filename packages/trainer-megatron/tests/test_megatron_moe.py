@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron_testlib import (
+    assert_replayed_like_one_rank,
     ensure_single_rank_group,
     hf_response_log_probs,
     launch,
@@ -515,8 +516,4 @@ def test_pipeline_stages_replay_their_own_layers_experts(tmp_path):
     single = run_scenario({**spec, "overrides": overrides})
     multi = launch(2, {**spec, "overrides": overrides + ["parallel.pipeline_model_parallel_size=2",
                                                          "cluster.actor_num_gpus_per_node=2"]}, tmp_path)
-    for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
-    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
-        assert one["moe_routing_replayed"] == two["moe_routing_replayed"] == 1.0
-        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
+    assert_replayed_like_one_rank(single, multi)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_testlib import ensure_single_rank_group, launch, make_hf_model
+from megatron_testlib import assert_replayed_like_one_rank, ensure_single_rank_group, launch, make_hf_model
 from megatron_worker import run_scenario
 
 from slime_rl.trainer_megatron import moe, sequence_parallel
@@ -76,11 +76,7 @@ def test_routing_replay_under_sequence_parallel_matches_one_rank(tmp_path):
     ensure_single_rank_group()
     single = run_scenario({**spec, "overrides": overrides})
     multi = launch(2, {**spec, "overrides": overrides + SP}, tmp_path)
-    for a, b in zip(single["log_probs"], multi["log_probs"], strict=True):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
-    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
-        assert one["moe_routing_replayed"] == two["moe_routing_replayed"] == 1.0
-        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
+    assert_replayed_like_one_rank(single, multi)
 
 
 @pytest.mark.slow

@@ -69,13 +69,18 @@ def post(target: Target, path: str, body: dict[str, Any] | bytes | None, *, time
         payload = {"content": body, "headers": {**headers, "content-type": "application/json"}}
     else:
         payload = {"json": body if body is not None else {}, "headers": headers}
+    resp = _request(target, "POST", path, timeout=timeout, step=step, **payload)
+    return _checked(target, path, step, resp.status_code, resp.text, ok_status)
+
+
+def _request(target: Target, method: str, path: str, *, timeout: float, step: str, **request: Any) -> httpx.Response:
+    """One call through the server's client; a timeout or transport failure as `WeightSyncError`."""
     try:
-        resp = _client(target.url).post(f"{target.url}{path}", timeout=timeout, **payload)
+        return _client(target.url).request(method, f"{target.url}{path}", timeout=timeout, **request)
     except httpx.TimeoutException:
         raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
     except httpx.HTTPError as err:
         raise WeightSyncError(f"{target.name}: {step}: {path} failed: {type(err).__name__}: {err}") from None
-    return _checked(target, path, step, resp.status_code, resp.text, ok_status)
 
 
 def _checked(target: Target, path: str, step: str, status: int, text: str, ok_status: tuple[int, ...] = (200,)) -> Any:
@@ -94,15 +99,8 @@ def _checked(target: Target, path: str, step: str, status: int, text: str, ok_st
 
 def get(target: Target, path: str, *, timeout: float, step: str) -> Any:
     """GET one of SGLang's NORMAL endpoints (``/model_info``, ``/server_info``) with the API key; its JSON."""
-    try:
-        resp = _client(target.url).get(f"{target.url}{path}", timeout=timeout, headers=bearer(target.api_key))
-    except httpx.TimeoutException:
-        raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
-    except httpx.HTTPError as err:
-        raise WeightSyncError(f"{target.name}: {step}: {path} failed: {type(err).__name__}: {err}") from None
-    if resp.status_code != 200:
-        raise WeightSyncError(f"{target.name}: {step}: {path} answered HTTP {resp.status_code}: {resp.text[:500]}")
-    return resp.json()
+    resp = _request(target, "GET", path, timeout=timeout, step=step, headers=bearer(target.api_key))
+    return _checked(target, path, step, resp.status_code, resp.text)
 
 
 def reachable(target: Target, timeout: float = 5.0) -> bool:
