@@ -46,11 +46,12 @@
 # pack it first as for real-model; ~6 min), opd-teacher then opd-student (the addition run saved as the
 # teacher, then the untrained model distilled from it with the teacher on SGLang beside the student's
 # engine; the KL curve and the step's time split; one call each, same machine).
-# Issue 42: elastic-sglang (delta syncs into real SGLang through the custom weight loader, 20 versions by value and
-# by disk with a restart and a late joiner, /weights_checker after each; an SGLang engine added and one removed
-# while requests run, tokens/s before and after; ~6 min), bench-delta (the 3B shape, fp32 master + Adam on real
-# next-token gradients, 10 steps at lr 1e-6 and 1e-5, indices + values: change fraction, bytes and disk seconds,
-# full vs delta; ~8 min), bench-delta-xor (the same with zlib'd XOR too, 3 steps each: zlib is slow on a 6 GB sync).
+# Issue 42: elastic-delta-tensor and elastic-delta-disk (delta syncs into real SGLang through the custom weight
+# loader, 20 versions by value or by disk with a restart and a late joiner, /weights_checker after each; ~5 min
+# each), elastic-pool (an SGLang engine added and one removed while requests run, tokens/s before and after;
+# ~5 min), bench-delta (the 3B shape, fp32 master + Adam on real next-token gradients, 10 steps at lr 1e-6 and
+# 1e-5, indices + values: change fraction, bytes and disk seconds, full vs delta; ~8 min), bench-delta-xor (the
+# same with zlib'd XOR too, 3 steps each: zlib is slow on a 6 GB sync).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -60,8 +61,11 @@ for stage in "$@"; do
   case $stage in
     check) cmd=(bash -c 'nvidia-smi --query-gpu=name,memory.total --format=csv; python3 -c "import torch, sglang, megatron.core, sglang_router, transformers; from importlib.metadata import version; print(torch.__version__, torch.cuda.device_count(), sglang.__version__, megatron.core.__version__, version(\"ray\"), transformers.__version__)"') ;;
     sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu.py -p no:cacheprovider) ;;
-    elastic-sglang) cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_elastic.py
-                         -p no:cacheprovider) ;;
+    # one call each: an SGLang server takes ~90 s to start on the H100 machine, the delta test starts four
+    elastic-delta-tensor|elastic-delta-disk|elastic-pool)
+      case $stage in elastic-delta-tensor) k=tensor ;; elastic-delta-disk) k=disk ;; *) k=joins ;; esac
+      cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_elastic.py
+           -k "$k" -p no:cacheprovider) ;;
     bench-delta) cmd=(timeout 580 python3 benchmarks/delta_sync.py --model qwen2.5-3b --device cuda --steps 10
                       --lrs 1e-6 1e-5 --encodings full sparse --disk "${TMPDIR:-/tmp}/delta-sync-bench" --threads 8) ;;
     bench-delta-xor) cmd=(timeout 580 python3 benchmarks/delta_sync.py --model qwen2.5-3b --device cuda --steps 3
