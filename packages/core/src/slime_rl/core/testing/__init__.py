@@ -4,7 +4,8 @@ Every package's tests build theirs with these (core is every package's dependenc
 - `train_tokenizer`: a byte-level BPE trained on the text given (`stdlib_text` when any text will do);
 - `tiny_config` and `tiny_model`: a random causal LM of a few layers (each of `FAMILIES`), in memory;
 - `save_model`, `tiny_model_folder`: an HF folder (config.json, model.safetensors, tokenizer files)
-  that transformers, SGLang and the Megatron trainer load like any model.
+  that transformers, SGLang and the Megatron trainer load like any model;
+- `tiny_vl_model_folder` (vision.py): the same for a tiny random Qwen2.5-VL with its image processor.
 """
 
 from __future__ import annotations
@@ -196,3 +197,7 @@ def chat_tokenizer(*, vocab_size: int = 1024, drop_thinking: bool = False,
     tokenizer.add_tokens(list(CHAT_ADDED_TOKENS))
     tokenizer.chat_template = _CHAT_TEMPLATE.replace("DROP_THINKING", "true" if drop_thinking else "false")
     return tokenizer
+
+
+# The tiny Qwen2.5-VL folder (vision.py; its imports are lazy like the ones above).
+from slime_rl.core.testing.vision import tiny_vl_model_folder  # noqa: E402,F401
