@@ -8,8 +8,10 @@ Per call: ``added`` = the agent's wall time for ``chat.completions.create`` (HTT
 match, tokenisation, tool-call parsing, the response, the openai client's own work) less the engine's
 ``generate`` time inside it: what the gateway adds against calling the engine directly. Printed: its median and
 p99, and the median of the gateway's own work per call (its checks, history match, tokenising, tool-call parsing
-and response, timed on the server; HTTP parsing left out); that own work summed over all calls as a share of the
-rollout's wall time (one event loop serves the gateway: the share of it the gateway took); and the prefix-cache
+and response, timed on the server; HTTP parsing left out), its mean, and its mean CPU time on the gateway's thread
+(``time.thread_time``: the wall-clock figure less the time the thread waited for a core or the GIL); that own work
+summed over all calls as a share of the rollout's wall time, by the clock and by CPU time (one event loop serves
+the gateway: the share of it the gateway took); and the prefix-cache
 hit rate the engine reports (SGLang's ``cached_tokens``; the transformers engine reports none).
 """
 
@@ -76,14 +78,15 @@ async def run(engine, tokenizer, args: argparse.Namespace) -> dict[str, float]:
     await gateway.stop()
     calls = {f"chatcmpl-{e.id}-{c.index}": c for e in episodes for c in e.calls if c.token_ids}
     added = [latency - calls[rid].engine_s for rid, latency in seen if rid in calls]  # calls the engine served
-    own = sum(c.own_s for c in calls.values())
+    own, own_cpu = sum(c.own_s for c in calls.values()), sum(c.own_cpu_s for c in calls.values())
     reported = [c for c in calls.values() if c.cached_tokens is not None]
     hit = (sum(c.cached_tokens for c in reported) / sum(len(c.prompt_ids) for c in reported)) if reported else None
     return {"episodes": len(episodes), "calls": len(calls), "wall_s": wall,
             "added_median_ms": 1e3 * statistics.median(added), "added_p99_ms": 1e3 * percentile(added, 0.99),
             "engine_median_ms": 1e3 * statistics.median(c.engine_s for c in calls.values()),
             "own_median_ms": 1e3 * statistics.median(c.own_s for c in calls.values()),
-            "gateway_share": own / wall, "prefix_cache_hit_rate": hit}
+            "own_mean_ms": 1e3 * own / len(calls), "own_cpu_mean_ms": 1e3 * own_cpu / len(calls),
+            "gateway_share": own / wall, "gateway_cpu_share": own_cpu / wall, "prefix_cache_hit_rate": hit}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,13 +133,14 @@ def main(argv: list[str] | None = None) -> None:
                 if line.startswith("model name")), "unknown CPU")
     print(f"\n{args.engine} engine, {figures['episodes']} ReAct episodes ({figures['calls']} calls), "
           f"{args.concurrency} at once; {cpu}")
-    print("| engine | added per call, median | p99 | of it in the gateway, median | engine per call, median | "
-          "gateway share of wall | prefix-cache hit rate |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | added per call, median | p99 | of it in the gateway, median | mean | mean CPU | "
+          "engine per call, median | gateway share of wall | its CPU share | prefix-cache hit rate |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     hit = figures["prefix_cache_hit_rate"]
     print(f"| {args.engine} | {figures['added_median_ms']:.1f} ms | {figures['added_p99_ms']:.1f} ms | "
-          f"{figures['own_median_ms']:.1f} ms | {figures['engine_median_ms']:.1f} ms | {100 * figures['gateway_share']:.1f}% | "
-          f"{'not reported' if hit is None else f'{hit:.3f}'} |")
+          f"{figures['own_median_ms']:.2f} ms | {figures['own_mean_ms']:.2f} ms | {figures['own_cpu_mean_ms']:.2f} ms | "
+          f"{figures['engine_median_ms']:.1f} ms | {100 * figures['gateway_share']:.1f}% | "
+          f"{100 * figures['gateway_cpu_share']:.1f}% | {'not reported' if hit is None else f'{hit:.3f}'} |")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1))
 

@@ -36,6 +36,8 @@ class NoSplitSpecialTokens:
         self._tok = tok
 
     def __getattr__(self, name: str) -> Any:
+        if name == "backend_tokenizer":  # a slow or custom tokenizer has no Rust backend to call directly
+            raise AttributeError(name)
         return getattr(self._tok, name)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -55,6 +57,29 @@ def test_tool_output_cannot_create_special_tokens(tok, wrap):
     text = template.observation_text(benign, ended_on_end_of_turn=True)
     assert template.observation_ids(benign, ended_on_end_of_turn=True) == tok.encode(text, add_special_tokens=False)
 
+
+
+def test_encode_gives_transformers_ids_whatever_an_earlier_call_left_on_the_backend(tok):
+    """`encode` calls the Rust backend directly; the backend keeps the split-special-tokens flag that the last
+    call set (encode_plain sets it), so each call must set it as transformers' own `encode` does."""
+    from slime_rl.core.agent.template import encode
+
+    text = "<|im_start|>user\nadd 2 and 3<|im_end|>\n"
+    whole = tok.encode(text, add_special_tokens=False)
+    split = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+    assert whole != split
+    assert encode(tok, text, split_special_tokens=True) == split
+    assert encode(tok, text) == whole
+    assert encode(tok, text, split_special_tokens=True) == split
+
+
+def test_special_ids_follow_tokens_added_later():
+    from slime_rl.core.agent.template import special_ids
+
+    tokenizer = chat_tokenizer()
+    before = special_ids(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool_image|>"]})
+    assert special_ids(tokenizer) - before == {tokenizer.convert_tokens_to_ids("<|tool_image|>")}
 
 
 def test_the_shape_cache_gives_the_uncached_ids_and_still_refuses_forged_markers(tok):

@@ -17,12 +17,14 @@ from __future__ import annotations
 import collections
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 _PROBE = "Xq7Zv"  # a text no template produces: where it sits tells the turn's closing apart
 _SLOT = "Zk9Qw{}Vj"  # stands in for the k-th tool-supplied text; alphanumeric so trim/tojson leave it as is
 _PROBE_TURNS = [{"role": "user", "content": "U"}, {"role": "assistant", "content": _PROBE}]
+_SPECIAL_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (its size, its special ids)
 
 
 class TemplateError(ValueError):
@@ -35,18 +37,41 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_pro
                                          tokenize=False, **kwargs)
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))  # the template holds any BOS itself
+def encode(tokenizer: Any, text: str, *, split_special_tokens: bool = False) -> list[int]:
+    """``text``'s ids with no special tokens added (the template holds any BOS itself); with
+    ``split_special_tokens`` special-token strings in it stay characters. A fast tokenizer's Rust backend is
+    called directly where that gives the same ids: transformers' ``encode`` goes through ``encode_batch``, which
+    hands even one text to the rayon pool, and on a loaded host (a gateway beside SGLang's processes) the wait
+    for a pool thread cost more than the tokenising (benchmarks/gateway_overhead.py)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "split_special_tokens", False) or backend.truncation or backend.padding:
+        kwargs = {"split_special_tokens": True} if split_special_tokens else {}
+        return list(tokenizer.encode(text, add_special_tokens=False, **kwargs))
+    if backend.encode_special_tokens != split_special_tokens:  # a flag on the backend, as transformers sets it
+        backend.encode_special_tokens = split_special_tokens
+    return backend.encode(text, add_special_tokens=False).ids
 
 
-def special_ids(tokenizer: Any) -> set[int]:
+def special_ids(tokenizer: Any) -> frozenset[int]:
     """Every special token's id: the named ones (eos, pad, ...) and added tokens marked special
-    (ChatML's ``<|im_start|>`` is one without a name)."""
+    (ChatML's ``<|im_start|>`` is one without a name). Kept per tokenizer until its vocabulary grows: the
+    gateway asks on every call, and a tokenizer with hundreds of added tokens takes a while to list."""
+    try:
+        size, known = len(tokenizer), _SPECIAL_IDS.get(tokenizer)
+    except TypeError:  # no size, or not weakly referable: no cache
+        size = known = None
+    if known is not None and size is not None and known[0] == size:
+        return known[1]
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
         if getattr(token, "special", False):
             ids.add(token_id)
-    return ids
+    if size is not None:
+        try:
+            _SPECIAL_IDS[tokenizer] = (size, frozenset(ids))
+        except TypeError:
+            pass
+    return frozenset(ids)
 
 
 def encode_plain(tokenizer: Any, text: str) -> list[int]:
@@ -54,7 +79,7 @@ def encode_plain(tokenizer: Any, text: str) -> list[int]:
     that do not take ``split_special_tokens`` get each special string cut after its first character."""
     specials = special_ids(tokenizer)
     try:
-        ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+        ids = encode(tokenizer, text, split_special_tokens=True)
     except TypeError:
         ids = None
     if ids is None or specials & set(ids):

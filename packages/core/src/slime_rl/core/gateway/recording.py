@@ -51,6 +51,9 @@ class RecordedCall:
     engine_s: float = 0.0  # seconds in engine.generate
     handler_s: float = 0.0  # seconds from the request's arrival to its response (engine and loop waits in it)
     own_s: float = 0.0  # the gateway's own work on the call: checks, history match, tokenising, parsing, response
+    # the same work's CPU time on the gateway's thread: own_s less the time the thread waited for a core or the
+    # GIL (other processes and threads running; a loaded host stretches own_s, not this)
+    own_cpu_s: float = 0.0
     # what a later request is matched against
     messages: tuple[Message, ...] = ()
     tools_key: str = ""

@@ -194,7 +194,7 @@ class Gateway:
         return text
 
     async def _chat_call(self, episode: Episode, body: dict[str, Any]) -> tuple[RecordedCall, dict[str, Any]]:
-        started = time.perf_counter()  # the gateway's own work on this call: before and after the engine
+        started, cpu = time.perf_counter(), time.thread_time()  # the gateway's own work: before and after the engine
         params = self._check_common(episode, body)
         messages = parse_messages(body)
         tools = parse_tools(body)
@@ -202,9 +202,9 @@ class Gateway:
         call = RecordedCall(len(episode.calls), "chat", prompt, parent=parent, history=history,
                             messages=tuple(messages), tools_key=json.dumps(tools, sort_keys=True) if tools else "")
         params = replace(params, max_new_tokens=self._budget(episode, params, prompt, parent))
-        before = time.perf_counter() - started
+        before, before_cpu = time.perf_counter() - started, time.thread_time() - cpu
         await self._generate(episode, call, params)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         text = self._text(call, params.stop[len(episode.params.stop):])
         content, calls = split_tool_calls(text, self.settings.tool_parser) if tools else (text, [])
         readable = [c for c in calls if c.error is None]
@@ -221,14 +221,14 @@ class Gateway:
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls else _FINISH[call.finish_reason]
-        call.own_s = before + time.perf_counter() - started
+        call.own_s, call.own_cpu_s = before + time.perf_counter() - started, before_cpu + time.thread_time() - cpu
         return call, {"id": f"chatcmpl-{episode.id}-{call.index}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.settings.model, "choices": [{"index": 0, "message": message, "finish_reason": finish,
                                                            "logprobs": None}],
                 "usage": _usage(call)}
 
     async def _completion_call(self, episode: Episode, body: dict[str, Any]) -> tuple[RecordedCall, dict[str, Any]]:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         params = self._check_common(episode, body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -240,11 +240,11 @@ class Gateway:
         call = RecordedCall(len(episode.calls), "completion", ids, parent=parent, history=history,
                             prompt_text=prompt if isinstance(prompt, str) else "")
         params = replace(params, max_new_tokens=self._budget(episode, params, ids, parent))
-        before = time.perf_counter() - started
+        before, before_cpu = time.perf_counter() - started, time.thread_time() - cpu
         await self._generate(episode, call, params)
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         call.reply_text = self._text(call, params.stop[len(episode.params.stop):]) if call.token_ids else ""
-        call.own_s = before + time.perf_counter() - started
+        call.own_s, call.own_cpu_s = before + time.perf_counter() - started, before_cpu + time.thread_time() - cpu
         return call, {"id": f"cmpl-{episode.id}-{call.index}", "object": "text_completion", "created": int(time.time()),
                 "model": self.settings.model, "choices": [{"index": 0, "text": call.reply_text, "logprobs": None,
                                                            "finish_reason": _FINISH[call.finish_reason]}],
