@@ -214,6 +214,9 @@ class RolloutConfig(_BackendSection):
     update_weight_mode: Literal["full", "delta"] = "full"
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)  # engines joining and leaving a run
     lora_sync: Literal["adapter", "merged"] = "adapter"  # with trainer.lora: send the adapters, or merged weights
+    # the weights the engines serve: the trainer's dtype, or FP8 quantised at every sync (docs/fp8.md)
+    precision: Literal["model", "fp8"] = "model"
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = "auto"  # the engines' KV cache (docs/fp8.md); separate from precision
     max_staleness: int | None = Field(None, ge=0)  # eta: tokens more than this many versions behind are stale
     staleness_policy: Literal["drop", "mask", "downweight"] = "drop"  # what happens to stale tokens (core/staleness.py)
     buffer_filter: str | None = None  # which buffered groups to hand out: "oldest_first", "freshest_first", module:attr
