@@ -71,6 +71,7 @@ def sample_record(sample: Sample) -> dict[str, Any]:
     """``Sample.to_dict()`` without its deep copy (json.dumps copies anyway; asdict is slow on long lists)."""
     record = {name: getattr(sample, name) for name in SAMPLE_FIELDS}
     record["status"] = SampleStatus(sample.status).value
+    record["multimodal_train_inputs"] = None  # tensors derived from multimodal_inputs (Sample says so)
     return record
 
 

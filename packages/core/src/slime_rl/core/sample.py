@@ -57,6 +57,15 @@ class Sample:
     # The policy version that produced each response token (tool tokens: the one before them); a
     # response generated across in-flight weight updates holds several. Empty before generation.
     token_versions: list[int] = field(default_factory=list)
+    # Vision-language samples (docs/vlm.md): {"images": [a file path or a data: URI, ...]}, the images in the
+    # order their placeholder runs appear in ``tokens``. JSON-safe: what a saved or resumed sample keeps.
+    # None: a text-only sample.
+    multimodal_inputs: dict[str, Any] | None = None
+    # What the trainer's vision tower takes, made by the model's processor from ``multimodal_inputs``:
+    # {"pixel_values": [patches, C*T*P*P] float32 tensor, "image_grid_thw": [images, 3] int64 tensor}.
+    # Derived, so never saved (to_dict and the buffer's store leave it out); slime_rl.core.vision.train_inputs
+    # rebuilds it where it is missing.
+    multimodal_train_inputs: dict[str, Any] | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -114,8 +123,8 @@ class Sample:
         return [self.weight_version] * self.response_length
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict (status as its string value)."""
-        out = dataclasses.asdict(self)
+        """A JSON-safe dict (status as its string value; no ``multimodal_train_inputs``, which are derived)."""
+        out = dataclasses.asdict(dataclasses.replace(self, multimodal_train_inputs=None))
         out["status"] = self.status.value
         return out
 
