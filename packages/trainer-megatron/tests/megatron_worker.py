@@ -323,8 +323,9 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     sys.path.insert(0, str(Path(__file__).parent))
     from lora_scenario import run_lora
+    from vlm_scenario import run_vlm
 
-    result = {**SCENARIOS, "lora": run_lora}[spec.get("scenario", "train")](spec)
+    result = {**SCENARIOS, "lora": run_lora, "vlm": run_vlm}[spec.get("scenario", "train")](spec)
     if torch.distributed.get_rank() == 0:
         torch.save(result, spec["out"])
     torch.distributed.barrier()

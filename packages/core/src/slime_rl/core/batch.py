@@ -66,6 +66,9 @@ class RolloutBatch:
     token_weights: Tensor | None = None
     # [R] float32: on-policy distillation, the teacher's log-probs of the sampled tokens (core/roles/teacher.py)
     teacher_log_probs: Tensor | None = None
+    # [B] a vision-language model's inputs per sample: the processor's {"pixel_values", "image_grid_thw"} tensors
+    # of its images (Sample.multimodal_train_inputs), None for a sample without images; None: no sample has any
+    images: list[dict[str, Tensor] | None] | None = None
 
     # ---------------------------------------------------------------- building
 
@@ -93,6 +96,7 @@ class RolloutBatch:
             step_seqs=[count],
             routed_experts=_routed_experts(samples),
             token_versions=_concat([s.versions_per_token() for s in samples], np.int64),
+            images=_images(samples),
         )
 
     def shard(self, dp_size: int, samples_per_step: int) -> list[RolloutBatch]:
@@ -145,6 +149,8 @@ class RolloutBatch:
         trained = float(per_token["loss_mask"].sum())
         if self.routed_experts is not None:
             per_token["routed_experts"] = self.routed_experts[token_rows]
+        if self.images is not None:
+            per_sample["images"] = [self.images[i] for i in index.tolist()]
         return dataclasses.replace(self, tokens=self.tokens[token_rows], **per_sample, **per_token,
                                    step_samples=[len(index)], step_tokens=[trained], step_seqs=[len(index)])
 
@@ -247,3 +253,12 @@ def _routed_experts(samples: Sequence[Sample]) -> Tensor | None:
                              f" [{len(s.tokens)} tokens, layers, top-k]")
         rows.append(routed)
     return torch.cat(rows)
+
+
+def _images(samples: Sequence[Sample]) -> list[dict[str, Tensor] | None] | None:
+    """Each sample's vision inputs (``multimodal_train_inputs``: pixel_values and image_grid_thw, as tensors);
+    None when no sample has any."""
+    inputs = [s.multimodal_train_inputs or None for s in samples]
+    if not any(inputs):
+        return None
+    return [None if x is None else {k: torch.as_tensor(v) for k, v in x.items()} for x in inputs]

@@ -10,7 +10,7 @@ per-token Python.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -37,6 +37,10 @@ class MicroBatch:
     cp_gather: TokenGather | None = None
     # sequence parallelism: how many of this TP rank's tokens are not the padding for TP (sequence_parallel.py)
     sp_real_tokens: int | None = None
+    # a vision-language model (vlm.py): the (t, h, w) mRoPE positions ``[3, b, s]`` and the model's other inputs
+    # (``images``); None and {} for a text model
+    position_ids: Tensor | None = None
+    model_inputs: dict = field(default_factory=dict)
 
 
 def check_batch(batch: RolloutBatch) -> None:

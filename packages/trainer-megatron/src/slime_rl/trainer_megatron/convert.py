@@ -23,6 +23,8 @@ Megatron layouts (local spec):
 - DeepSeek-V3 (the layers and MTP as GLM-4.5's): multi-head latent attention's projections and norms (mla.py) are
   HF's tensors one to one, unfused and unpermuted (``kv_b_proj`` stays whole: SGLang derives its ``w_kc``/``w_vc``
   from it after loading). TP=1 only.
+- Qwen2.5-VL: the language model's tensors are Qwen2's (``model.*``, ``lm_head``); the vision tower's
+  ``visual.X`` are the first stage's ``vision.X`` one to one, replicated over TP (vision.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from megatron.core import parallel_state
 from slime_rl.core.contracts import NamedTensors
 from slime_rl.trainer_megatron.mla import hf_tensor_shape
 from slime_rl.trainer_megatron.model import HFModelShape, PolicyGPT
+from slime_rl.trainer_megatron.vision import hf_tensor_shapes
 
 ADAPTER_SUFFIX = "_lora"  # a LoRA adapter beside linear X is the module X_lora (lora.py)
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -133,6 +136,9 @@ def param_refs(shape: HFModelShape) -> list[ParamRef]:
     refs.append(ParamRef("decoder.final_layernorm.weight", ("model.norm.weight",), None, None))
     if not shape.tie_word_embeddings:
         refs.append(ParamRef("output_layer.weight", ("lm_head.weight",), 0, None))
+    if shape.vision is not None:  # the vision tower, HF's names under visual. (vision.py)
+        refs += [ParamRef("vision." + name.removeprefix("visual."), (name,), None, None)
+                 for name in hf_tensor_shapes(shape.vision)]
     return refs
 
 
@@ -362,7 +368,7 @@ def load_hf(model: PolicyGPT, folder: str | Path, shape: HFModelShape) -> None:
 def _stage_of(ref: ParamRef, shape: HFModelShape, pp_size: int) -> int:
     if ref.layer is not None:
         return ref.layer // (shape.num_layers // pp_size)
-    return 0 if ref.megatron_name.startswith("embedding") else pp_size - 1
+    return 0 if ref.megatron_name.startswith(("embedding", "vision.")) else pp_size - 1
 
 
 def _dtype_of(model: PolicyGPT) -> torch.dtype:
@@ -375,7 +381,9 @@ def _hf_shapes(ref: ParamRef, shape: HFModelShape) -> list[tuple[int, ...]]:
     out = []
     moe = shape.moe
     for name in ref.hf_names:
-        if shape.mla is not None and (mla := hf_tensor_shape(shape.mla, name, shape.num_heads, h)) is not None:
+        if name.startswith("visual."):
+            out.append(hf_tensor_shapes(shape.vision)[name])
+        elif shape.mla is not None and (mla := hf_tensor_shape(shape.mla, name, shape.num_heads, h)) is not None:
             out.append(mla)
         elif moe is not None and (".experts." in name or ".shared_expert." in name or ".shared_experts." in name):
             size = moe.expert_intermediate_size if ".experts." in name else moe.shared_expert_intermediate_size

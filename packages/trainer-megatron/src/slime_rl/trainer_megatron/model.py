@@ -1,6 +1,7 @@
 """A Hugging Face config -> a Megatron GPTModel (local layer spec) for Llama, Qwen2/2.5, Qwen3, and the
 mixture-of-experts Qwen3-MoE, Qwen2-MoE, GLM-4.5 and DeepSeek-V3 (moe.py; their first layers are dense;
-DeepSeek's attention is multi-head latent attention, mla.py).
+DeepSeek's attention is multi-head latent attention, mla.py); Qwen2.5-VL is Qwen2 with mRoPE and a vision
+tower (vlm.py, vision.py).
 
 The model returns the final hidden states (after the last RMSNorm) instead of logits:
 ``logprobs.py`` applies the output layer in chunks, so full-vocabulary logits for a
@@ -36,13 +37,14 @@ from slime_rl.trainer_megatron.grouped_experts import GroupedExperts
 from slime_rl.trainer_megatron.mla import MLAShape, MultiLatentSelfAttention, mla_shape, projection_params
 from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
 from slime_rl.trainer_megatron.support import SUPPORTED_ARCHITECTURES, architecture_family
+from slime_rl.trainer_megatron.vision import VisionShape
 
 
 @dataclass(frozen=True)
 class HFModelShape:
     """What the conversion and the model need from an HF config.json."""
 
-    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe | glm4_moe | deepseek_v3
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe | glm4_moe | deepseek_v3 | qwen2_5_vl
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -62,6 +64,7 @@ class HFModelShape:
     rotary_percent: float = 1.0  # the share of each head's dims that RoPE rotates (GLM-4.5: 0.5)
     mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint: not built, carried through (convert.py)
     mla: MLAShape | None = None  # DeepSeek-V3's multi-head latent attention, None for q/k/v attention
+    vision: VisionShape | None = None  # a vision-language model's vision tower and mRoPE (vlm.py), None for text
 
 
 def read_hf_config(path: str | Path):
@@ -80,6 +83,10 @@ def hf_model_shape(hf_config) -> HFModelShape:
                                       "model_type": getattr(hf_config, "model_type", None)})
     except ValueError as err:
         raise ValueError(f"model.path: {err}") from None
+    if family == "qwen2_5_vl":  # the Qwen2 language model of text_config, plus the vision tower
+        from slime_rl.trainer_megatron.vlm import vl_model_shape
+
+        return vl_model_shape(hf_config, hf_model_shape)
     arch = next(name for name, named in SUPPORTED_ARCHITECTURES.items() if named == family)
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
@@ -203,6 +210,7 @@ def transformer_config(
     extra = {"bias_activation_fusion": compiled_fusions, "apply_rope_fusion": compiled_fusions, **(moe_fields or {}),
              **_moe_layer_pattern(shape),
              "context_parallel_size": context_parallel_size,
+             **({"mrope_section": list(shape.vision.mrope_section)} if shape.vision is not None else {}),
              "sequence_parallel": sequence_parallel and tp > 1}  # our own norms allow it (sequence_parallel.py)
     if recompute is True:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -327,7 +335,10 @@ def _with_experts(moe_spec, experts: type):
 def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, value_head: bool = False,
                 grouped_experts: bool = True) -> PolicyGPT:
     """This rank's pipeline stage of the model (weights uninitialised until convert.load_hf)."""
-    model = PolicyGPT(
+    vl = {} if shape.vision is None else {"vision": shape.vision}
+    if vl:
+        from slime_rl.trainer_megatron.vlm import PolicyVLM
+    model = (PolicyVLM if vl else PolicyGPT)(
         config=config,
         transformer_layer_spec=_block_spec(stage_layer_specs(shape, config, grouped_experts=grouped_experts), config),
         vocab_size=shape.vocab_size,
@@ -335,10 +346,11 @@ def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, va
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if vl else "rope",
         rotary_base=shape.rope_theta,
         rotary_percent=shape.rotary_percent,
         value_head=value_head,
+        **vl,
     )
     _apply_hf_rope_scaling(model, shape, hf_config)
     _mark_tensor_parallel_weights(model)

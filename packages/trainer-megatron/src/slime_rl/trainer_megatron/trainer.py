@@ -12,11 +12,11 @@ ranks is the whole batch's loss. Megatron is told not to rescale on top:
 ``calculate_per_token_loss`` (no division by the number of micro-batches, DDP sums instead of
 averaging over DP) and a finalize step that skips the per-token division.
 
-Homes of the parts: batching.py (micro-batches), optimizer.py (Adam and the LR schedule),
-reference.py (the reference weights), nonfinite.py (no nan or inf reaches the weights),
-checkpointing.py (save and load), lora.py (``trainer.lora``: adapters, the base frozen; the
-reference is then the base with the adapters off), context_parallel.py (``parallel.context_parallel_size``),
-sequence_parallel.py (``parallel.sequence_parallel``: SP-aware norms, micro-batches padded for TP).
+Homes of the parts: batching.py (micro-batches), optimizer.py (Adam and the LR schedule), reference.py (the
+reference weights), nonfinite.py (no nan or inf reaches the weights), checkpointing.py (save and load), lora.py
+(``trainer.lora``: adapters, the base frozen; the reference is then the base with the adapters off),
+context_parallel.py (``parallel.context_parallel_size``), sequence_parallel.py (``parallel.sequence_parallel``:
+SP-aware norms, micro-batches padded for TP), vlm.py (Qwen2.5-VL: images, mRoPE, the vision tower frozen or not).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from slime_rl.core.batch import ROLLOUT_OPTIONAL_COLUMNS, TRAINER_COLUMNS, Rollo
 from slime_rl.core.config import Config
 from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.contracts import NamedTensors, PolicyTrainer
-from slime_rl.trainer_megatron import batching, checkpointing, convert, lora, moe, sequence_parallel
+from slime_rl.trainer_megatron import batching, checkpointing, convert, lora, moe, sequence_parallel, vlm
 from slime_rl.trainer_megatron import device as dev
 from slime_rl.trainer_megatron.context_parallel import gather_tokens
 from slime_rl.trainer_megatron.logprobs import token_log_probs
@@ -188,6 +188,7 @@ class MegatronTrainer(PolicyTrainer):
         self.model = build_model(self.shape, self.tconfig, self.hf_config, value_head=self.role == "critic",
                                  grouped_experts=mt.moe_grouped_gemm)
         moe.reduce_expert_grads_over_tp(self.model, tp=tp, etp=etp)
+        vlm.configure(self.model, self.shape, self.cfg)  # a VL model's layout checks and trainer.freeze_vision_tower
         self.adapters: lora.Adapters | None = None
         if (spec := lora_spec(self.cfg)) is not None:  # before DDP: it wraps the trainable parameters only
             lora.check_supported(spec, self.shape, self.role)
@@ -264,7 +265,7 @@ class MegatronTrainer(PolicyTrainer):
             tp = self.cfg.parallel.tensor_model_parallel_size
             rank = parallel_state.get_tensor_model_parallel_rank()
             mbs = [sequence_parallel.pad_micro_batch(mb, tp, rank) for mb in mbs]
-        return mbs
+        return vlm.with_vision_inputs(mbs, batch, self.shape, self.device)
 
     def _most_micro_batches(self, count: int) -> int:
         """The most micro-batches any data-parallel rank has (expert-parallel groups lie within it)."""
@@ -275,7 +276,7 @@ class MegatronTrainer(PolicyTrainer):
     def _run(self, mbs: list[batching.MicroBatch], loss_func, *, forward_only: bool) -> list[Any]:
         """Megatron's schedule over ``mbs``; ``loss_func(mb, hidden) -> (loss, outputs)``.
         Returns the ``outputs`` of each micro-batch on the last stage ([] elsewhere)."""
-        fp16_kwargs = {"fp32_output": False} if self.dtype != torch.float32 else {}
+        fp16 = {"fp32_output": False} if self.dtype != torch.float32 else {}
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -283,7 +284,7 @@ class MegatronTrainer(PolicyTrainer):
                 self.routing_replay.use(mb.routed_experts, self.device)
             if self.router_stats is not None:
                 self.router_stats.real_tokens = mb.sp_real_tokens
-            hidden = model(mb.input_ids, None, None, packed_seq_params=mb.packed, **fp16_kwargs)
+            hidden = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed, **mb.model_inputs, **fp16)
 
             def on_last_stage(output):
                 loss, outputs = loss_func(mb, output)
@@ -335,7 +336,8 @@ class MegatronTrainer(PolicyTrainer):
             dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
 
     def _share_metrics(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        local = losses.reduce_metrics(parts) if parts else {}
+        # the *_dist metrics (rollout corrections' ratios) stay values until the whole step's are here
+        local = losses.reduce_metrics(parts, final=self.dp_size == 1) if parts else {}
         if self.dp_size > 1:
             gathered: list[dict[str, float] | None] = [None] * self.dp_size
             dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())

@@ -307,6 +307,9 @@ class TrainerConfig(_BackendSection):
     critic_lr: float | None = Field(None, gt=0)  # PPO critic; defaults to lr
     on_nonfinite: Literal["skip", "stop"] = "skip"  # a step whose loss or gradient is nan/inf: skip it, or fail
     lora: LoraConfig = Field(default_factory=LoraConfig)  # rank > 0: train adapters only, the base frozen
+    # a vision-language model: keep the vision tower and its merger as loaded (slime's default trains them: its
+    # freezing is opt-in, --freeze-params-name-list)
+    freeze_vision_tower: bool = False
 
 
 class ParallelConfig(_Section):

@@ -1,0 +1,280 @@
+"""Qwen2.5-VL's vision tower and patch merger for the Megatron trainer: plain torch modules, replicated on every
+tensor-parallel rank.
+
+Why not Megatron's TP layers: the tower is small beside the language model (Qwen2.5-VL-7B: 0.67B of 8.3B
+parameters, 32 blocks of width 1280) and sees a few thousand patches a sample, so splitting it buys little, and a
+replicated tower gives every TP rank the same image embeddings by construction (no collective, nothing to keep in
+step). Its gradients are the same on every TP rank too: the decoder's input gradient reaches the embeddings after
+the first column-parallel layer's all-reduce, so the replicated weights take the same update, as the LM's
+replicated norms do (megatron counts such weights once in the grad norm).
+
+The modules mirror transformers 5.25's ``Qwen2_5_VisionTransformerPretrainedModel`` name for name (``patch_embed``,
+``blocks.{i}.{norm1,attn,norm2,mlp}``, ``merger``), so the HF <-> Megatron mapping of the tower is the identity
+(``visual.X`` <-> ``vision.X``): a 3D patch embedding, window attention with full attention at
+``fullatt_block_indexes``, 2D rotary over (h, w) patch positions, RMSNorm, SwiGLU MLPs with biases, and the
+merger's RMSNorm + 2-layer GELU MLP over each ``spatial_merge_size``^2 block of patches.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """What the vision tower and the mRoPE language model need from a Qwen2.5-VL config.json."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int
+    out_hidden_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    hidden_act: str
+    rope_theta: float
+    image_token_id: int
+    mrope_section: tuple[int, ...]  # the language model's rotary dims per position stream (t, h, w)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch in ``pixel_values``: channels x temporal patch x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
+def vision_shape(hf_config) -> VisionShape:
+    v, text = hf_config.vision_config, hf_config.text_config
+    rope = dict(getattr(v, "rope_parameters", None) or {})
+    text_rope = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+    section = text_rope.get("mrope_section")
+    if not section:
+        raise ValueError("model.path: text_config.rope_parameters has no mrope_section (Qwen2.5-VL's is [16, 24, 24])")
+    if v.hidden_act not in _ACTIVATIONS:
+        raise ValueError(f"model.path: vision_config.hidden_act={v.hidden_act!r}; the vision tower has"
+                         f" {', '.join(_ACTIVATIONS)}")
+    return VisionShape(
+        depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size, num_heads=v.num_heads,
+        in_channels=v.in_channels, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+        spatial_merge_size=v.spatial_merge_size, window_size=v.window_size, out_hidden_size=v.out_hidden_size,
+        fullatt_block_indexes=tuple(v.fullatt_block_indexes), hidden_act=v.hidden_act,
+        rope_theta=float(rope.get("rope_theta", 10000.0)), image_token_id=int(hf_config.image_token_id),
+        mrope_section=tuple(int(s) for s in section))
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+                "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
+
+
+def hf_tensor_shapes(v: VisionShape) -> dict[str, tuple[int, ...]]:
+    """Every vision tensor's HF name (under ``visual.``) and shape."""
+    h, i = v.hidden_size, v.intermediate_size
+    merged = h * v.spatial_merge_size ** 2
+    out = {"visual.patch_embed.proj.weight": (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)}
+    for b in range(v.depth):
+        p = f"visual.blocks.{b}."
+        out |= {p + "norm1.weight": (h,), p + "norm2.weight": (h,), p + "attn.qkv.weight": (3 * h, h),
+                p + "attn.qkv.bias": (3 * h,), p + "attn.proj.weight": (h, h), p + "attn.proj.bias": (h,),
+                p + "mlp.gate_proj.weight": (i, h), p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.weight": (h, i), p + "mlp.down_proj.bias": (h,)}
+    out |= {"visual.merger.ln_q.weight": (h,), "visual.merger.mlp.0.weight": (merged, merged),
+            "visual.merger.mlp.0.bias": (merged,), "visual.merger.mlp.2.weight": (v.out_hidden_size, merged),
+            "visual.merger.mlp.2.bias": (v.out_hidden_size,)}
+    return out
+
+
+# ---------------------------------------------------------------- layout of the patches
+
+
+@dataclass
+class PatchLayout:
+    """Where each image's patches go, from ``grid_thw`` alone (host work, once a forward): the (h, w) rotary
+    position of every patch, the window order of the merged blocks, and the attention segments."""
+
+    positions: Tensor  # [patches, 2] (h, w), in the processor's order (merge blocks contiguous)
+    window_index: Tensor  # [merged tokens]: the window order of the merge blocks
+    windows: list[int]  # patches per attention window, in window order
+    images: list[int]  # patches per image frame (full-attention segments)
+
+
+def patch_layout(grid_thw: Tensor, v: VisionShape) -> PatchLayout:
+    m = v.spatial_merge_size
+    per_window = v.window_size // m // v.patch_size  # merged blocks per window side
+    positions, window_index, windows, images = [], [], [], []
+    offset = 0
+    for t, h, w in grid_thw.tolist():
+        hpos, wpos = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        block = (h // m, m, w // m, m)
+        pos = torch.stack([hpos.reshape(block).transpose(1, 2).flatten(),
+                           wpos.reshape(block).transpose(1, 2).flatten()], dim=-1)
+        positions.append(pos.repeat(t, 1))
+        images += [h * w] * t
+        gh, gw = h // m, w // m
+        index = torch.arange(t * gh * gw).reshape(t, gh, gw)
+        pad_h, pad_w = per_window - gh % per_window, per_window - gw % per_window
+        nh, nw = (gh + pad_h) // per_window, (gw + pad_w) // per_window
+        padded = F.pad(index, (0, pad_w, 0, pad_h), value=-1)
+        padded = padded.reshape(t, nh, per_window, nw, per_window).permute(0, 1, 3, 2, 4)
+        padded = padded.reshape(t, nh * nw, per_window * per_window)
+        sizes = (padded >= 0).sum(-1).flatten()
+        flat = padded.flatten()
+        window_index.append(flat[flat >= 0] + offset)
+        windows += [int(n) * m * m for n in sizes if n > 0]
+        offset += t * gh * gw
+    return PatchLayout(positions=torch.cat(positions), window_index=torch.cat(window_index), windows=windows,
+                       images=images)
+
+
+# ---------------------------------------------------------------- modules
+
+
+class RMSNorm(nn.Module):
+    """transformers' Qwen2RMSNorm op for op: normalised in float32, weight applied in the input's dtype."""
+
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class PatchEmbed(nn.Module):
+    """The 3D convolution whose stride is its kernel, as the matmul it is (one GEMM; the same weight, ``proj``)."""
+
+    def __init__(self, v: VisionShape):
+        super().__init__()
+        kernel = (v.temporal_patch_size, v.patch_size, v.patch_size)
+        self.proj = nn.Conv3d(v.in_channels, v.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+
+    def forward(self, pixel_values: Tensor) -> Tensor:
+        weight = self.proj.weight
+        return F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, v: VisionShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.up_proj = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.down_proj = nn.Linear(v.intermediate_size, v.hidden_size)
+        self.act = _ACTIVATIONS[v.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional attention within each segment (a window or a whole image), 2D rotary on q and k."""
+
+    def __init__(self, v: VisionShape):
+        super().__init__()
+        self.num_heads = v.num_heads
+        self.qkv = nn.Linear(v.hidden_size, 3 * v.hidden_size)
+        self.proj = nn.Linear(v.hidden_size, v.hidden_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: list[int]) -> Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)  # [n, heads, d]
+        cos, sin = cos[:, None].float(), sin[:, None].float()
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        return self.proj(segment_attention(q, k, v, segments).reshape(n, -1))
+
+
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, segments: list[int]) -> Tensor:
+    """Full attention inside each segment of consecutive rows (``[n, heads, d]`` each). Segments of one length
+    share one SDPA call (windows are mostly of one size), so a forward makes a few calls, not one a window."""
+    out = torch.empty_like(q)
+    starts = [0]
+    for size in segments[:-1]:
+        starts.append(starts[-1] + size)
+    by_size: dict[int, list[int]] = {}
+    for start, size in zip(starts, segments, strict=True):
+        by_size.setdefault(size, []).append(start)
+    for size, group in by_size.items():
+        rows = (torch.tensor(group)[:, None] + torch.arange(size)).flatten().to(q.device)
+        qs, ks, vs = (t.index_select(0, rows).reshape(len(group), size, *t.shape[1:]).transpose(1, 2)
+                      for t in (q, k, v))  # [segments, heads, size, d]
+        o = F.scaled_dot_product_attention(qs, ks, vs)
+        out.index_copy_(0, rows, o.transpose(1, 2).reshape(len(group) * size, *q.shape[1:]))
+    return out
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, v: VisionShape):
+        super().__init__()
+        self.norm1 = RMSNorm(v.hidden_size)
+        self.norm2 = RMSNorm(v.hidden_size)
+        self.attn = VisionAttention(v)
+        self.mlp = VisionMLP(v)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, segments: list[int]) -> Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, v: VisionShape):
+        super().__init__()
+        self.merged = v.hidden_size * v.spatial_merge_size ** 2
+        self.ln_q = RMSNorm(v.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged), nn.GELU(), nn.Linear(self.merged, v.out_hidden_size))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged))
+
+
+class VisionTower(nn.Module):
+    """``pixel_values [patches, patch_dim]`` of the images of ``grid_thw [images, 3]`` -> one embedding per
+    merged token ``[patches / merge^2, out_hidden_size]``, in the order the images' placeholder tokens come."""
+
+    def __init__(self, v: VisionShape):
+        super().__init__()
+        self.shape = v
+        self.patch_embed = PatchEmbed(v)
+        self.blocks = nn.ModuleList([VisionBlock(v) for _ in range(v.depth)])
+        self.merger = PatchMerger(v)
+        spatial = v.head_dim // 2  # half the head dim rotates by h, half by w
+        inv_freq = 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> Tensor:
+        v = self.shape
+        layout = patch_layout(grid_thw.cpu(), v)
+        unit = v.spatial_merge_size ** 2
+        device = pixel_values.device
+        window_index = layout.window_index.to(device)
+        x = self.patch_embed(pixel_values)
+        n = x.shape[0]
+        x = x.reshape(n // unit, unit, -1)[window_index].reshape(n, -1)
+        freqs = layout.positions.to(device)[..., None].float() * self.inv_freq.float()  # [n, 2, d / 4]
+        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        freqs = freqs.reshape(n // unit, unit, -1)[window_index].reshape(n, -1)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        for i, block in enumerate(self.blocks):
+            segments = layout.images if i in v.fullatt_block_indexes else layout.windows
+            x = block(x, cos, sin, segments)
+        return self.merger(x)[torch.argsort(window_index)]

@@ -1,0 +1,195 @@
+"""Qwen2.5-VL in the Megatron trainer: the language model is the Qwen2 GPTModel (model.py) with multimodal RoPE,
+and the first pipeline stage holds the vision tower (vision.py), whose embeddings replace the image placeholder
+tokens' embeddings before the first layer.
+
+mRoPE: every token has three positions (t, h, w); a text token's three are equal and count on from the previous
+token, an image's merged tokens take (t, row, column) offset by the position where the image starts, and the text
+after an image continues from that start + max(rows, columns). The rotary dims are split by ``mrope_section``
+between the three streams (megatron-core's ``MultimodalRotaryEmbedding``; transformers' ``get_rope_index`` and
+``apply_multimodal_rotary_pos_emb`` are the reference). Packed micro-batches restart the positions at each
+sequence: the rotary tables are built per token (``[tokens, 1, 1, dim]``), which megatron's thd RoPE reads by the
+sequences' offsets.
+
+The multimodal inputs of a sample are ``ImageInputs``: the processor's ``pixel_values`` (``[patches, C*T*P*P]``)
+and ``image_grid_thw`` (``[images, 3]``) of its images, in the order their placeholder runs appear in the tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from slime_rl.trainer_megatron.model import PolicyGPT
+from slime_rl.trainer_megatron.vision import VisionShape, VisionTower, vision_shape
+
+#: HF architecture -> the text-only architecture whose language model it carries (support.py's table has both).
+VL_TEXT_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+
+
+@dataclass
+class ImageInputs:
+    """The images of one sample, or of a micro-batch's samples concatenated in row order."""
+
+    pixel_values: Tensor  # [patches, channels * temporal_patch * patch * patch]
+    grid_thw: Tensor  # [images, 3] int64: (frames, patch rows, patch columns) of each image
+
+    @staticmethod
+    def concat(parts: list[ImageInputs | None]) -> ImageInputs | None:
+        parts = [p for p in parts if p is not None and len(p.grid_thw)]
+        if not parts:
+            return None
+        return ImageInputs(torch.cat([p.pixel_values for p in parts]), torch.cat([p.grid_thw for p in parts]))
+
+    def to(self, device: torch.device) -> ImageInputs:
+        return ImageInputs(self.pixel_values.to(device), self.grid_thw)
+
+
+def vl_model_shape(hf_config, text_shape):
+    """The HFModelShape of a VL config: ``text_shape`` (model.hf_model_shape) of its text config, read as the
+    text-only architecture it is, with the vision tower's shape and the top-level fields a VL config holds."""
+    arch = next(a for a in hf_config.architectures if a in VL_TEXT_ARCHITECTURES)
+    text = copy.copy(hf_config.text_config)
+    text.architectures = [VL_TEXT_ARCHITECTURES[arch]]
+    shape = text_shape(text)
+    tie = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    vision = vision_shape(hf_config)
+    if sum(vision.mrope_section) * 2 != shape.head_dim:
+        raise ValueError(f"model.path: mrope_section {list(vision.mrope_section)} covers {2 * sum(vision.mrope_section)}"
+                         f" rotary dims; the heads have {shape.head_dim}")
+    return dataclasses.replace(shape, family="qwen2_5_vl", architecture=arch, tie_word_embeddings=tie, vision=vision)
+
+
+# ---------------------------------------------------------------- positions
+
+
+def mrope_positions(ids: Tensor, grid_thw: Tensor | None, v: VisionShape) -> Tensor:
+    """``[3, len(ids)]`` (t, h, w) positions of one sequence whose image placeholder runs belong, in order, to the
+    images of ``grid_thw`` (transformers' get_rope_index for images: a still image is one frame)."""
+    ids = ids.long()
+    n = len(ids)
+    out = torch.empty(3, n, dtype=torch.long)
+    image = (ids == v.image_token_id).tolist()
+    grids = grid_thw.tolist() if grid_thw is not None else []
+    m = v.spatial_merge_size
+    pos, i, k = 0, 0, 0
+    while i < n:
+        if not image[i]:
+            j = i
+            while j < n and not image[j]:
+                j += 1
+            out[:, i:j] = torch.arange(pos, pos + j - i)
+            pos += j - i
+            i = j
+            continue
+        if k >= len(grids):
+            raise ValueError(f"a sample has more image placeholder tokens than its {len(grids)} image(s) fill")
+        t, h, w = grids[k]
+        gh, gw = h // m, w // m
+        count = t * gh * gw
+        if i + count > n or not all(image[i:i + count]):
+            raise ValueError(f"image {k} of a sample needs {count} placeholder tokens in a row; the sequence has fewer")
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+        out[:, i:i + count] = torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos
+        pos += max(gh, gw)
+        i += count
+        k += 1
+    if k != len(grids):
+        raise ValueError(f"a sample has {len(grids)} image(s) but placeholder tokens for {k}")
+    return out
+
+
+def micro_batch_positions(input_ids: Tensor, seq_lens: list[int] | None, images: list[ImageInputs | None],
+                          v: VisionShape) -> Tensor:
+    """The ``[3, b, s]`` positions of a micro-batch: padded rows (``seq_lens`` None; padding at 0) or one packed row
+    of ``seq_lens`` sequences, each from 0. ``images``: each sequence's, in row order."""
+    grids = [im.grid_thw if im is not None else None for im in images]
+    if seq_lens is None:
+        out = torch.zeros(3, *input_ids.shape, dtype=torch.long)
+        for row, grid in enumerate(grids):
+            ids = input_ids[row].cpu()
+            out[:, row] = mrope_positions(ids, grid, v)  # padding (id 0) counts on as text: never attended to
+        return out
+    ids = input_ids[0].cpu()
+    parts, start = [], 0
+    for length, grid in zip(seq_lens, grids, strict=True):
+        parts.append(mrope_positions(ids[start:start + length], grid, v))
+        start += length
+    return torch.cat(parts, dim=1)[:, None]
+
+
+# ---------------------------------------------------------------- the model
+
+
+class PolicyVLM(PolicyGPT):
+    """PolicyGPT with mRoPE and, on the first pipeline stage, the vision tower (``vision``)."""
+
+    def __init__(self, *args, vision: VisionShape, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vision_shape = vision
+        self.vision = None
+        if self.pre_process:
+            self.vision = VisionTower(vision).to(self.config.params_dtype)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask, *, images: ImageInputs | None = None,
+                **kwargs):
+        decoder_input = None
+        if self.pre_process:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+            if images is not None:
+                embeds = self.vision(images.pixel_values, images.grid_thw)
+                decoder_input = merge_image_embeddings(decoder_input, input_ids, embeds, self.vision_shape.image_token_id)
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
+
+
+def merge_image_embeddings(embeddings: Tensor, input_ids: Tensor, image_embeds: Tensor, image_token_id: int) -> Tensor:
+    """``embeddings [s, b, h]`` with the image placeholder tokens' rows replaced by ``image_embeds`` (rows in
+    sample order, then position order: how the micro-batch's images are concatenated)."""
+    mask = (input_ids == image_token_id).t()  # [s, b]
+    count = int(mask.sum())
+    if count != image_embeds.shape[0]:
+        raise ValueError(f"a micro-batch has {count} image placeholder tokens and {image_embeds.shape[0]} image"
+                         " embeddings; each sample's image_grid_thw must match its placeholder runs")
+    order = mask.t().reshape(-1).nonzero().squeeze(1)  # placeholder positions in [b, s] order
+    s, b = mask.shape
+    rows = (order % s) * b + order // s  # the same positions in the [s, b] layout
+    flat = embeddings.reshape(s * b, -1).index_copy(0, rows, image_embeds.to(embeddings.dtype))
+    return flat.view_as(embeddings)
+
+
+# ---------------------------------------------------------------- the trainer's hooks
+
+
+def configure(model, shape, cfg) -> None:
+    """A VL model's checks against the layout (before DDP wraps the trainable weights) and
+    ``trainer.freeze_vision_tower``; nothing for a text model."""
+    if shape.vision is None:
+        return
+    p = cfg.parallel
+    unsupported = {"parallel.sequence_parallel": p.sequence_parallel and p.tensor_model_parallel_size > 1,
+                   "parallel.context_parallel_size > 1": p.context_parallel_size > 1,
+                   "trainer.lora": cfg.trainer.lora.rank > 0}
+    for name, on in unsupported.items():
+        if on:
+            raise ValueError(f"{name}: not supported with a vision-language model ({shape.architecture}) yet")
+    if cfg.trainer.freeze_vision_tower and model.vision is not None:
+        model.vision.requires_grad_(False)
+
+
+def with_vision_inputs(mbs: list, batch, shape, device: torch.device) -> list:
+    """``mbs`` with each micro-batch's mRoPE positions and images (the batch's ``images`` of its rows, in row order)."""
+    if shape.vision is None:
+        return mbs
+    per_sample = [None] * len(batch) if batch.images is None else [
+        None if x is None else ImageInputs(torch.as_tensor(x["pixel_values"]), torch.as_tensor(x["image_grid_thw"]).long())
+        for x in batch.images]
+    for mb in mbs:
+        images = [per_sample[r] for r in mb.rows.tolist()]
+        seq_lens = list(mb.packed.seq_lens) if mb.packed is not None else None
+        mb.position_ids = micro_batch_positions(mb.input_ids, seq_lens, images, shape.vision).to(device)
+        merged = ImageInputs.concat(images)
+        mb.model_inputs = {"images": merged.to(device) if merged is not None else None}
+    return mbs

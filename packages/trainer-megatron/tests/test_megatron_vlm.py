@@ -1,0 +1,150 @@
+"""Qwen2.5-VL in the Megatron trainer (vlm.py, vision.py) on tiny random configs: the vision tower and mRoPE
+positions equal transformers', HF -> Megatron -> HF is bit-exact, log-probs of samples with several images equal
+transformers' (fp32, <= 1e-4) in packed and padded micro-batches, and the images, their positions and the
+vision weights each move those log-probs by far more than that (a trainer that dropped one would fail);
+``trainer.freeze_vision_tower`` keeps the tower as loaded; TP=2 gives TP=1's log-probs and steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from megatron_testlib import ensure_single_rank_group, launch, make_config, per_sample, to_batch
+from vlm_scenario import (
+    GRIDS,
+    IMAGE,
+    hf_vl_log_probs,
+    load_hf_vl,
+    make_vl_model,
+    make_vl_samples,
+    patch_dim,
+)
+
+from slime_rl.trainer_megatron.convert import SafetensorsFolder
+from slime_rl.trainer_megatron.trainer import MegatronTrainer
+from slime_rl.trainer_megatron.vision import VisionTower, vision_shape
+from slime_rl.trainer_megatron.vlm import mrope_positions
+
+PARITY = 1e-4
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    return make_vl_model(tmp_path_factory.mktemp("vl") / "m")
+
+
+def trainer_for(model_dir, overrides=()):
+    ensure_single_rank_group()
+    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
+
+
+def _log_probs(trainer, samples) -> list:
+    batch = to_batch(samples)
+    return per_sample(batch, trainer.compute_log_probs(batch))
+
+
+def _max_gap(samples, ours, hf, **kwargs) -> float:
+    return max(float((torch.tensor(lp) - hf_vl_log_probs(hf, s, **kwargs)).abs().max())
+               for s, lp in zip(samples, ours, strict=True))
+
+
+def test_vision_tower_and_mrope_positions_equal_transformers(vl_model):
+    hf = load_hf_vl(vl_model)
+    v = vision_shape(hf.config)
+    tower = VisionTower(v)
+    weights = {k.removeprefix("model.visual."): t for k, t in hf.state_dict().items() if k.startswith("model.visual.")}
+    tower.load_state_dict(weights, strict=True)
+    grid = torch.tensor(GRIDS)
+    pixels = torch.randn(int(grid.prod(-1).sum()), patch_dim(), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = tower(pixels, grid), hf.model.visual(pixels, grid_thw=grid).pooler_output
+    assert ours.shape == theirs.shape == (sum(t * h * w for t, h, w in GRIDS) // 4, 64)
+    assert float((ours - theirs).abs().max()) <= 1e-5
+    for sample in make_vl_samples(4):  # 2, 0, 1 and 3 images
+        ids = torch.tensor([sample.tokens])
+        inputs = sample.multimodal_train_inputs
+        grid = inputs["image_grid_thw"] if inputs else None
+        if grid is None:
+            assert torch.equal(mrope_positions(ids[0], None, v), torch.arange(ids.shape[1]).expand(3, -1))
+            continue
+        expected, _ = hf.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=grid)
+        assert torch.equal(mrope_positions(ids[0], grid, v), expected[:, 0])
+
+
+def test_round_trip_is_bit_exact_and_log_probs_match_transformers(vl_model, tmp_path):
+    reader = SafetensorsFolder(vl_model)
+    hf = load_hf_vl(vl_model)
+    samples = make_vl_samples(6)
+    assert sum(1 for s in samples if s.multimodal_train_inputs) == 5
+    for overrides in (["trainer.max_tokens_per_gpu=4096"], ["trainer.micro_batch_size=3"]):  # packed, padded
+        trainer = trainer_for(vl_model, overrides)
+        exported = dict(item for bucket in trainer.named_weights(bucket_bytes=64 << 10) for item in bucket)
+        assert sorted(exported) == sorted(reader.weight_map)
+        assert sum(n.startswith("visual.") for n in exported) == 1 + 3 * 12 + 5  # patch embed, 3 blocks, merger
+        assert all(torch.equal(t, reader.get(n)) for n, t in exported.items())
+        ours = _log_probs(trainer, samples)
+        assert _max_gap(samples, ours, hf) <= PARITY
+        # the images count: transformers' log-probs with other pixels are far from ours
+        assert _max_gap(samples, ours, hf, pixel_scale=0.5) > 100 * PARITY
+    trainer.save_hf(str(tmp_path / "out"))
+    saved = SafetensorsFolder(tmp_path / "out")
+    assert sorted(saved.weight_map) == sorted(reader.weight_map)
+    assert all(torch.equal(saved.get(n), reader.get(n)) for n in reader.weight_map)
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((vl_model / "config.json").read_text())
+
+
+def test_positions_and_vision_weights_matter(vl_model, tmp_path):
+    """Without mRoPE's image positions (every stream counting on as text), or with a vision block changed, the
+    log-probs leave transformers' by far more than the parity bound."""
+    from slime_rl.trainer_megatron import vlm
+
+    samples = make_vl_samples(6)
+    hf = load_hf_vl(vl_model)
+    trainer = trainer_for(vl_model, ["trainer.max_tokens_per_gpu=4096"])
+    real = vlm.mrope_positions
+    try:
+        vlm.mrope_positions = lambda ids, grid, v: torch.arange(len(ids)).expand(3, -1)
+        assert _max_gap(samples, _log_probs(trainer, samples), hf) > 100 * PARITY
+    finally:
+        vlm.mrope_positions = real
+    with torch.no_grad():
+        trainer.model.vision.blocks[2].mlp.down_proj.bias.add_(0.5)  # a window-attention block, the last one
+    assert _max_gap(samples, _log_probs(trainer, samples), hf) > 100 * PARITY
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_freeze_vision_tower(vl_model, freeze):
+    trainer = trainer_for(vl_model, ["trainer.max_tokens_per_gpu=4096", "trainer.lr=0.01",
+                                     f"trainer.freeze_vision_tower={str(freeze).lower()}"])
+    vision = {n: p.detach().clone() for n, p in trainer.model.vision.named_parameters()}
+    lm = trainer.model.decoder.layers[0].mlp.linear_fc2.weight.detach().clone()
+    batch = to_batch(make_vl_samples(6))
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    metrics = trainer.train_step(batch)
+    assert metrics["update_skipped"] == 0.0
+    assert not torch.equal(lm, trainer.model.decoder.layers[0].mlp.linear_fc2.weight)
+    changed = [n for n, p in trainer.model.vision.named_parameters() if not torch.equal(p, vision[n])]
+    if freeze:
+        assert changed == []
+    else:  # every tower weight, the patch embedding through the merger, got a gradient from the images
+        assert sorted(changed) == sorted(vision)
+
+
+def test_tensor_parallel_equals_one_rank(vl_model, tmp_path):
+    """TP=2 (each rank its replicated vision tower and half of every LM layer) against TP=1: the same log-probs
+    before and after two steps, both TP ranks agreeing, and the same losses and grad norms."""
+    spec = {"scenario": "vlm", "model": str(vl_model), "num_samples": 6, "steps": 2,
+            "overrides": ["trainer.max_tokens_per_gpu=4096", "trainer.lr=0.01"]}
+    one = launch(1, spec, tmp_path)
+    two = launch(2, {**spec, "overrides": [*spec["overrides"], "parallel.tensor_model_parallel_size=2"]}, tmp_path)
+    assert one["round_trip"] and two["round_trip"] and two["peers_agree"]
+    for key in ("log_probs", "trained_log_probs"):
+        gap = max(abs(a - b) for x, y in zip(one[key], two[key], strict=True) for a, b in zip(x, y, strict=True))
+        assert gap <= 1e-4, key
+    moved = max(abs(a - b) for x, y in zip(one["log_probs"], one["trained_log_probs"], strict=True)
+                for a, b in zip(x, y, strict=True))
+    assert moved > 1e-2  # the steps changed the model: the comparison after them is not of the start again
+    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
+        assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-5)
+        assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)

@@ -1,0 +1,133 @@
+"""Tiny random Qwen2.5-VL models, samples with images, transformers' log-probs of them, and the multi-rank VL
+scenario megatron_worker.py runs (``scenario: vlm``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 256
+IMAGE, VIDEO, START, END = 250, 251, 248, 249  # image/video placeholder, vision start/end ids
+TEXT_IDS = 240  # text tokens are drawn below this
+# (frames, patch rows, patch columns) of the test images: windows of 2 x 2 merged blocks (window_size 16, patch 4,
+# merge 2), so a 8 x 12 grid has 6 windows, a 6 x 10 one windows cut at the edge, a 2-frame image two frames
+GRIDS = ((1, 8, 12), (1, 4, 4), (1, 6, 10), (2, 4, 6))
+
+
+def vl_config(**text):
+    from transformers import Qwen2_5_VLConfig
+
+    text_config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       bos_token_id=0, eos_token_id=1, pad_token_id=1, initializer_range=0.1,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision_config = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, spatial_merge_size=2,
+                         temporal_patch_size=2, window_size=16, out_hidden_size=64, fullatt_block_indexes=[1],
+                         initializer_range=0.1)
+    return Qwen2_5_VLConfig(text_config={**text_config, **text}, vision_config=vision_config, image_token_id=IMAGE,
+                            video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+                            architectures=["Qwen2_5_VLForConditionalGeneration"])
+
+
+def make_vl_model(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, **text) -> Path:
+    """A random Qwen2.5-VL folder (config.json + model.safetensors), norms and biases perturbed so that every
+    weight shows in the outputs."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(vl_config(**text)).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name or "bias" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.to(dtype).save_pretrained(path)
+    return Path(path)
+
+
+def load_hf_vl(path: Path):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def patch_dim() -> int:
+    return 3 * 2 * 4 * 4
+
+
+def image_tokens(grid) -> int:
+    t, h, w = grid
+    return t * (h // 2) * (w // 2)
+
+
+def make_vl_samples(n: int, *, seed: int = 1, images_per_sample: tuple[int, ...] = (2, 0, 1, 3, 1, 2),
+                    response: tuple[int, int] = (3, 10)) -> list:
+    """``n`` samples, sample i with ``images_per_sample[i % len]`` images (grids from GRIDS in turn) between
+    text runs, then a text response; their vision inputs as ``multimodal_train_inputs``."""
+    from slime_rl.core.sample import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out, k = [], 0
+
+    def text(lo: int, hi: int) -> list[int]:
+        return torch.randint(2, TEXT_IDS, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+
+    for i in range(n):
+        tokens, grids = text(1, 4), []
+        for _ in range(images_per_sample[i % len(images_per_sample)]):
+            grid = GRIDS[k % len(GRIDS)]
+            k += 1
+            grids.append(grid)
+            tokens += [START] + [IMAGE] * image_tokens(grid) + [END] + text(1, 3)
+        r = int(torch.randint(response[0], response[1] + 1, (1,), generator=g))
+        tokens += text(r, r)
+        adv = float(torch.randn((), generator=g))
+        inputs = None
+        if grids:
+            patches = sum(t * h * w for t, h, w in grids)
+            inputs = {"pixel_values": torch.randn(patches, patch_dim(), generator=g), "image_grid_thw": torch.tensor(grids)}
+        out.append(Sample(index=i, group_index=i // 2, tokens=tokens, response_length=r, loss_mask=[1] * r,
+                          rollout_log_probs=[-1.0] * r, reward=adv, advantages=[adv] * r,
+                          multimodal_train_inputs=inputs))
+    return out
+
+
+def hf_vl_log_probs(hf, sample, *, pixel_scale: float = 1.0) -> torch.Tensor:
+    """transformers' log-probs of ``sample``'s response tokens (its images through the model's own vision tower and
+    get_rope_index; ``pixel_scale`` scales the pixels)."""
+    ids = torch.tensor([sample.tokens])
+    kwargs = {}
+    inputs = sample.multimodal_train_inputs
+    if inputs is not None:
+        kwargs = {"pixel_values": inputs["pixel_values"] * pixel_scale, "image_grid_thw": inputs["image_grid_thw"],
+                  "mm_token_type_ids": (ids == IMAGE).int()}
+    with torch.no_grad():
+        logits = hf(input_ids=ids, **kwargs).logits[0].float()
+    logp = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
+    return logp[-sample.response_length:]
+
+
+def run_vlm(spec: dict) -> dict:
+    """One rank of a VL trainer: log-probs of the samples, the exported weights' agreement with the checkpoint,
+    then ``steps`` training steps (their metrics and the log-probs after)."""
+    from megatron_testlib import make_config
+    from megatron_worker import shard_for, whole_step
+
+    from slime_rl.trainer_megatron.convert import SafetensorsFolder
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    torch.set_num_threads(1)
+    trainer = MegatronTrainer.from_config(make_config(Path(spec["model"]), spec.get("overrides", [])))
+    batch = shard_for(trainer, make_vl_samples(spec["num_samples"]))
+    reader = SafetensorsFolder(spec["model"])
+    exported = dict(item for bucket in trainer.named_weights(bucket_bytes=1 << 20) for item in bucket)
+    round_trip = sorted(exported) == sorted(reader.weight_map) and all(
+        torch.equal(t, reader.get(n)) for n, t in exported.items())
+    logp, peers_agree = whole_step(batch, trainer.compute_log_probs(batch))
+    result = {"log_probs": logp, "peers_agree": peers_agree, "round_trip": round_trip, "metrics": []}
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    for _ in range(spec.get("steps", 2)):
+        result["metrics"].append(trainer.train_step(batch))
+    result["trained_log_probs"], agree = whole_step(batch, trainer.compute_log_probs(batch))
+    result["peers_agree"] = peers_agree and agree
+    return result
