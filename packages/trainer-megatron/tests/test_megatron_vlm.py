@@ -148,3 +148,31 @@ def test_tensor_parallel_equals_one_rank(vl_model, tmp_path):
     for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
         assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-5)
         assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+
+
+def test_compiled_rope_takes_the_per_token_mrope_table(vl_model, monkeypatch):
+    """On CUDA the trainer routes RoPE through fused_rope's compiled kernels (compiled_fusions); mRoPE's packed table
+    has a row per token, not per position, and the compiled thd kernel (compiled here on the CPU) must read it so:
+    the same log-probs as the unfused path, packed (thd) and one row padded (bshd)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from slime_rl.trainer_megatron import fused_rope
+
+    calls = []
+    for name, kernel in (("fused_apply_rotary_pos_emb", fused_rope.rope_bshd),
+                         ("fused_apply_rotary_pos_emb_thd", fused_rope.rope_thd)):
+        monkeypatch.setattr(rope_utils, name, lambda *a, kernel=kernel, **k: calls.append(kernel) or kernel(*a, **k))
+    samples = make_vl_samples(4)
+    for batching, kernel in ((["trainer.max_tokens_per_gpu=4096"], fused_rope.rope_thd),
+                             (["trainer.micro_batch_size=1"], fused_rope.rope_bshd)):
+        trainer = trainer_for(vl_model, batching)
+        plain = _log_probs(trainer, samples)
+        calls.clear()
+        trainer.tconfig.apply_rope_fusion = True  # what transformer_config sets with compiled_fusions (CUDA)
+        try:
+            fused = _log_probs(trainer, samples)
+        finally:
+            trainer.tconfig.apply_rope_fusion = False
+        assert calls and set(calls) == {kernel}
+        assert max(float((torch.tensor(a) - torch.tensor(b)).abs().max()) for a, b in zip(plain, fused, strict=True)
+                   ) <= 1e-5

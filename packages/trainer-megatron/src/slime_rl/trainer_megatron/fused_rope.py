@@ -40,6 +40,10 @@ def rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_
     chunks of each (context_parallel.py); every token keeps its position in its own sequence."""
     if interleaved:
         raise ValueError("rotary_interleaved: the compiled RoPE does not do interleaved rotary")
+    if cp_size == 1 and freqs.shape[0] == t.shape[0] == int(cu_seqlens[-1]):
+        # a table with a row per packed token (mRoPE, vlm.py: positions differ by stream and restart per sequence),
+        # which megatron's unfused thd RoPE also takes as it is; a one-sequence RoPE table is the same rows
+        return compiled(_rope)(t.unsqueeze(1), freqs).squeeze(1)
     # One call for the whole row, each token with the freqs of its position in its own sequence: a call per
     # sequence cost a few kernels and a compiled-guard check per sequence, per layer, forward and backward
     # (hundreds of short RL samples in a micro-batch). The same values, token for token.
