@@ -131,23 +131,60 @@ def test_freeze_vision_tower(vl_model, freeze):
         assert sorted(changed) == sorted(vision)
 
 
-def test_tensor_parallel_equals_one_rank(vl_model, tmp_path):
-    """TP=2 (each rank its replicated vision tower and half of every LM layer) against TP=1: the same log-probs
-    before and after two steps, both TP ranks agreeing, and the same losses and grad norms."""
-    spec = {"scenario": "vlm", "model": str(vl_model), "num_samples": 6, "steps": 2,
-            "overrides": ["trainer.max_tokens_per_gpu=4096", "trainer.lr=0.01"]}
-    one = launch(1, spec, tmp_path)
-    two = launch(2, {**spec, "overrides": [*spec["overrides"], "parallel.tensor_model_parallel_size=2"]}, tmp_path)
-    assert one["round_trip"] and two["round_trip"] and two["peers_agree"]
+VLM_SPEC = {"scenario": "vlm", "num_samples": 6, "steps": 2, "overrides": ["trainer.max_tokens_per_gpu=4096",
+                                                                           "trainer.lr=0.01"]}
+
+
+@pytest.fixture(scope="module")
+def one_rank(vl_model, tmp_path_factory):
+    return launch(1, {**VLM_SPEC, "model": str(vl_model)}, tmp_path_factory.mktemp("one"))
+
+
+@pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
+def test_two_ranks_equal_one_rank(vl_model, one_rank, layout, tmp_path):
+    """TP=2 (each rank its replicated vision tower and half of every LM layer) and PP=2 (the tower on the first
+    stage, mRoPE positions on both) against one rank: the same log-probs before and after two steps, the ranks
+    holding a shard agreeing, the same losses and grad norms, and the HF export bit-exact."""
+    two = launch(2, {**VLM_SPEC, "model": str(vl_model), "overrides": [*VLM_SPEC["overrides"], layout]}, tmp_path)
+    assert one_rank["round_trip"] and two["round_trip"] and two["peers_agree"]
     for key in ("log_probs", "trained_log_probs"):
-        gap = max(abs(a - b) for x, y in zip(one[key], two[key], strict=True) for a, b in zip(x, y, strict=True))
+        gap = max(abs(a - b) for x, y in zip(one_rank[key], two[key], strict=True) for a, b in zip(x, y, strict=True))
         assert gap <= 1e-4, key
-    moved = max(abs(a - b) for x, y in zip(one["log_probs"], one["trained_log_probs"], strict=True)
+    moved = max(abs(a - b) for x, y in zip(one_rank["log_probs"], one_rank["trained_log_probs"], strict=True)
                 for a, b in zip(x, y, strict=True))
     assert moved > 1e-2  # the steps changed the model: the comparison after them is not of the start again
-    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
+    for m1, m2 in zip(one_rank["metrics"], two["metrics"], strict=True):
         assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-5)
         assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+
+
+def test_checkpoint_resumes_the_vision_tower(vl_model, tmp_path):
+    """Megatron's distributed checkpoint holds the vision tower: a fresh trainer loaded from it scores as the
+    trained one does, not as the HF weights do."""
+    overrides = ["trainer.max_tokens_per_gpu=4096", "trainer.lr=0.01"]
+    trainer = trainer_for(vl_model, overrides)
+    batch = to_batch(make_vl_samples(6))
+    batch.old_log_probs = trainer.compute_log_probs(batch)
+    trainer.train_step(batch)
+    trained = trainer.compute_log_probs(batch)
+    tower = {n: p.detach().clone() for n, p in trainer.model.vision.named_parameters()}
+    trainer.save(str(tmp_path / "ckpt"))
+    fresh = trainer_for(vl_model, overrides)
+    assert float((fresh.compute_log_probs(batch) - trained).abs().max()) > 1e-3
+    fresh.load(str(tmp_path / "ckpt"))
+    assert all(torch.equal(p, tower[n]) for n, p in fresh.model.vision.named_parameters())
+    assert float((fresh.compute_log_probs(batch) - trained).abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize("overrides", [["parallel.context_parallel_size=2"], ["trainer.lora.rank=4"],
+                                       ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]])
+def test_refuses_what_it_does_not_build(vl_model, overrides):
+    from slime_rl.trainer_megatron import vlm
+
+    cfg = make_config(vl_model, ["trainer.max_tokens_per_gpu=4096", *overrides])
+    shape = trainer_for(vl_model, ["trainer.max_tokens_per_gpu=4096"]).shape
+    with pytest.raises(ValueError, match="not supported with a vision-language model"):
+        vlm.configure(None, shape, cfg)
 
 
 def test_compiled_rope_takes_the_per_token_mrope_table(vl_model, monkeypatch):
