@@ -20,6 +20,7 @@ import numpy as np
 from slime_rl.buffer.records import SKIP_HINT, DataError, JsonlRecords, ParquetRecords, open_records
 from slime_rl.core.contracts import DataSource
 from slime_rl.core.sample import Sample
+from slime_rl.core.vision.images import DEFAULT_MAX_IMAGE_PIXELS, check_images, image_refs
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -119,6 +120,9 @@ class PromptDataSource(DataSource):
         skip_bad_lines: bool = False,
         max_prompt_len: int | None = None,
         format: str | None = None,
+        image_key: str | None = None,
+        max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        processor_path: str | None = None,
     ):
         # The arguments, to rebuild in another process (__getstate__).
         self._init_args = {k: v for k, v in locals().items() if k != "self"}
@@ -135,13 +139,16 @@ class PromptDataSource(DataSource):
         self.shuffle, self.seed, self.num_epoch = shuffle, seed, num_epoch
         self.skip_bad_lines = skip_bad_lines
         self.max_prompt_len = max_prompt_len
+        # Images (docs/vlm.md): the model's processor, loaded at the first image prompt tokenized.
+        self.image_key, self.max_image_pixels = image_key, max_image_pixels
+        self.processor_path, self._processor = processor_path, None
         if tokenizer is not None and apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
             raise DataError("data.apply_chat_template", "the tokenizer has no chat template; set "
                                                         "model.tokenizer_path to one that has, or turn it off")
         if tokenizer is None and max_prompt_len is not None:
             logger.warning("rollout.max_prompt_len=%d is not enforced: the data source has no tokenizer",
                            max_prompt_len)
-        columns = [k for k in (input_key, label_key, metadata_key, tools_key) if k is not None]
+        columns = [k for k in (input_key, label_key, metadata_key, tools_key, image_key) if k is not None]
         self.records = open_records(path, format, columns)
         self.path = str(self.records.path)
         if self.records.num_nonblank == 0:
@@ -201,6 +208,7 @@ class PromptDataSource(DataSource):
             num_epoch=None if d.num_rollout is not None else d.num_epoch,  # num_rollout wins, as in slime
             skip_bad_lines=d.skip_bad_lines, max_prompt_len=cfg.rollout.max_prompt_len,
             format=d.source if d.source in ("jsonl", "parquet") and _suffix_unknown(d.prompt_data) else None,
+            **_image_args(cfg),
         )
 
     @staticmethod
@@ -213,7 +221,7 @@ class PromptDataSource(DataSource):
             path=cfg.eval.prompt_data[name], input_key=d.input_key, label_key=d.label_key,
             metadata_key=d.metadata_key, tools_key=d.tools_key, apply_chat_template=d.apply_chat_template,
             n_samples_per_prompt=cfg.eval.n_samples_per_prompt, shuffle=False, num_epoch=1,
-            skip_bad_lines=d.skip_bad_lines, max_prompt_len=cfg.rollout.max_prompt_len,
+            skip_bad_lines=d.skip_bad_lines, max_prompt_len=cfg.rollout.max_prompt_len, **_image_args(cfg),
         )
 
     def check_records(self) -> int:
@@ -229,6 +237,8 @@ class PromptDataSource(DataSource):
                 continue
             parsed = record if isinstance(record, DataError) else parse_prompt_record(
                 record, self.records.where(i), **keys)
+            if not isinstance(parsed, DataError) and self.image_key is not None:
+                parsed = self._check_images(record, self.records.where(i)) or parsed
             if not isinstance(parsed, DataError):
                 usable += 1
             elif not self.skip_bad_lines:
@@ -288,11 +298,17 @@ class PromptDataSource(DataSource):
                     skipped.append(parsed)
                     continue
                 prompt, label, metadata = parsed
-                tokens = self._tokenize(prompt, metadata.get("tools"))
+                try:
+                    tokens, multimodal = self._tokenize_record(record, self.records.where(i), prompt, metadata)
+                except DataError as err:
+                    if not self.skip_bad_lines or err.where != self.records.where(i):  # not this line's fault
+                        raise
+                    skipped.append(err)
+                    continue
                 if self.max_prompt_len is not None and self.tokenizer is not None and len(tokens) > self.max_prompt_len:
                     too_long += 1
                     continue
-                out.append(self._group(prompt, label, metadata, tokens, group_index, sample_index))
+                out.append(self._group(prompt, label, metadata, tokens, group_index, sample_index, multimodal))
                 group_index += 1
                 sample_index += self.n_samples_per_prompt
                 consumed_without_group = 0
@@ -324,6 +340,50 @@ class PromptDataSource(DataSource):
             self._order_epoch = epoch
         return self._order
 
+    def _image_refs(self, record: dict[str, Any], where: str) -> list[str]:
+        """The record's image references (core/vision/images.py); [] without images."""
+        value = record.get(self.image_key) if self.image_key is not None else None
+        if value is None:
+            return []
+        return image_refs(value, where, base_dir=self.records.path.parent, key=self.image_key)
+
+    def _check_images(self, record: dict[str, Any], where: str) -> DataError | None:
+        """The up-front check of a record's images: each there, readable, not too large."""
+        try:
+            check_images(self._image_refs(record, where), where, max_pixels=self.max_image_pixels)
+        except DataError as err:
+            if not self.skip_bad_lines:
+                raise
+            return err
+        return None
+
+    def _tokenize_record(self, record: dict[str, Any], where: str, prompt: Prompt, metadata: dict[str, Any]
+                         ) -> tuple[list[int], tuple[dict[str, Any], Any] | None]:
+        """The prompt's ids, and for a record with images its (multimodal_inputs, multimodal_train_inputs)."""
+        refs = self._image_refs(record, where)
+        if not refs:
+            return self._tokenize(prompt, metadata.get("tools")), None
+        if self.tokenizer is None:
+            return [], ({"images": refs}, None)
+        from slime_rl.core.vision.prompt import encode_prompt, prompt_text
+
+        processor = self.processor()
+        text = prompt_text(prompt, len(refs), processor, where, apply_chat_template=self.apply_chat_template,
+                           tools=metadata.get("tools"), chat_template_kwargs=self.chat_template_kwargs)
+        encoded = encode_prompt(text, refs, processor, where, max_pixels=self.max_image_pixels)
+        return encoded.token_ids, ({"images": refs}, encoded.train_inputs)
+
+    def processor(self) -> Any:
+        """The model's processor (core/vision/processor.py), loaded once."""
+        if self._processor is None:
+            if self.processor_path is None:
+                raise DataError("data.image_key", "image prompts need the model's processor; give the data source "
+                                                  "processor_path (from_config sets the model's path)")
+            from slime_rl.core.vision.processor import load_processor
+
+            self._processor = load_processor(self.processor_path)
+        return self._processor
+
     def _tokenize(self, prompt: Prompt, tools: list[Any] | None) -> list[int]:
         tok = self.tokenizer
         if tok is None:
@@ -339,10 +399,13 @@ class PromptDataSource(DataSource):
         return list(tok.encode(text, add_special_tokens=False))  # the template already holds any BOS
 
     def _group(self, prompt: Prompt, label: Any, metadata: dict[str, Any], tokens: list[int],
-               group_index: int, first_index: int) -> list[Sample]:
-        return [
+               group_index: int, first_index: int, multimodal: tuple[dict[str, Any], Any] | None = None
+               ) -> list[Sample]:
+        inputs, train = multimodal or (None, None)
+        return [  # a group's samples share the processor's tensors (read only); each has its own refs
             Sample(index=first_index + k, group_index=group_index, prompt=copy.deepcopy(prompt),
-                   label=copy.deepcopy(label), tokens=list(tokens), metadata=copy.deepcopy(metadata))
+                   label=copy.deepcopy(label), tokens=list(tokens), metadata=copy.deepcopy(metadata),
+                   multimodal_inputs=copy.deepcopy(inputs), multimodal_train_inputs=train)
             for k in range(self.n_samples_per_prompt)
         ]
 
@@ -383,6 +446,12 @@ class PromptDataSource(DataSource):
         args = dict(pickled["args"])
         self.__init__(args.pop("path"), **args)
         self.load_state_dict(pickled["state"])
+
+
+def _image_args(cfg: Config) -> dict[str, Any]:
+    d = cfg.data
+    return dict(image_key=d.image_key, max_image_pixels=d.max_image_pixels,
+                processor_path=cfg.model.tokenizer_path or cfg.model.path)
 
 
 def _suffix_unknown(path: str) -> bool:

@@ -133,6 +133,9 @@ class DataConfig(_BackendSection):
     shuffle: bool = True
     seed: int = Field(42, ge=0, le=SEED_MAX)
     skip_bad_lines: bool = False
+    # Vision-language prompts (docs/vlm.md): the column of a record's image(s); None: text-only data
+    image_key: str | None = None
+    max_image_pixels: int = Field(4096 * 4096, ge=1)  # a larger image is refused at file:line
 
 
 class SandboxConfig(_Section):
