@@ -8,6 +8,9 @@ gather again, and never a delta, which SGLang's scheduler would die on (delta_lo
 Transports: ``tensor`` (the bucket by value in the request; CPU tensors) and ``disk`` (a safetensors file per
 bucket under ``weights_dir/delta``, its path in the request). NCCL's receive path in SGLang 0.5.17 calls the
 model's own loader, never a custom one, so an NCCL sync stays full (docs/elastic.md).
+
+Every call goes to all servers at once (`server_api.post_all` / `get_all` on the control thread), each bucket
+serialised once: a sync's control time stays flat as engines join (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 from slime_rl.core.contracts import NamedTensors
 from slime_rl.core.weights.delta import DeltaEncoder, SyncStats, header, is_delta_bucket
 from slime_rl.rollout_sglang.weights.delta_loader import FULL, LOADER, file_pointer, write_delta_file
-from slime_rl.rollout_sglang.weights.server_api import Target, get, post
+from slime_rl.rollout_sglang.weights.server_api import Target, get_all, post_all
 
 logger = logging.getLogger(__name__)
 DELTA_TRANSPORTS = ("tensor", "disk")
@@ -47,7 +50,8 @@ class DeltaPusher:
                              f"SGLang; use rollout.update_weight_transport={' or '.join(DELTA_TRANSPORTS)}")
         shutil.rmtree(self.folder, ignore_errors=True)
         base = self.encoder.kept_version
-        at_base = [t for t in targets if base is not None and held_version(t, timeout=self.timeout, version=version) == base]
+        held = held_versions(targets, timeout=self.timeout, version=version) if base is not None else []
+        at_base = [t for t, v in zip(targets, held, strict=False) if v == base]  # held is [] without a base
         behind = [t for t in targets if t not in at_base] if at_base else []
         receivers = at_base or targets  # nobody at the base: the stream is full tensors, for everyone
         encoded = self.encoder.encode(buckets, version=version, engines_hold=base if at_base else None)
@@ -63,20 +67,15 @@ class DeltaPusher:
         for target in behind:
             logger.warning("weight sync v%d: %s does not hold version %s, which the delta builds on; sending it"
                            " in full", version, target.name, base)
-            self._push_full(target, version=version, transport=transport)
-            self.full_pushes += 1
+        if behind:
+            self._push_full(behind, version=version, transport=transport)
+            self.full_pushes += len(behind)
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    def _push_all(self, targets: list[Target], bucket: NamedTensors, *, version: int, index: int, last: bool,
-                  transport: str) -> None:
-        for target in targets:
-            self._push(target, bucket, version=version, index=index, last=last, transport=transport)
-
-    def _push_full(self, target: Target, *, version: int, transport: str) -> None:
-        """The kept version (this sync's full tensors) into one server, in buckets, through the loader."""
-        items = list(self.encoder.kept.items())
+    def _push_full(self, targets: list[Target], *, version: int, transport: str) -> None:
+        """The kept version (this sync's full tensors) into ``targets``, in buckets, through the loader."""
         chunks, chunk, size = [], [], 0
-        for name, tensor in items:
+        for name, tensor in self.encoder.kept.items():
             chunk.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
             if size >= self.bucket_bytes:
@@ -85,11 +84,12 @@ class DeltaPusher:
         if chunk:
             chunks.append(chunk)
         for i, part in enumerate(chunks):
-            self._push(target, [header(FULL, version), *part], version=version, index=i, last=i == len(chunks) - 1,
-                       transport=transport)
+            self._push_all(targets, [header(FULL, version), *part], version=version, index=i,
+                           last=i == len(chunks) - 1, transport=transport)
 
-    def _push(self, target: Target, bucket: NamedTensors, *, version: int, index: int, last: bool,
-              transport: str) -> None:
+    def _push_all(self, targets: list[Target], bucket: NamedTensors, *, version: int, index: int, last: bool,
+                  transport: str) -> None:
+        """One bucket into every target at once, serialised once."""
         step = f"weight sync v{version} bucket {index} (delta, {transport})"
         if transport == "disk":  # one file a bucket, read by every server (a full one has base -1)
             path = self.folder / f"v{version}-base{int(bucket[0][1][0])}-{index:05d}.safetensors"
@@ -97,18 +97,23 @@ class DeltaPusher:
                 write_delta_file(bucket, path)
             bucket = file_pointer(path)
         payload = base64.b64encode(pickle.dumps([(n, t.detach().cpu()) for n, t in bucket])).decode("ascii")
-        body = {"serialized_named_tensors": [payload] * target.tp_size, "load_format": LOADER, "flush_cache": False}
-        if last:
-            body["weight_version"] = str(version)
-        post(target, "/update_weights_from_tensor", body, timeout=self.timeout, step=step)
+
+        def body(_: int, target: Target) -> dict:
+            out = {"serialized_named_tensors": [payload] * target.tp_size, "load_format": LOADER,
+                   "flush_cache": False}
+            return {**out, "weight_version": str(version)} if last else out
+
+        post_all(targets, "/update_weights_from_tensor", body, timeout=self.timeout, step=step)
 
 
-def held_version(target: Target, *, timeout: float, version: int) -> int | None:
-    """The weight version ``target`` reports (``/model_info``), None where it is not one of ours (``default``:
+def held_versions(targets: list[Target], *, timeout: float, version: int) -> list[int | None]:
+    """The weight version each target reports (``/model_info``), None where it is not one of ours (``default``:
     a server that has loaded nothing since it started)."""
-    info = get(target, "/model_info", timeout=timeout, step=f"weight sync v{version}: its weight version")
-    held = info.get("weight_version") if isinstance(info, dict) else None
-    try:
-        return int(held)
-    except (TypeError, ValueError):
-        return None
+    versions: list[int | None] = []
+    for info in get_all(targets, "/model_info", timeout=timeout, step=f"weight sync v{version}: its weight version"):
+        held = info.get("weight_version") if isinstance(info, dict) else None
+        try:
+            versions.append(int(held))
+        except (TypeError, ValueError):
+            versions.append(None)
+    return versions

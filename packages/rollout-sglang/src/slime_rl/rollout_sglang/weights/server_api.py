@@ -158,9 +158,15 @@ async def _post_async(session: aiohttp.ClientSession, target: Target, path: str,
         payload: dict[str, Any] = {"data": body, "headers": {**target.headers, "content-type": "application/json"}}
     else:
         payload = {"json": body if body is not None else {}, "headers": target.headers}
+    return await _request_async(session, target, "POST", path, timeout=timeout, step=step, **payload)
+
+
+async def _request_async(session: aiohttp.ClientSession, target: Target, method: str, path: str, *, timeout: float,
+                         step: str, **request: Any) -> Any:
+    """`_request` and `_checked` on the control loop."""
     try:
-        async with session.post(f"{target.url}{path}", timeout=aiohttp.ClientTimeout(total=timeout),
-                                **payload) as resp:
+        async with session.request(method, f"{target.url}{path}", timeout=aiohttp.ClientTimeout(total=timeout),
+                                   **request) as resp:
             status, text = resp.status, await resp.text()
     except TimeoutError:
         raise WeightSyncError(f"{target.name}: {step}: {path} timed out after {timeout:.0f} s") from None
@@ -186,6 +192,15 @@ def post_all(targets: list[Target], path: str, body: Callable[[int, Target], dic
     control = _control_loop()
     return control.run(_gathered([_post_async(control.session, t, path, body(i, t) if callable(body) else body,
                                               timeout=timeout, step=step) for i, t in enumerate(targets)]))
+
+
+def get_all(targets: list[Target], path: str, *, timeout: float, step: str) -> list[Any]:
+    """`get` on every engine at once; the first failure is raised after all returned."""
+    if not targets:
+        return []
+    control = _control_loop()
+    return control.run(_gathered([_request_async(control.session, t, "GET", path, timeout=timeout, step=step,
+                                                 headers=bearer(t.api_key)) for t in targets]))
 
 
 def pause_generation(targets: list[Target], *, timeout: float, step: str, mode: str = "abort") -> None:
