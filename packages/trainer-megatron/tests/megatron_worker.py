@@ -53,6 +53,14 @@ def shortened(sample, prompt: int, response: int):
                                advantages=sample.advantages[:response])
 
 
+def scatter(batch) -> torch.Tensor:
+    """A fixed offset per response token, a function of its sample's index and its position only (the same
+    on any layout): +-0.4 around 0, and 0.8 more on every sample whose index is 2 mod 3."""
+    sample = batch.sample_ids.repeat_interleave(batch.response_lengths)
+    position = torch.cat([torch.arange(n) for n in batch.response_lengths.tolist()])
+    return (0.4 * torch.sin(12.9898 * sample + 78.233 * position) + 0.8 * (sample % 3 == 2)).float()
+
+
 def local_expert_count(model: torch.nn.Module) -> int:
     """Experts held by this rank, over its layers: SequentialMLP's one module each, or the leading
     dimension of the grouped experts' stacked weight."""
@@ -114,6 +122,8 @@ def run_scenario(spec: dict) -> dict:
     log_probs = trainer.compute_log_probs(batch)
     result["log_probs"], result["peers_agree"] = whole_step(batch, log_probs)
     batch.old_log_probs = log_probs
+    if spec.get("rollout_scatter"):  # the engine's log-probs off the trainer's, for a rollout correction
+        batch.rollout_log_probs = log_probs - scatter(batch)
     if spec.get("ref"):
         batch.ref_log_probs = trainer.compute_log_probs(batch, model="ref")
 
@@ -323,9 +333,10 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     sys.path.insert(0, str(Path(__file__).parent))
     from lora_scenario import run_lora
-    from vlm_scenario import run_vlm
+    from vlm_scenario import run_vlm, run_vlm_hf_parity
 
-    result = {**SCENARIOS, "lora": run_lora, "vlm": run_vlm}[spec.get("scenario", "train")](spec)
+    result = {**SCENARIOS, "lora": run_lora, "vlm": run_vlm, "vlm_hf_parity": run_vlm_hf_parity}[
+        spec.get("scenario", "train")](spec)
     if torch.distributed.get_rank() == 0:
         torch.save(result, spec["out"])
     torch.distributed.barrier()

@@ -15,7 +15,7 @@ TEXT_IDS = 240  # text tokens are drawn below this
 GRIDS = ((1, 8, 12), (1, 4, 4), (1, 6, 10), (2, 4, 6))
 
 
-def vl_config(**text):
+def vl_config(vision: dict | None = None, **text):
     from transformers import Qwen2_5_VLConfig
 
     text_config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -25,18 +25,20 @@ def vl_config(**text):
     vision_config = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, spatial_merge_size=2,
                          temporal_patch_size=2, window_size=16, out_hidden_size=64, fullatt_block_indexes=[1],
                          initializer_range=0.1)
-    return Qwen2_5_VLConfig(text_config={**text_config, **text}, vision_config=vision_config, image_token_id=IMAGE,
+    return Qwen2_5_VLConfig(text_config={**text_config, **text}, vision_config={**vision_config, **(vision or {})},
+                            image_token_id=IMAGE,
                             video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
                             architectures=["Qwen2_5_VLForConditionalGeneration"])
 
 
-def make_vl_model(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, **text) -> Path:
+def make_vl_model(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, vision: dict | None = None,
+                  **text) -> Path:
     """A random Qwen2.5-VL folder (config.json + model.safetensors), norms and biases perturbed so that every
     weight shows in the outputs."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(vl_config(**text)).float()
+    model = Qwen2_5_VLForConditionalGeneration(vl_config(vision, **text)).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "ln_q" in name or "bias" in name:
@@ -45,10 +47,10 @@ def make_vl_model(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float
     return Path(path)
 
 
-def load_hf_vl(path: Path):
+def load_hf_vl(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
 
 
 def patch_dim() -> int:
@@ -95,16 +97,21 @@ def make_vl_samples(n: int, *, seed: int = 1, images_per_sample: tuple[int, ...]
 def hf_vl_log_probs(hf, sample, *, pixel_scale: float = 1.0) -> torch.Tensor:
     """transformers' log-probs of ``sample``'s response tokens (its images through the model's own vision tower and
     get_rope_index; ``pixel_scale`` scales the pixels)."""
-    ids = torch.tensor([sample.tokens])
+    import inspect
+
+    device = next(hf.parameters()).device
+    ids = torch.tensor([sample.tokens], device=device)
     kwargs = {}
     inputs = sample.multimodal_train_inputs
     if inputs is not None:
-        kwargs = {"pixel_values": inputs["pixel_values"] * pixel_scale, "image_grid_thw": inputs["image_grid_thw"],
-                  "mm_token_type_ids": (ids == IMAGE).int()}
+        kwargs = {"pixel_values": inputs["pixel_values"].to(device) * pixel_scale,
+                  "image_grid_thw": inputs["image_grid_thw"].to(device)}
+        if "mm_token_type_ids" in inspect.signature(hf.model.forward).parameters:  # transformers 5.25; not 5.12
+            kwargs["mm_token_type_ids"] = (ids == IMAGE).int()
     with torch.no_grad():
         logits = hf(input_ids=ids, **kwargs).logits[0].float()
     logp = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None]).squeeze(1)
-    return logp[-sample.response_length:]
+    return logp[-sample.response_length:].cpu()
 
 
 def run_vlm(spec: dict) -> dict:
@@ -131,3 +138,19 @@ def run_vlm(spec: dict) -> dict:
     result["trained_log_probs"], agree = whole_step(batch, trainer.compute_log_probs(batch))
     result["peers_agree"] = peers_agree and agree
     return result
+
+
+def run_vlm_hf_parity(spec: dict) -> dict:
+    """The trainer's log-probs (the config's device and dtype) against transformers' in the trainer's dtype on the
+    same device: ``abs_diff`` over every response token of ``num_samples`` samples with images."""
+    from megatron_testlib import make_config
+    from megatron_worker import shard_for
+
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer.from_config(make_config(Path(spec["model"]), spec.get("overrides", [])))
+    samples = make_vl_samples(spec["num_samples"], response=tuple(spec.get("response", (3, 10))))
+    ours = trainer.compute_log_probs(shard_for(trainer, samples))
+    hf = load_hf_vl(Path(spec["model"]), trainer.dtype).to(trainer.device)
+    theirs = torch.cat([hf_vl_log_probs(hf, s) for s in samples])
+    return {"abs_diff": (ours - theirs).abs()}
