@@ -34,6 +34,7 @@ from slime_rl.core.algorithms.lora import LoraSpec, lora_spec, syncs_adapters
 from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 from slime_rl.core.infra.net import LOOPBACK
+from slime_rl.rollout_sglang import fp8
 from slime_rl.rollout_sglang import launch as fleet
 from slime_rl.rollout_sglang.client import GenerateClient, GenerateError, served_routing_shape
 from slime_rl.rollout_sglang.control import ServerControl
@@ -137,9 +138,15 @@ class SGLangEngine(RolloutEngine):
                                                                             admin_key=s.admin_api_key), **common)
         else:
             plan = plan_placement(cfg)
-            engine = cls.launch(cfg.model.path, num_engines=len(plan.engines), tp_size=c.rollout_num_gpus_per_engine,
+            gpu_ids = fleet.engine_gpu_ids(plan)
+            fp8.check_gpus(cfg, gpu_ids)  # FP8 weights or KV cache: refused below compute capability 8.9
+            # rollout.precision=fp8: the servers start from an FP8 copy of the model (fp8.py, docs/fp8.md)
+            model_path = str(fp8.prepare_served_folder(cfg)) if r.precision == "fp8" else cfg.model.path
+            engine = cls.launch(model_path, num_engines=len(plan.engines), tp_size=c.rollout_num_gpus_per_engine,
                                 engine_args=fleet.engine_args(cfg), python=s.engine_python,
-                                gpu_ids=fleet.engine_gpu_ids(plan), host=fleet.server_host(plan), **common)
+                                gpu_ids=gpu_ids, host=fleet.server_host(plan), **common)
+            if r.precision == "fp8":
+                engine.weights.fp8 = fp8.fp8_format(cfg.model.path, c.rollout_num_gpus_per_engine)
         engine.max_recovery_attempts = s.max_engine_restarts
         engine.client.max_retries = s.generate_max_retries
         engine.pause_mode = "in_place" if c.async_mode == "fully" else "abort"

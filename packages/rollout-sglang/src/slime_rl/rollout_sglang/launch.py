@@ -16,6 +16,7 @@ from slime_rl.core.config.device import resolve_device
 from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.config.positions import ModelPositions, asked_length
 from slime_rl.core.infra.net import LOOPBACK, node_address
+from slime_rl.rollout_sglang import fp8
 from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router, launch_router
 from slime_rl.rollout_sglang.server import SGLangServer, attach_server, start_server, wait_healthy
@@ -83,6 +84,8 @@ def engine_args(cfg: Config) -> dict[str, Any]:
         args.setdefault("skip_tokenizer_init", True)
     if r.update_weight_mode == "delta":  # delta syncs load through our custom loader (weights/delta_loader.py)
         args.setdefault("custom_weight_loader", [DELTA_LOADER])
+    for key, value in fp8.server_flags(cfg).items():  # rollout.precision / kv_cache_dtype (fp8.py)
+        args.setdefault(key, value)
     if cfg.algorithm.routing_replay == "rollout":  # MoE: the experts each token went to, per request
         args.setdefault("enable_return_routed_experts", True)
     if syncs_adapters(cfg):  # weight syncs load LoRA adapters at run time (adapters.py)

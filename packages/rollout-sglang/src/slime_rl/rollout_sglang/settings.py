@@ -36,6 +36,7 @@ class SGLangSettings(BackendSettings):
 
     #: For one release an old ``rollout.engine_args`` lands in server_args (config/renamed.py).
     engine_args_field: ClassVar[str | None] = "server_args"
+    serves_fp8: ClassVar[bool] = True  # rollout.precision=fp8 and rollout.kv_cache_dtype=fp8_e4m3 (docs/fp8.md)
     #: Typed fields that are SGLang server flags, passed as ``--<field-with-dashes> <value>`` when set.
     SERVER_FLAGS: ClassVar[tuple[str, ...]] = ("chunked_prefill_size",)
 

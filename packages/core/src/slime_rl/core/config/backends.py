@@ -30,6 +30,8 @@ class BackendSettings(BaseModel):
     #: For one release, where an old ``rollout.engine_args`` mapping goes: the name of a dict field of this
     #: model (SGLang's server flags), or None: its keys are this model's own fields (renamed.py).
     engine_args_field: ClassVar[str | None] = None
+    #: A rollout engine's: it serves FP8 weights and KV cache (rollout.precision / kv_cache_dtype, docs/fp8.md).
+    serves_fp8: ClassVar[bool] = False
 
     def check(self, cfg: Any, where: str) -> None:
         """Checks the values alone cannot make (a file exists, a key fits the rest of ``cfg``), run with core's

@@ -16,6 +16,7 @@ from slime_rl.core.config.builtin_models import BUILTIN_PREFIX, MODEL_PATH_FIELD
 from slime_rl.core.config.memory import check_memory
 from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.config.positions import check_positions
+from slime_rl.core.config.precision import check_precision
 from slime_rl.core.config.roles import check_roles
 from slime_rl.core.config.schema import Config, ConfigError
 from slime_rl.core.config.writable import check_writable
@@ -159,6 +160,7 @@ def check_config(cfg: Config) -> None:
                           f" ({r.max_response_len}); DAPO penalizes the last tokens before the limit (its 20k-token"
                           " runs: 4096 of 20480)")
     check_backend_settings(cfg)
+    check_precision(cfg, plan_device(cfg))  # FP8 rollouts: GPUs and an engine that serves them (config/precision.py)
     if r.tools and r.generate_fn not in ("multi_turn", "environment"):
         raise ConfigError("rollout.tools", "only the built-in agent loop calls tools; set rollout.generate_fn="
                                            "multi_turn, or drop rollout.tools")

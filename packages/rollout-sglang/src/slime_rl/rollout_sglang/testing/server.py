@@ -46,6 +46,7 @@ from slime_rl.rollout_sglang.testing.custom_loader import (
     load_tensor_payload,
     scheduler_crash,
 )
+from slime_rl.rollout_sglang.testing.fp8 import held, weight_checksums
 from slime_rl.rollout_sglang.testing.gate import ModelGate, RequestAborted
 from slime_rl.rollout_sglang.testing.lora import LoraError, LoraRegistry, add_flags
 from slime_rl.rollout_sglang.testing.nccl import join_group, receive_broadcast
@@ -432,7 +433,7 @@ class StandinServer:
                 raise KeyError(f"unknown parameter {name}")
             if tuple(tensor.shape) != tuple(self.weights[name].shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(self.weights[name].shape)}")
-            self.weights[name] = tensor.detach().to("cpu", copy=True)
+            self.weights[name] = held(self.weights[name], tensor)  # in the parameter's dtype (testing/fp8.py)
         if version is not None:
             self.weight_version = version
 
@@ -526,10 +527,7 @@ class StandinServer:
         body = await _json_or_empty(request)
         if body.get("action", "checksum") != "checksum":
             return _error(f"Unsupported action={body.get('action')!r}")
-        checksums = {}
-        for name, tensor in self.weights.items():
-            digest = hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()).digest()[:8]
-            checksums[name] = f"{int.from_bytes(digest, byteorder='big', signed=False):016x}"
+        checksums = weight_checksums(self.weights)  # FP8 (weight, scale) pairs as SGLang hashes them (testing/fp8.py)
         overall = hashlib.sha256()
         for name in sorted(checksums):
             overall.update(name.encode())

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from slime_rl.core.contracts import NamedTensors
+from slime_rl.core.weights.fp8 import FP8Format, quantize_named
 from slime_rl.core.weights.sync import resolve_transport
 from slime_rl.rollout_sglang.control import ServerControl
 from slime_rl.rollout_sglang.hold import GenerationHold
@@ -47,6 +48,7 @@ class EngineWeightSync:
         self.keep_weights_for_recovery = keep_weights_for_recovery
         self.verify_weights = verify_weights
         self.pause_mode = "abort"
+        self.fp8: FP8Format | None = None  # rollout.precision=fp8: the format buckets are quantised to (fp8.py)
         self.version = 0
         self.unloads: set[asyncio.Task] = set()  # retired adapters leaving the servers
         self._requests_out = requests_out
@@ -92,6 +94,8 @@ class EngineWeightSync:
                                   f"and a bucket for v{version} arrived")
         if self.roster is not None:
             return await self._update_adapter(named_tensors, version=version, last=last)
+        if self.fp8 is not None:  # FP8 engines load (weight, scale) pairs (docs/fp8.md); quantised where the tensors are
+            named_tensors = quantize_named(named_tensors, self.fp8)
         step = f"weight sync v{version} bucket {self._bucket_index} ({self._sync_transport})"
         try:
             copied = self._keep_copy(named_tensors) if self._sync_transport != "disk" else None

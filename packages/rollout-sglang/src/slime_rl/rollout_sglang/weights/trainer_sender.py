@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import NamedTensors, WeightSender
+from slime_rl.core.weights.fp8 import quantize_buckets
+from slime_rl.rollout_sglang.fp8 import fp8_format, served_folder
 from slime_rl.rollout_sglang.launch import work_dir
 from slime_rl.rollout_sglang.settings import sglang_settings
 from slime_rl.rollout_sglang.weights import adapters, verify
@@ -47,10 +49,15 @@ class SGLangWeightSender(WeightSender):
 
     def __init__(self, cfg: Config, *, rank: int):
         super().__init__(cfg, rank=rank)
-        self.pusher = BucketPusher(weights_dir=work_dir(cfg) / "weights", model_path=cfg.model.path,
+        # rollout.precision=fp8: the buckets go as (weight, scale) pairs, quantised here on the trainer's device;
+        # disk folders and the restore copy take their config (its quantization_config) from the servers' FP8 copy
+        self.fp8 = fp8_format(cfg.model.path, cfg.cluster.rollout_num_gpus_per_engine) \
+            if cfg.rollout.precision == "fp8" else None
+        served = str(served_folder(cfg)) if self.fp8 is not None else cfg.model.path
+        self.pusher = BucketPusher(weights_dir=work_dir(cfg) / "weights", model_path=served,
                                    timeout=sglang_settings(cfg).weight_sync_timeout)
         # What a restarted server is restored from (restore_copy.py); a disk sync leaves its own folder.
-        self.restore = (RestoreCopy(self.pusher.weights_dir, cfg.model.path)
+        self.restore = (RestoreCopy(self.pusher.weights_dir, served)
                         if rank == 0 and sglang_settings(cfg).max_engine_restarts > 0 else None)
         self.adapter_folders = adapters.FolderWriter()
         # rollout.update_weight_mode=delta: rank 0's last sent version on the host, deltas through the loader
@@ -74,6 +81,8 @@ class SGLangWeightSender(WeightSender):
             return
         if self.delta is not None:
             return self._send_delta(targets, buckets, version=version, transport=transport)
+        if self.fp8 is not None:  # the restore copy and the checksums below see the FP8 pairs too
+            buckets = quantize_buckets(buckets, self.fp8)
         expected: dict[str, str] = {}  # checksums of each bucket's first and last tensor, for check_weight_update
         for index, bucket, last in _with_last(buckets):
             if sglang_settings(self.cfg).check_weight_update:

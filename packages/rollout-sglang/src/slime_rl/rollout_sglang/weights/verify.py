@@ -10,10 +10,12 @@ import hashlib
 import torch
 
 from slime_rl.core.contracts import NamedTensors
+from slime_rl.core.weights import fp8
 from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError, post
 
 # SGLang loads these into fused parameters (qkv_proj, gate_up_proj; DeepSeek's fused_qkv_a_proj_with_mqa), whose
 # checksum no single trainer tensor has; the check compares the parameters both sides hold under one name.
+FP8_SCALE = fp8.SCALE_NAMES["block"]
 _FUSED_IN_SGLANG = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.", ".q_a_proj.",
                     ".kv_a_proj_with_mqa.")
 
@@ -54,10 +56,25 @@ def _comparable(name: str, tensor: torch.Tensor, tp_size: int) -> bool:
 
 def check_sample(named_tensors: NamedTensors, *, tp_size: int = 1, every: bool = False) -> dict[str, str]:
     """What `check_weights` compares after a sync: the checksums of a bucket's first and last tensors
-    that an engine of ``tp_size`` holds whole (``every``: all of them)."""
-    candidates = [(n, t) for n, t in named_tensors if _comparable(n, t, tp_size)]
+    that an engine of ``tp_size`` holds whole (``every``: all of them). An FP8 weight (rollout.precision=fp8)
+    is checked as SGLang's checker reports it: its (bytes, scales) pair dequantised to bf16 under the
+    weight's name; the scale has no checksum of its own."""
+    scales = {n: t for n, t in named_tensors if n.endswith(f".{FP8_SCALE}")}
+    candidates = [(n, t) for n, t in named_tensors if n not in scales and _comparable(n, t, tp_size)]
     picked = candidates if every else candidates[:1] + candidates[-1:]
-    return {name: tensor_checksum(tensor) for name, tensor in picked}
+    out = {}
+    for name, tensor in picked:
+        scale = scales.get(f"{name[: -len('weight')]}{FP8_SCALE}") if tensor.dtype == fp8.FP8_DTYPE else None
+        if tensor.dtype == fp8.FP8_DTYPE and scale is None:
+            continue  # its scale went in another bucket: SGLang hashes the pair, this bucket cannot
+        out[name] = tensor_checksum(tensor if scale is None else _dequantized(tensor, scale))
+    return out
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """SGLang's block_quant_dequant (float32 product, then bf16) with the block its checker infers."""
+    return fp8.dequantize(q, scale.to(q.device), fp8.FP8Format("block", q.shape[-1] // scale.shape[-1]),
+                          torch.bfloat16)
 
 
 def check_weights(target: Target, expected: dict[str, str], *, timeout: float, step: str) -> int:

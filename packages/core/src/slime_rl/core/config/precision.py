@@ -1,0 +1,41 @@
+"""``rollout.precision`` and ``rollout.kv_cache_dtype`` against what would serve them (docs/fp8.md): FP8 needs
+GPUs and an engine that declares it serves FP8 (its settings' ``serves_fp8``; SGLang's does). Checked before
+anything starts; an engine on a GPU below compute capability 8.9 refuses at its start (the plan cannot see
+the GPUs it will get)."""
+
+from __future__ import annotations
+
+from slime_rl.core.config.backends import BACKEND_SECTIONS, settings_model
+from slime_rl.core.config.schema import Config, ConfigError
+from slime_rl.core.infra.plugins import PluginError
+
+
+def fp8_asked(cfg: Config) -> str | None:
+    """The field that asks for FP8 (weights first), or None."""
+    if cfg.rollout.precision == "fp8":
+        return "rollout.precision"
+    return "rollout.kv_cache_dtype" if cfg.rollout.kv_cache_dtype != "auto" else None
+
+
+def check_precision(cfg: Config, device: str) -> None:
+    """Refuse FP8 on a device or engine that cannot serve it, and with options that do not go with it yet;
+    ``device`` is the run's (cluster.device resolved)."""
+    field = fp8_asked(cfg)
+    if field is None:
+        return
+    r = cfg.rollout
+    undo = "set rollout.precision=model and rollout.kv_cache_dtype=auto"
+    if device != "cuda":
+        raise ConfigError(field, f"FP8 rollouts need GPUs of compute capability 8.9 or above (L4, L40, H100, H200);"
+                                 f" this run's device is {device} (cluster.device={cfg.cluster.device}): {undo}")
+    try:
+        settings = settings_model(BACKEND_SECTIONS["rollout"][1], r.engine)
+    except PluginError:
+        return  # an engine that does not load is refused by its own check, naming rollout.engine
+    if not getattr(settings, "serves_fp8", False):
+        raise ConfigError(field, f"rollout.engine={r.engine} serves weights and KV cache in the model's dtype only"
+                                 " (FP8 needs SGLang's FP8 kernels): use rollout.engine=sglang, or " + undo)
+    if r.precision == "fp8" and r.update_weight_mode == "delta":
+        raise ConfigError("rollout.update_weight_mode", "delta syncs send changes of the trainer's dtype, and FP8"
+                                                        " engines load whole (weight, scale) pairs; set"
+                                                        " rollout.update_weight_mode=full with rollout.precision=fp8")

@@ -1,0 +1,37 @@
+"""rollout.precision / rollout.kv_cache_dtype refused before anything starts where FP8 cannot be served
+(config/precision.py): the CPU, an engine without FP8 kernels (hf), and delta syncs of FP8 weights."""
+
+from __future__ import annotations
+
+import pytest
+
+from slime_rl.core.config import Config, ConfigError
+from slime_rl.core.config.precision import check_precision
+
+
+def cfg(**rollout) -> Config:
+    return Config.model_validate({"model": {"path": "/models/m"}, "rollout": {"engine": "sglang", **rollout},
+                                  "cluster": {"device": "cuda"}})
+
+
+def test_the_model_dtype_is_never_refused():
+    check_precision(cfg(engine="hf"), "cpu")
+
+
+@pytest.mark.parametrize("field, rollout", [("rollout.precision", {"precision": "fp8"}),
+                                            ("rollout.kv_cache_dtype", {"kv_cache_dtype": "fp8_e4m3"})])
+def test_fp8_on_the_cpu_or_the_hf_engine_is_refused_with_the_reason(field, rollout):
+    check_precision(cfg(**rollout), "cuda")
+    with pytest.raises(ConfigError, match=f"{field}: FP8 rollouts need GPUs of compute capability 8.9 or above .*"
+                                          "this run's device is cpu"):
+        check_precision(cfg(**rollout), "cpu")
+    with pytest.raises(ConfigError, match=f"{field}: rollout.engine=hf serves weights and KV cache in the model's"
+                                          " dtype only .* use rollout.engine=sglang"):
+        check_precision(cfg(engine="hf", **rollout), "cuda")
+
+
+def test_delta_syncs_of_fp8_weights_are_refused():
+    with pytest.raises(ConfigError, match="rollout.update_weight_mode: delta syncs .* set rollout.update_weight_mode"
+                                          "=full"):
+        check_precision(cfg(precision="fp8", update_weight_mode="delta"), "cuda")
+    check_precision(cfg(kv_cache_dtype="fp8_e4m3", update_weight_mode="delta"), "cuda")  # the KV cache alone is fine

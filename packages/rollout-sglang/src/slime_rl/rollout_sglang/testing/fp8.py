@@ -1,0 +1,45 @@
+"""TEST DOUBLE: how the stand-in SGLang server (server.py) holds FP8 weights, as SGLang 0.5.17 does for a
+checkpoint with an FP8 ``quantization_config`` (docs/fp8.md): each projection's ``weight`` in float8_e4m3fn
+with its float32 ``weight_scale_inv``, loaded in place whatever dtype arrives (a parameter's weight loader
+copies into it: a bf16 tensor is cast unscaled), and ``/weights_checker`` hashing each (weight, scale) pair
+dequantised to bf16 under the weight's name (weight_checker_comparator.Fp8BlockComparable), the scale not
+listed on its own."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+SCALE_SUFFIX = "weight_scale_inv"
+
+
+def held(param: torch.Tensor, loaded: torch.Tensor) -> torch.Tensor:
+    """What a parameter holds after ``loaded`` went in: SGLang's loaders ``copy_`` into the parameter, so the
+    parameter's dtype stays (an FP8 one takes a bf16 tensor cast, unscaled, as the real server would)."""
+    return loaded.detach().to("cpu", dtype=param.dtype, copy=True)
+
+
+def _hash(tensor: torch.Tensor) -> str:
+    """SGLang's CPU checksum: the first 8 bytes of SHA-256 over the raw bytes."""
+    digest = hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()).digest()[:8]
+    return f"{int.from_bytes(digest, byteorder='big', signed=False):016x}"
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """SGLang's block_quant_dequant with the block inferred as its checker does (K // scale columns)."""
+    n, k = q.shape
+    block = k // scale.shape[-1]
+    spread = scale.float().repeat_interleave(block, dim=0)[:n].repeat_interleave(block, dim=1)[:, :k]
+    return (q.float() * spread).to(torch.bfloat16)
+
+
+def weight_checksums(weights: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``/weights_checker``'s checksums of the held weights: raw bytes, FP8 pairs dequantised (see the module)."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith(f".{SCALE_SUFFIX}"):
+            continue
+        scale = weights.get(f"{name[: -len('weight')]}{SCALE_SUFFIX}") if name.endswith(".weight") else None
+        out[name] = _hash(_dequantized(tensor, scale) if scale is not None else tensor)
+    return out
