@@ -213,3 +213,15 @@ def test_compiled_rope_takes_the_per_token_mrope_table(vl_model, monkeypatch):
         assert calls and set(calls) == {kernel}
         assert max(float((torch.tensor(a) - torch.tensor(b)).abs().max()) for a, b in zip(plain, fused, strict=True)
                    ) <= 1e-5
+
+
+def test_doctor_and_plan_see_the_vision_tower(vl_model):
+    from slime_rl.trainer_megatron.settings import MegatronSettings
+    from slime_rl.trainer_megatron.support import model_support
+
+    supported, lines = model_support(vl_model)
+    said = dict(lines)
+    assert supported and said["architecture"] == "Qwen2_5_VLForConditionalGeneration: supported (family qwen2_5_vl)"
+    assert said["vision"].startswith("vision tower of 3 blocks (width 32, full attention at [1]), merged 2x2;"
+                                     " mRoPE sections [2, 3, 3]")
+    MegatronSettings().check(make_config(vl_model), "trainer.megatron")  # plan's check: nothing to refuse

@@ -82,6 +82,11 @@ def model_support(path: str | Path) -> tuple[bool, list[tuple[str, str]]]:
         q = f"q rank {mla.q_lora_rank}" if mla.q_lora_rank else "q unprojected (q_lora_rank null)"
         lines.append(("attention", f"multi-head latent attention ({q}, kv rank {mla.kv_lora_rank}, qk"
                                    f" {mla.qk_nope_head_dim}+{mla.qk_rope_head_dim}, v {mla.v_head_dim}); TP=1, CP=1"))
+    if shape.vision is not None:
+        v = shape.vision
+        lines.append(("vision", f"vision tower of {v.depth} blocks (width {v.hidden_size}, full attention at"
+                                f" {list(v.fullatt_block_indexes)}), merged {v.spatial_merge_size}x{v.spatial_merge_size};"
+                                f" mRoPE sections {list(v.mrope_section)}; TP and PP, CP=1, no sequence parallelism"))
     if shape.mtp_layers:
         lines.append(("mtp", f"{shape.mtp_layers} multi-token-prediction layer(s): not trained, carried unchanged"
                              " into saved checkpoints"))
