@@ -74,6 +74,14 @@ class RolloutEngine(ABC):
     #: capabilities depend on what it serves (routed experts only for a MoE model) sets its own in ``__init__``.
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
+    #: Vision-language models (docs/vlm.md): True when ``generate`` also takes ``images=`` (a sample's
+    #: ``multimodal_inputs["images"]``: paths or data URIs, one per run of image pad tokens in ``input_ids``,
+    #: in order). ``input_ids`` are then the processor's, pads expanded; what the engine sends its servers is
+    #: its own affair (slime_rl.core.vision.contract: SGLang gets one pad per image). The rollout calls
+    #: ``generate`` with ``images=`` only for samples that have images, and refuses image data up front for
+    #: an engine without it.
+    accepts_images: ClassVar[bool] = False
+
     #: This backend's typed config keys: a pydantic model (`slime_rl.core.config.BackendSettings` is a strict
     #: base), read from the config section named after the backend (``rollout.sglang``) and checked at load time
     #: like core's keys; `from_config` reads it as ``cfg.rollout.settings``. Register the same model under the entry-point

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from slime_rl.core.algorithms.lora import lora_spec, syncs_adapters
 from slime_rl.core.config.device import resolve_device
@@ -52,6 +52,8 @@ from slime_rl.core.contracts import FinishReason, GenerateOutput, NamedTensors, 
 from slime_rl.rollout_hf.lora import AdapterSync
 from slime_rl.rollout_hf.moe import RouterRecorder, routed_experts, weight_target
 from slime_rl.rollout_hf.settings import HFSettings, hf_settings
+from slime_rl.rollout_hf.vision import VisionInputs, is_vision_language
+from slime_rl.rollout_hf.vision import load_model as load_vl_model
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -69,6 +71,7 @@ class _Request:
     finish_reason: FinishReason | None = None
     aborted: bool = False  # set from the event loop, read by the worker between steps
     routed: list[torch.Tensor] = field(default_factory=list)  # MoE: [tokens, layers, top-k] per forward
+    images: tuple[str, ...] = ()  # vision-language models: one image reference per run of pads (vision.py)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -108,6 +111,8 @@ class HFEngine(RolloutEngine):
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"  # renamed in transformers 5.x
         self._has_logits_to_keep = "logits_to_keep" in forward_args
         self.router_recorder = RouterRecorder.for_model(self.model)  # MoE models: routed experts on request
+        self.vision = VisionInputs.for_model(self.model, getattr(model, "name_or_path", None) or None)
+        self.accepts_images = self.vision is not None  # the prompts' images (vision.py, docs/vlm.md)
         self.adapters = AdapterSync(self.model, lora_scaling)
         # what this instance can do: no experts to report for a dense model, no adapters unless built for them
         self.capabilities = type(self).capabilities - {name for name, lacking in (
@@ -145,7 +150,9 @@ class HFEngine(RolloutEngine):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {path} is not an HF model folder (no config.json)")
         dev = torch.device(resolve_device(device, here=True))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, dev)).to(dev)
+        vl = is_vision_language(AutoConfig.from_pretrained(path))
+        model = (load_vl_model if vl else AutoModelForCausalLM.from_pretrained)(path, dtype=resolve_dtype(dtype, dev))
+        model = model.to(dev)
         return cls(model, _load_tokenizer(Path(tokenizer_path or path)), **engine_kwargs)
 
     @classmethod
@@ -178,10 +185,15 @@ class HFEngine(RolloutEngine):
         return self._version
 
     async def generate(
-        self, input_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, input_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        images: list[str] | None = None,
     ) -> GenerateOutput:
         self._check_usable()
         self._check_request(input_ids, params)
+        if images and self.vision is None:
+            raise ValueError("images: this engine's model has no vision tower; serve a vision-language model")
+        if self.vision is not None:
+            self.vision.check(input_ids, images or [])
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._in_flight:
             raise ValueError(f"request_id {request_id!r} is already in flight")
@@ -190,7 +202,7 @@ class HFEngine(RolloutEngine):
         loop = asyncio.get_running_loop()
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        req = _Request(request_id, list(input_ids), params, loop.create_future(), generator)
+        req = _Request(request_id, list(input_ids), params, loop.create_future(), generator, images=tuple(images or ()))
         self._in_flight[request_id] = req
         self._pending.append(req)
         self._ensure_batcher(loop)
@@ -409,9 +421,10 @@ class _DecodeBatch:
         self.attention_mask: torch.Tensor | None = None  # [rows, columns]; 0 on left padding
         self.routed: torch.Tensor | None = None  # MoE: the last forward's [rows, seq, layers, k] experts
         self.next_position: torch.Tensor | None = None  # [rows]
+        self.rope_deltas: torch.Tensor | None = None  # [rows] vision-language models' mRoPE offset (vision.py)
         self.logits_version = engine._version  # the weight version that computed ``logits``
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last_only: bool) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, last_only: bool, **extra) -> torch.Tensor:
         kwargs = {self.engine._cache_kw: self.cache, "use_cache": True}
         if last_only and self.engine._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1  # the lm_head over the prompt would be wasted work
@@ -420,7 +433,7 @@ class _DecodeBatch:
         routing = recorder is not None and any(r.params.return_routed_experts for r in self.rows)
         with recorder.recording() if routing else contextlib.nullcontext():
             out = self.model(input_ids=input_ids, attention_mask=self.attention_mask, position_ids=position_ids,
-                             **kwargs)
+                             **kwargs, **extra)
         if routing:
             self.routed = routed_experts(recorder.take(), self.model.config, input_ids.shape)
         return out.logits[:, -1, :].float()
@@ -430,8 +443,8 @@ class _DecodeBatch:
             return
         # n samples of one prompt share its prefill: run the distinct prompts, then repeat their cache rows.
         distinct: dict[tuple[int, ...], int] = {}
-        row_to_prompt = [distinct.setdefault(tuple(r.input_ids), len(distinct)) for r in self.rows]
-        prompts = list(distinct)
+        row_to_prompt = [distinct.setdefault((tuple(r.input_ids), r.images), len(distinct)) for r in self.rows]
+        prompts, images = [ids for ids, _ in distinct], [refs for _, refs in distinct]
         width = max(len(p) for p in prompts)
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -440,8 +453,12 @@ class _DecodeBatch:
             mask[i, width - len(prompt):] = 1
         self.attention_mask = mask.to(self.device)
         positions = (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        self.rope_deltas, extra = torch.zeros(len(prompts), dtype=torch.long, device=self.device), {}
+        if self.engine.vision is not None:
+            positions, self.rope_deltas, extra = self.engine.vision.prefill(input_ids.to(self.device),
+                                                                             self.attention_mask, images)
         self.routed = None
-        self.logits = self._forward(input_ids.to(self.device), positions, last_only=True)
+        self.logits = self._forward(input_ids.to(self.device), positions, last_only=True, **extra)
         if self.routed is not None:  # [prompts, width, layers, k]: each prompt's own (unpadded) positions
             for req, p in zip(self.rows, row_to_prompt, strict=True):
                 req.routed.append(self.routed[p, width - len(req.input_ids):])
@@ -450,6 +467,7 @@ class _DecodeBatch:
             self.cache.batch_select_indices(index)
             self.logits = self.logits[index]
             self.attention_mask = self.attention_mask[index]
+            self.rope_deltas = self.rope_deltas[index]
         self.next_position = self.attention_mask.sum(-1)
 
     def step(self) -> list[_Request]:
@@ -478,7 +496,7 @@ class _DecodeBatch:
             self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(keep), 1)], dim=1)
             new_tokens = torch.tensor(kept_tokens, device=self.device)[:, None]
             self.routed = None
-            self.logits = self._forward(new_tokens, self.next_position[:, None], last_only=False)
+            self.logits = self._forward(new_tokens, (self.next_position + self.rope_deltas)[:, None], last_only=False)
             if self.routed is not None:
                 for req, routed in zip(self.rows, self.routed, strict=True):
                     req.routed.append(routed)
@@ -493,6 +511,7 @@ class _DecodeBatch:
         self.cache.batch_select_indices(index)
         self.attention_mask = self.attention_mask[index]
         self.next_position = self.next_position[index]
+        self.rope_deltas = self.rope_deltas[index]
 
     def _finish_reason(self, req: _Request, token: int) -> FinishReason | None:
         params = req.params

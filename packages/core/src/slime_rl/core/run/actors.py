@@ -27,7 +27,7 @@ from slime_rl.core.algorithms import staleness
 from slime_rl.core.algorithms.advantages import compute_advantages
 from slime_rl.core.algorithms.overlong import apply_overlong
 from slime_rl.core.batch import RolloutBatch
-from slime_rl.core.config import Config
+from slime_rl.core.config import Config, ConfigError
 from slime_rl.core.config.checks import check_algorithm
 from slime_rl.core.config.device import resolve_device
 from slime_rl.core.contracts import WeightSender
@@ -45,6 +45,7 @@ from slime_rl.core.run.fully_async import FullyAsyncRollout
 from slime_rl.core.run.metrics import phase
 from slime_rl.core.run.rollout import RolloutRunner
 from slime_rl.core.sample import Sample
+from slime_rl.core.vision.prompt import fill_train_inputs
 from slime_rl.core.weights.delta import (
     DeltaEncoder,
     apply_delta_bucket,
@@ -257,6 +258,16 @@ class RolloutWorker(KeepsInitMistake):
                                      max_engines=cfg.rollout.elastic.max_engines)
         self.control: ControlEndpoint | None = None
         self._grow: asyncio.Task | None = None  # rollout.elastic.grow_on_new_nodes
+        # Vision-language data (docs/vlm.md): an engine that takes images, and the processor that rebuilds the
+        # pixel values of samples the buffer stored without them (Sample.multimodal_train_inputs)
+        self.processor = None
+        if cfg.data.image_key is not None:
+            from slime_rl.core.vision.processor import load_processor
+
+            if not getattr(self.engine, "accepts_images", False):
+                raise ConfigError("data.image_key", f"rollout.engine {cfg.rollout.engine!r} does not take images; "
+                                                    "use hf or sglang, or unset data.image_key for text-only data")
+            self.processor = load_processor(cfg.model.tokenizer_path or cfg.model.path)
         source_cls = load_plugin("slime_rl.data_sources", cfg.data.source)
         self.data_source = source_cls.from_config(cfg, tokenizer=self.tokenizer)
         Path(state_dir).mkdir(parents=True, exist_ok=True)
@@ -330,6 +341,8 @@ class RolloutWorker(KeepsInitMistake):
         penalties, overlong_metrics = apply_overlong(samples, self.cfg.algorithm, r.max_response_len,
                                                      self.cfg.global_batch_size)
         out.metrics.update(overlong_metrics)
+        if self.processor is not None:
+            fill_train_inputs(samples, self.processor)
         batch = RolloutBatch.from_samples(samples, reward_key=self.cfg.rollout.reward_key)
         batch.token_weights = weights
         if teacher is not None:  # OPD: the teacher's log-prob of every response token (core/roles/teacher.py)

@@ -52,6 +52,7 @@ class EnginePool(RolloutEngine):
         self.requests_moved = 0
         self._version = first.weight_version
         self._changed: asyncio.Event | None = None
+        self.accepts_images = getattr(first, "accepts_images", False)  # every member is built the same way
 
     def _add(self, engine: RolloutEngine, *, serving: bool) -> Member:
         member = Member(next(self._names), engine, "serving" if serving else "joining")
@@ -124,14 +125,14 @@ class EnginePool(RolloutEngine):
     # ------------------------------------------------------------------ the contract
 
     async def generate(self, input_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> GenerateOutput:
+                       request_id: str | None = None, **images: Any) -> GenerateOutput:
         pool_id = request_id or f"r{next(self._ids)}"
         done: GenerateOutput | None = None
         while True:
             member = await self._pick(pool_id)
             member.in_flight[pool_id] = 1
             try:
-                out = await member.engine.generate(input_ids, params, f"{member.name}:{pool_id}")
+                out = await member.engine.generate(input_ids, params, f"{member.name}:{pool_id}", **images)
             finally:
                 member.in_flight.pop(pool_id, None)
                 self._notify()

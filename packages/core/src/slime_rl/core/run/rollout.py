@@ -69,7 +69,9 @@ async def generate_single_turn(sample: Sample, params: SamplingParams, engine: R
         return sample
     call_params = SamplingParams(**{**params.__dict__, "max_new_tokens": remaining})
     request_id = f"s{sample.index}-{next(_request_ids)}"
-    out = await engine.generate(sample.tokens, call_params, request_id=request_id)
+    images = (sample.multimodal_inputs or {}).get("images")  # vision-language samples (docs/vlm.md)
+    out = await engine.generate(sample.tokens, call_params, request_id=request_id,
+                                **({"images": list(images)} if images else {}))
     if out.cached_tokens is not None:  # the engine reports its prefix cache: rollout/prefix_cache_hit_rate
         sample.metadata["prompt_tokens"] = sample.metadata.get("prompt_tokens", 0) + len(sample.tokens)
         sample.metadata["cached_tokens"] = sample.metadata.get("cached_tokens", 0) + out.cached_tokens
