@@ -225,3 +225,61 @@ def test_doctor_and_plan_see_the_vision_tower(vl_model):
     assert said["vision"].startswith("vision tower of 3 blocks (width 32, full attention at [1]), merged 2x2;"
                                      " mRoPE sections [2, 3, 3]")
     MegatronSettings().check(make_config(vl_model), "trainer.megatron")  # plan's check: nothing to refuse
+
+
+def test_processor_made_samples_through_the_trainer(tmp_path):
+    """The data half's contract end to end: real images (files of different sizes) through the model's processor
+    (slime_rl.core.vision: the prompt's ids with the placeholders expanded, Sample.multimodal_train_inputs) into
+    the trainer; its log-probs equal transformers' on the same ids and pixels (fp32), and the same prompt with
+    another picture scores differently."""
+    from PIL import Image
+
+    from slime_rl.core.sample import Sample
+    from slime_rl.core.testing.vision import tiny_vl_model_folder
+    from slime_rl.core.vision.processor import load_processor
+    from slime_rl.core.vision.prompt import encode_prompt, prompt_text
+
+    folder = tiny_vl_model_folder(tmp_path / "m")
+    processor = load_processor(folder)
+    g = torch.Generator().manual_seed(0)
+    refs = []
+    for i, (w, h) in enumerate([(112, 112), (84, 56), (70, 98)]):
+        pixels = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(tmp_path / f"{i}.png")
+        refs.append(str(tmp_path / f"{i}.png"))
+    samples = []
+    for i, images in enumerate([refs[:2], refs[2:], refs[::-1], []]):
+        text = prompt_text(f"describe picture {i}", len(images), processor, f"sample {i}", apply_chat_template=True)
+        if images:
+            prompt = encode_prompt(text, images, processor, f"sample {i}")
+            ids, inputs = prompt.token_ids, prompt.train_inputs
+        else:
+            ids, inputs = processor.tokenizer(text, add_special_tokens=False)["input_ids"], None
+        response = processor.tokenizer(f" answer {i} is here", add_special_tokens=False)["input_ids"]
+        samples.append(Sample(index=i, group_index=i, tokens=ids + response, response_length=len(response),
+                              loss_mask=[1] * len(response), rollout_log_probs=[-1.0] * len(response), reward=0.0,
+                              multimodal_inputs={"images": images} if images else None,
+                              multimodal_train_inputs=inputs))
+    assert [len(s.multimodal_train_inputs["image_grid_thw"]) for s in samples[:3]] == [2, 1, 3]
+    hf = load_hf_vl(folder)
+    image_id = hf.config.image_token_id
+    trainer = trainer_for(folder, ["trainer.max_tokens_per_gpu=4096"])
+    ours = _log_probs(trainer, samples)
+    for sample, lp in zip(samples, ours, strict=True):
+        ids = torch.tensor([sample.tokens])
+        kwargs = {}
+        if sample.multimodal_train_inputs is not None:
+            kwargs = {**sample.multimodal_train_inputs, "mm_token_type_ids": (ids == image_id).int()}
+        with torch.no_grad():
+            logits = hf(input_ids=ids, **kwargs).logits[0].float()
+        theirs = torch.log_softmax(logits, -1)[:-1].gather(1, ids[0, 1:, None]).squeeze(1)[-sample.response_length:]
+        assert float((torch.tensor(lp) - theirs).abs().max()) <= PARITY
+    # sample 1's picture replaced by another of its size: the same ids, other pixels, other log-probs
+    other = torch.randint(0, 256, (98, 70, 3), generator=g, dtype=torch.uint8).numpy()
+    Image.fromarray(other).save(tmp_path / "other.png")
+    text = prompt_text("describe picture 1", 1, processor, "sample 1", apply_chat_template=True)
+    prompt = encode_prompt(text, [str(tmp_path / "other.png")], processor, "sample 1")
+    assert prompt.token_ids == samples[1].tokens[:-samples[1].response_length]
+    samples[1].multimodal_train_inputs = prompt.train_inputs
+    moved = torch.tensor(_log_probs(trainer, samples[1:2])[0]) - torch.tensor(ours[1])
+    assert float(moved.abs().max()) > 100 * PARITY
