@@ -1,0 +1,280 @@
+"""FP8 rollouts (issue 38, docs/fp8.md) on one GPU: what the bundle's SGLang can run and what FP8 buys.
+
+    python benchmarks/fp8_rollout.py gemm                            # the --fp8-gemm-backend choices, tried
+    python benchmarks/fp8_rollout.py rollout --variants bf16 fp8 fp8-kv --json OUT.json
+    python benchmarks/fp8_rollout.py sync --json OUT.json            # the 7B sync, bf16 vs FP8 with quantisation
+    python benchmarks/fp8_rollout.py table OUT.json ...              # one table over the rows of earlier calls
+
+- ``gemm``: every choice of SGLang's ``--fp8-gemm-backend`` (server_args.FP8_GEMM_RUNNER_BACKEND_CHOICES) runs
+  SGLang's block-FP8 linear (``dispatch_w8a8_block_fp8_linear``) on the Qwen2.5-7B projections at a decode batch
+  (256 rows) and a prefill chunk (8192 rows), with weights quantised by core's fp8.py: usable or the error, its
+  error against the bf16 product of the dequantised weight, and microseconds per call;
+- ``rollout``: the Qwen2.5-7B shape (random weights: SGLang's ``--load-format dummy``), one server per variant
+  (``bf16``; ``fp8``: block-FP8 weights from a quantization_config; ``fp8-kv``: FP8 weights and
+  ``--kv-cache-dtype fp8_e4m3``) with the same flags, CUDA graphs on, ``--requests`` requests of
+  ``--prompt-len`` random tokens + ``--max-new-tokens`` new ones (ignore_eos), ``--concurrency`` in flight,
+  straight to the server (benchmarks/rollout_throughput.py's ``sglang_alone``); new tokens per second, after a
+  warm-up wave. Target: fp8 >= 1.3x bf16;
+- ``sync``: the training loop's sync (`SGLangEngine.begin_weight_sync`, `SGLangWeightSender.send`,
+  `end_weight_sync`) of random bf16 7B weights on this GPU into a bf16 server and, quantised on the GPU at every
+  sync, into an FP8 one, by CUDA IPC in 2 GiB buckets; median seconds, the engines' checksums compared after the
+  last. Target: FP8 <= 1.5x bf16 and <= 0.75 s.
+
+Each mode prints its table; ``--json`` appends its rows to a file, ``table`` prints the ratios over such files
+(one device call per mode fits the 10-minute limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE = "qwen2.5-7b"
+# hidden 3584, q/k/v 3584/512/512, gate/up 18944 x2, down 18944 -> 3584
+GEMM_SHAPES = {"qkv_proj": (4608, 3584), "o_proj": (3584, 3584), "gate_up_proj": (37888, 3584),
+               "down_proj": (3584, 18944)}
+FLAGS = {"skip_tokenizer_init": True, "grammar_backend": "none", "mem_fraction_static": 0.85, "load_format": "dummy"}
+
+
+def rows_out(path: Path | None, rows: list[dict]) -> None:
+    if path is None:
+        return
+    old = json.loads(path.read_text()) if path.is_file() else []
+    path.write_text(json.dumps(old + rows, indent=1))
+
+
+# ---------------------------------------------------------------------- gemm
+
+def gemm(args) -> list[dict]:
+    from sglang.srt.layers.quantization import fp8_utils
+    from sglang.srt.server_args import FP8_GEMM_RUNNER_BACKEND_CHOICES
+
+    from slime_rl.core.weights.fp8 import FP8Format, dequantize, quantize_block
+
+    print(f"GPU {torch.cuda.get_device_name()} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))});"
+          f" --fp8-gemm-backend choices: {', '.join(FP8_GEMM_RUNNER_BACKEND_CHOICES)}", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for choice in FP8_GEMM_RUNNER_BACKEND_CHOICES:
+        fp8_utils.FP8_GEMM_RUNNER_BACKEND = fp8_utils.Fp8GemmRunnerBackend(choice)
+        for name, (n, k) in GEMM_SHAPES.items():
+            w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+            q, scale = quantize_block(w, 128)
+            dequant = dequantize(q, scale, FP8Format("block", 128), torch.bfloat16)
+            for m in (256, 8192):
+                x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+                row = {"mode": "gemm", "backend": choice, "layer": name, "m": m, "n": n, "k": k}
+                try:
+                    linear = fp8_utils.dispatch_w8a8_block_fp8_linear()
+                    call = functools.partial(linear, input=x, weight=q, block_size=[128, 128], weight_scale=scale)
+                    out, want = call(), x @ dequant.t()
+                    row["rel_err"] = float((out.float() - want.float()).norm() / want.float().norm())
+                    row["us"] = 1e6 * timed_cuda(call)
+                    row["bf16_us"] = 1e6 * timed_cuda(functools.partial(torch.matmul, x, dequant.t()))
+                    row["runner"] = getattr(linear, "__name__", str(linear))
+                except Exception as err:  # a backend this GPU or bundle cannot run: recorded as such
+                    row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+                rows.append(row)
+                shown = row.get("error") or (f"{row['runner']}: rel err {row['rel_err']:.2e}, {row['us']:.0f} us"
+                                            f" (bf16 {row['bf16_us']:.0f} us)")
+                print(f"{choice:>20} {name:>12} m={m:<5} {shown}", flush=True)
+    return rows
+
+
+def timed_cuda(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+# ---------------------------------------------------------------------- rollout
+
+def model_folder(work: Path, fp8: bool) -> Path:
+    """The 7B shape's config (no weights: the server makes dummy ones), with the FP8 quantization_config."""
+    from weight_sync import make_model_folder
+
+    from slime_rl.rollout_sglang.fp8 import fp8_format
+
+    base = work / SHAPE
+    if not (base / "config.json").is_file():
+        make_model_folder(SHAPE, base, weights=False)
+    if not fp8:
+        return base
+    folder = work / f"{SHAPE}-fp8"
+    if not folder.is_dir():
+        shutil.copytree(base, folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["quantization_config"] = fp8_format(base, 1).quantization_config()
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def rollout(args, work: Path) -> list[dict]:
+    from rollout_throughput import sglang_alone
+
+    from slime_rl.core.contracts import SamplingParams
+    from slime_rl.rollout_sglang.server import start_server, wait_healthy
+
+    rows = []
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    rng = random.Random(0)
+
+    def prompts(count: int) -> list[list[int]]:
+        return [[rng.randrange(10, 150_000) for _ in range(args.prompt_len)] for _ in range(count)]
+
+    for variant in args.variants:
+        flags = dict(FLAGS, **(args.engine_args or {}))
+        if variant == "fp8-kv":
+            flags["kv_cache_dtype"] = "fp8_e4m3"
+        folder = model_folder(work, fp8=variant != "bf16")
+        server = start_server(0, str(folder), log_dir=work / f"logs-{variant}", python=args.python, engine_args=flags)
+        try:
+            t0 = time.perf_counter()
+            wait_healthy(server, args.startup_timeout)
+            started = time.perf_counter() - t0
+            asyncio.run(sglang_alone(server.url, prompts(args.concurrency), params, args.concurrency))  # warm-up
+            batch = prompts(args.requests)
+            start = time.perf_counter()
+            tokens = asyncio.run(sglang_alone(server.url, batch, params, args.concurrency))
+            seconds = time.perf_counter() - start
+        finally:
+            server.process.stop()
+        row = {"mode": "rollout", "variant": variant, "tokens": tokens, "seconds": seconds,
+               "tokens_per_s": tokens / seconds, "startup_s": started, "flags": flags}
+        rows.append(row)
+        print(f"[rollout] {variant}: {tokens} new tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tok/s"
+              f" (server up in {started:.0f} s)", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------- sync
+
+def sync(args, work: Path) -> list[dict]:
+    from weight_sync import GPU_ENGINE_ARGS, bucketed, trainer_weights
+
+    from slime_rl.core.config import Config
+    from slime_rl.core.weights.fp8 import quantize_named
+    from slime_rl.rollout_sglang.engine import SGLangEngine
+    from slime_rl.rollout_sglang.weights import verify
+    from slime_rl.rollout_sglang.weights.trainer_sender import SGLangWeightSender
+
+    rows = []
+    for variant in ("bf16", "fp8"):
+        folder = model_folder(work, fp8=variant == "fp8")
+        flags = dict(GPU_ENGINE_ARGS, mem_fraction_static=0.3, load_format="dummy")
+        engine = SGLangEngine.launch(str(folder), engine_args=flags, python=args.python, work_dir=work / f"sync-{variant}",
+                                     startup_timeout=args.startup_timeout, health_interval=0)
+        try:
+            weights = trainer_weights(model_folder(work, fp8=False), "cuda")
+            buckets = bucketed(weights, 2048 * 2**20)
+            cfg = Config.model_validate({
+                "model": {"path": str(model_folder(work, fp8=False))}, "logging": {"dir": str(work / f"run-{variant}")},
+                "rollout": {"engine": "sglang", "update_weight_transport": "tensor",
+                            "precision": "fp8" if variant == "fp8" else "model"}})
+            sender = SGLangWeightSender(cfg, rank=0)  # with the restore copy, as the loop runs it
+            seconds = []
+            for version in range(1, args.syncs + 2):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                asyncio.run(loop_sync(engine, sender, buckets, version))
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - start)
+                sender.restore.writes.wait()  # the background host copy, untimed (the loop trains meanwhile)
+            sent = quantize_named(weights, sender.fp8) if sender.fp8 is not None else weights
+            checked = sum(verify.check_weights(t, verify.check_sample(sent, every=True), timeout=600, step="check")
+                          for t in engine.targets())
+        finally:
+            asyncio.run(engine.shutdown())
+        median = statistics.median(seconds[1:])
+        rows.append({"mode": "sync", "variant": variant, "seconds": seconds[1:], "median_s": median,
+                     "checked": checked})
+        print(f"[sync] {variant}: {' '.join(f'{s:.3f}' for s in seconds[1:])} s (first {seconds[0]:.3f});"
+              f" checksums equal: {checked} tensors", flush=True)
+        del weights, buckets
+        torch.cuda.empty_cache()
+    return rows
+
+
+async def loop_sync(engine, sender, buckets, version: int) -> None:
+    """One sync as the training loop makes it: hold, trainer rank 0 pushes, let go."""
+    targets = await engine.begin_weight_sync(version, transport="tensor")
+    sender.send(iter(buckets), targets, version=version, transport="tensor")
+    await engine.end_weight_sync(version)
+
+
+# ---------------------------------------------------------------------- table
+
+def table(rows: list[dict]) -> None:
+    rollouts = {r["variant"]: r for r in rows if r["mode"] == "rollout"}
+    if rollouts:
+        base = rollouts.get("bf16")
+        print("\n| rollout (Qwen2.5-7B shape) | new tokens/s | vs bf16 |\n|---|---|---|")
+        for variant, r in rollouts.items():
+            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+            print(f"| {variant} | {r['tokens_per_s']:,.0f} | {ratio} |")
+        if base and "fp8" in rollouts:
+            print(f"FP8 / bf16 = {rollouts['fp8']['tokens_per_s'] / base['tokens_per_s']:.2f} (target >= 1.3)")
+    syncs = {r["variant"]: r for r in rows if r["mode"] == "sync"}
+    if syncs:
+        print("\n| 7B sync (CUDA IPC, 2 GiB buckets) | median s | checksums equal |\n|---|---|---|")
+        for variant, r in syncs.items():
+            print(f"| {variant}{' (quantised at each sync)' if variant == 'fp8' else ''} | {r['median_s']:.3f} |"
+                  f" {r['checked']} |")
+        if {"bf16", "fp8"} <= set(syncs):
+            ratio = syncs["fp8"]["median_s"] / syncs["bf16"]["median_s"]
+            print(f"FP8 / bf16 = {ratio:.2f} (target <= 1.5); FP8 {syncs['fp8']['median_s']:.3f} s (target <= 0.75)")
+    gemms = [r for r in rows if r["mode"] == "gemm"]
+    if gemms:
+        print("\n| --fp8-gemm-backend | usable | runner | decode us (qkv, o, gate_up, down) vs bf16 |\n|---|---|---|---|")
+        for backend in dict.fromkeys(r["backend"] for r in gemms):
+            mine = [r for r in gemms if r["backend"] == backend and r["m"] == 256]
+            errors = [r["error"] for r in mine if "error" in r]
+            usable = "no: " + errors[0] if errors else "yes"
+            runner = next((r["runner"] for r in mine if "runner" in r), "-")
+            times = ", ".join(f"{r['us']:.0f}/{r['bf16_us']:.0f}" for r in mine if "us" in r)
+            print(f"| {backend} | {usable} | {runner} | {times} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["gemm", "rollout", "sync", "table"])
+    p.add_argument("files", nargs="*", type=Path, help="table: JSON files of earlier calls")
+    p.add_argument("--variants", nargs="+", default=["bf16", "fp8", "fp8-kv"], choices=["bf16", "fp8", "fp8-kv"])
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--syncs", type=int, default=3, help="timed syncs per variant, after one untimed")
+    p.add_argument("--engine-args", type=json.loads, default=None, help="extra server flags for every variant")
+    p.add_argument("--python", default=sys.executable, help="interpreter that has SGLang")
+    p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--work-dir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="append the rows here")
+    args = p.parse_args(argv)
+    if args.mode == "table":
+        table([row for f in args.files for row in json.loads(f.read_text())])
+        return
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="fp8-bench-"))
+    rows = {"gemm": gemm, "rollout": lambda a: rollout(a, work), "sync": lambda a: sync(a, work)}[args.mode](args)
+    rows_out(args.json, rows)
+    table(rows)
+
+
+if __name__ == "__main__":
+    main()
