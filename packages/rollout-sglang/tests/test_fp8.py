@@ -176,3 +176,64 @@ def test_an_engine_refuses_gpus_below_compute_capability_8_9(model_64, tmp_path,
     with caplog.at_level(logging.WARNING):
         fp8.check_gpus(cfg, [[0]], query=lambda: None)
     assert "were not checked" in caplog.text
+
+
+def test_moe_experts_sync_in_fp8_the_router_in_bf16_and_routing_replay_goes_on(standin_python, tmp_path):
+    """The Qwen3-MoE shape (issue 38, item 3): every expert's projections are FP8 pairs, the router gate stays
+    bf16, and the engine still returns the experts each token went to."""
+    model = tiny_model_folder(tmp_path / "moe", "qwen3_moe", dtype=torch.bfloat16, hidden_size=64, num_heads=4,
+                              num_kv_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                              num_experts=4, num_experts_per_tok=2, num_layers=1)
+    cfg = fp8_config(model, standin_python, tmp_path / "run", update_weight_transport="tensor")
+    cfg.algorithm.routing_replay = "rollout"
+    engine = SGLangEngine.from_config(cfg)
+    sender = SGLangWeightSender(cfg, rank=0)
+    expert, router = "model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.0.mlp.gate.weight"
+    try:
+        with safe_open(str(next(fp8.served_folder(cfg).glob("*.safetensors"))), framework="pt") as f:
+            assert f.get_tensor(expert).dtype == FP8_DTYPE and f.get_tensor(router).dtype == torch.bfloat16
+
+        async def sync() -> None:
+            targets = await engine.begin_weight_sync(1, transport="tensor")
+            sender.send(iter([trained(model, 1.3)]), targets, version=1, transport="tensor")
+            await engine.end_weight_sync(1)
+
+        asyncio.run(sync())
+        q, scale = quantize_block(dict(trained(model, 1.3))[expert], 32)  # 64 x 32: 32x32 blocks
+        assert torch.equal(held(engine, expert), q.double())
+        assert torch.equal(held(engine, f"{expert}_scale_inv"), scale.double())
+        assert torch.equal(held(engine, router), dict(trained(model, 1.3))[router].double())
+        out = asyncio.run(engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=4,
+                                                                    ignore_eos=True, return_routed_experts=True)))
+        assert out.weight_version == 1 and out.routed_experts is not None and len(out.routed_experts) == 3 + 4 - 1
+    finally:
+        sender.restore.writes.wait()
+        asyncio.run(engine.shutdown())
+
+
+def test_with_lora_adapters_the_base_stays_fp8_and_the_adapters_go_in_bf16(model_64, standin_python, tmp_path):
+    """rollout.lora_sync=adapter (issue 38, item 4): the servers start from the FP8 copy, a sync loads the
+    adapters as they are (bf16) and leaves the FP8 base untouched."""
+    from test_lora import adapter
+
+    cfg = fp8_config(model_64, standin_python, tmp_path, update_weight_transport="tensor")
+    cfg.trainer.lora.rank, cfg.trainer.lora.alpha = 4, 8.0
+    engine = SGLangEngine.from_config(cfg)
+    sender = SGLangWeightSender(cfg, rank=0)
+    try:
+        base = held(engine, Q_PROJ)
+        tensors = adapter(model_64, 1)
+        assert all(t.dtype == torch.bfloat16 for _, t in tensors)
+
+        async def sync() -> None:
+            targets = await engine.begin_weight_sync(1, transport="tensor")
+            sender.send(iter([tensors]), targets, version=1, transport="tensor")
+            await engine.end_weight_sync(1)
+
+        asyncio.run(sync())
+        out = asyncio.run(engine.generate([5, 6, 7], GREEDY))
+        assert out.weight_version == 1 and torch.equal(held(engine, Q_PROJ), base)
+        q, _ = quantize_block(load_file(str(model_64 / "model.safetensors"))[Q_PROJ], 32)
+        assert torch.equal(base, q.double())  # the base the servers started from: the model, in FP8
+    finally:
+        asyncio.run(engine.shutdown())
