@@ -66,7 +66,7 @@ def held(engine, name: str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("transport", ["tensor", "disk"])
+@pytest.mark.parametrize("transport", ["tensor", "disk", "nccl"])
 @pytest.mark.parametrize("path", ["sender", "engine"])
 def test_syncs_land_as_fp8_pairs_bit_for_bit(model_64, standin_python, tmp_path, transport, path):
     cfg = fp8_config(model_64, standin_python, tmp_path, update_weight_transport=transport)
@@ -105,6 +105,8 @@ def test_syncs_land_as_fp8_pairs_bit_for_bit(model_64, standin_python, tmp_path,
         assert after.weight_version == 1 and after.token_ids != before.token_ids
     finally:
         sender.restore.writes.wait()
+        sender.pusher.drop_group(sender.pusher.group_targets)
+        engine.weights.pusher.drop_group(engine.weights.pusher.group_targets)
         asyncio.run(engine.shutdown())
 
 
