@@ -89,14 +89,14 @@ def quantize_block(weight: torch.Tensor, block: int = 128, *, name: str = "weigh
         raise ValueError(f"{name}: block FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
     n, k = weight.shape
     nb, kb = -(-n // block), -(-k // block)
-    x = weight.detach().float()
+    x = weight.detach()
     if n % block or k % block:  # zero padding: |0| never raises a tile's amax
         x = torch.nn.functional.pad(x, (0, kb * block - k, 0, nb * block - n))
     tiles = x.view(nb, block, kb, block)
-    amax = tiles.abs().amax(dim=(1, 3))
+    amax = tiles.abs().amax(dim=(1, 3)).float()  # exact in the weight's own dtype: no float32 copy for it
     _check_finite(name, amax)
     scale = _scale_of(amax)
-    q = (tiles / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (tiles.float() / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale
 
 
@@ -104,11 +104,10 @@ def quantize_channel(weight: torch.Tensor, *, name: str = "weight") -> tuple[tor
     """``weight`` [N, K] as (FP8 [N, K], float32 scales [N, 1]): one scale per output row."""
     if weight.dim() != 2:
         raise ValueError(f"{name}: channel FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
-    x = weight.detach().float()
-    amax = x.abs().amax(dim=1, keepdim=True)
+    amax = weight.detach().abs().amax(dim=1, keepdim=True).float()
     _check_finite(name, amax)
     scale = _scale_of(amax)
-    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return (weight.detach().float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: FP8Format, dtype: torch.dtype = torch.float32
