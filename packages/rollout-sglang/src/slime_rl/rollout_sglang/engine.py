@@ -34,7 +34,7 @@ from slime_rl.core.algorithms.lora import LoraSpec, lora_spec, syncs_adapters
 from slime_rl.core.config.placement import plan_placement
 from slime_rl.core.contracts import GenerateOutput, NamedTensors, RolloutEngine, SamplingParams
 from slime_rl.core.infra.net import LOOPBACK
-from slime_rl.rollout_sglang import fp8
+from slime_rl.rollout_sglang import fp8, vision
 from slime_rl.rollout_sglang import launch as fleet
 from slime_rl.rollout_sglang.client import GenerateClient, GenerateError, served_routing_shape
 from slime_rl.rollout_sglang.control import ServerControl
@@ -113,6 +113,7 @@ class SGLangEngine(RolloutEngine):
                                      retry_timeout=startup_timeout, api_key=router.key,
                                      recovering=self.recovery.restarting)
         self._engine_clients: dict[str, GenerateClient] = {}  # url -> a client straight to that engine
+        self.accepts_images = vision.serves_images(model_path)  # a vision-language model (docs/vlm.md)
 
     # ------------------------------------------------------------------ construction
 
@@ -145,8 +146,8 @@ class SGLangEngine(RolloutEngine):
             engine = cls.launch(model_path, num_engines=len(plan.engines), tp_size=c.rollout_num_gpus_per_engine,
                                 engine_args=fleet.engine_args(cfg), python=s.engine_python,
                                 gpu_ids=gpu_ids, host=fleet.server_host(plan), **common)
-            if r.precision == "fp8":
-                engine.weights.fp8 = fp8.fp8_format(cfg.model.path, c.rollout_num_gpus_per_engine)
+        if r.precision == "fp8":  # buckets synced from this process go as FP8 pairs too (attached servers: docs/fp8.md)
+            engine.weights.fp8 = fp8.fp8_format(cfg.model.path, c.rollout_num_gpus_per_engine)
         engine.max_recovery_attempts = s.max_engine_restarts
         engine.client.max_retries = s.generate_max_retries
         engine.pause_mode = "in_place" if c.async_mode == "fully" else "abort"
@@ -258,8 +259,11 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
 
     async def generate(self, input_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> GenerateOutput:
+                       request_id: str | None = None, images: list[str] | None = None) -> GenerateOutput:
         self.recovery.start_monitor()
+        prompt_len, image_data = len(input_ids), None
+        if images:  # one pad per image and the images, which SGLang expands back to our ids (vision.py)
+            input_ids, image_data = vision.request(input_ids, images, self.model_path)
         rid = request_id or uuid.uuid4().hex
         if rid in self._inflight:
             raise ValueError(f"request id {rid!r} is already in flight")
@@ -289,6 +293,8 @@ class SGLangEngine(RolloutEngine):
                     out = await client.generate(list(input_ids) + tokens, part_params, wire_prefix,
                                                 default_version=version, should_stop=lambda: req.aborted,
                                                 routed_shape=routed_shape, routing_key=routing_key, lora_path=lora,
+                                                image_data=image_data,
+                                                expect_prompt_tokens=prompt_len + len(tokens) if images else None,
                                                 on_attempt=lambda wire_rid: setattr(req, "wire_rid", wire_rid))
                 except GenerateError as err:
                     raise GenerateError(f"{err}; the engines: {self.recovery.describe_servers()}") from None

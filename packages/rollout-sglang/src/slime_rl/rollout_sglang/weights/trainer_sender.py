@@ -53,7 +53,8 @@ class SGLangWeightSender(WeightSender):
         # disk folders and the restore copy take their config (its quantization_config) from the servers' FP8 copy
         self.fp8 = fp8_format(cfg.model.path, cfg.cluster.rollout_num_gpus_per_engine) \
             if cfg.rollout.precision == "fp8" else None
-        served = str(served_folder(cfg)) if self.fp8 is not None else cfg.model.path
+        served = served_folder(cfg) if self.fp8 is not None else None
+        served = str(served) if served is not None and served.is_dir() else cfg.model.path  # attached: their own copy
         self.pusher = BucketPusher(weights_dir=work_dir(cfg) / "weights", model_path=served,
                                    timeout=sglang_settings(cfg).weight_sync_timeout)
         # What a restarted server is restored from (restore_copy.py); a disk sync leaves its own folder.
