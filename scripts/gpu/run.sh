@@ -39,7 +39,9 @@
 # TP=2/PP=2 over gloo included, then bf16 and fp32 log-probs of samples with images against transformers on CUDA,
 # packed (flash varlen, compiled mRoPE) and padded; ~2 min), bench-vlm (issue 41: one GRPO update of 32 samples x 2
 # images of 448 x 448 on the Qwen2.5-VL-3B shape with 12 LM layers, trainer vs transformers' Qwen2.5-VL: tokens/s,
-# peak memory, the log-prob gap; ~3 min).
+# peak memory, the log-prob gap; ~3 min), vlm-sglang (issue 41: a tiny Qwen2.5-VL served by real SGLang with
+# --mm-attention-backend sdpa: its prompt token count per request equals ours for 1 and 2 images of several sizes,
+# pre-expanded pads fail, the log-prob gap to transformers printed; ~2 min).
 # real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
 # pack it first with scripts/gpu/pack_smollm2.sh; ~11 min, more than one device call holds),
 # real-model-addition, real-model-chain-sum (one task each, ~5.5 min on one H200).
@@ -172,6 +174,8 @@ for stage in "$@"; do
     real-model) cmd=(bash scripts/gpu/real_model.sh "$logs" addition chain_sum) ;;
     real-model-addition) cmd=(bash scripts/gpu/real_model.sh "$logs" addition) ;;
     real-model-chain-sum) cmd=(bash scripts/gpu/real_model.sh "$logs" chain_sum) ;;
+    vlm-sglang) cmd=(timeout 500 python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_vision_gpu.py
+                     -p no:cacheprovider) ;;
     roles-sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_roles_gpu.py
                   -p no:cacheprovider) ;;
     ppo-real-model) cmd=(bash scripts/gpu/multi_model.sh "$logs" ppo) ;;

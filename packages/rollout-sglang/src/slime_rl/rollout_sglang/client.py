@@ -29,6 +29,7 @@ import aiohttp
 import numpy as np
 
 from slime_rl.core.contracts import GenerateOutput, SamplingParams
+from slime_rl.rollout_sglang.vision import check_prompt_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,10 @@ class GenerateError(RuntimeError):
 
 
 def build_payload(input_ids: list[int], params: SamplingParams, rid: str, lora_path: str | None = None,
-                  ) -> dict[str, Any]:
+                  image_data: list[str] | None = None) -> dict[str, Any]:
     """An SGLang ``/generate`` body. ``logprob_start_len=-1``: log-probs of the new tokens only.
-    ``lora_path``: the name of a loaded LoRA adapter to generate with (SGLang resolves it by name)."""
+    ``lora_path``: the name of a loaded LoRA adapter to generate with (SGLang resolves it by name).
+    ``image_data``: the images of a vision-language prompt, one per image pad in ``input_ids`` (vision.py)."""
     sampling: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
@@ -77,6 +79,8 @@ def build_payload(input_ids: list[int], params: SamplingParams, rid: str, lora_p
         payload["return_routed_experts"] = True
     if lora_path is not None:
         payload["lora_path"] = lora_path
+    if image_data:
+        payload["image_data"] = list(image_data)
     return payload
 
 
@@ -174,7 +178,8 @@ class GenerateClient:
     async def generate(self, input_ids: list[int], params: SamplingParams, rid_prefix: str, *,
                        default_version: int = 0, should_stop: Callable[[], bool] | None = None,
                        routed_shape: tuple[int, int] | None = None, routing_key: str | None = None,
-                       lora_path: str | None = None,
+                       lora_path: str | None = None, image_data: list[str] | None = None,
+                       expect_prompt_tokens: int | None = None,
                        on_attempt: Callable[[str], None] | None = None) -> GenerateOutput:
         """POST one request; on a dropped connection or a 5xx from the router, retry with a
         fresh rid (``{rid_prefix}.{attempt}``), at most ``max_retries`` failures while no engine is
@@ -182,7 +187,8 @@ class GenerateClient:
         before it is sent: SGLang 0.5.17 aborts only a request whose rid it is given exactly.
         ``should_stop()`` true when a slot frees up or before a retry: an empty abort result.
         ``routing_key``: requests with the same key go to the same worker (router policy ``manual``).
-        ``lora_path``: the LoRA adapter to generate with (`build_payload`)."""
+        ``lora_path``: the LoRA adapter to generate with, ``image_data`` the prompt's images (`build_payload`);
+        ``expect_prompt_tokens``: the length SGLang's expansion of the images must give (vision.py)."""
         session, semaphore = self._bind()
         deadline = time.monotonic() + self.retry_timeout
         attempt, backoff, counted = 0, 0.05, 0  # counted: failures while no engine was being restarted
@@ -191,14 +197,16 @@ class GenerateClient:
             while True:
                 if should_stop is not None and should_stop():
                     return GenerateOutput([], [], "abort", default_version)
-                payload = build_payload(input_ids, params, f"{rid_prefix}.{attempt}", lora_path)
+                payload = build_payload(input_ids, params, f"{rid_prefix}.{attempt}", lora_path, image_data)
                 if on_attempt is not None:
                     on_attempt(payload["rid"])
                 try:
                     async with session.post(f"{self.router_url}/generate", json=payload, headers=headers) as resp:
                         if resp.status == 200:
-                            return parse_response(await resp.json(), default_version=default_version,
-                                                  routed_shape=routed_shape)
+                            body = await resp.json()
+                            if expect_prompt_tokens is not None and (why := check_prompt_tokens(body, expect_prompt_tokens)):
+                                raise GenerateError(f"request {rid_prefix}: {why}")
+                            return parse_response(body, default_version=default_version, routed_shape=routed_shape)
                         if resp.status == ABORTED_STATUS:  # aborted before it reached SGLang's scheduler
                             return GenerateOutput([], [], "abort", default_version)
                         text = await resp.text()

@@ -16,7 +16,7 @@ from slime_rl.core.config.device import resolve_device
 from slime_rl.core.config.dtype import model_dtype
 from slime_rl.core.config.positions import ModelPositions, asked_length
 from slime_rl.core.infra.net import LOOPBACK, node_address
-from slime_rl.rollout_sglang import fp8
+from slime_rl.rollout_sglang import fp8, vision
 from slime_rl.rollout_sglang.keys import EngineKeys
 from slime_rl.rollout_sglang.router import Router, launch_router
 from slime_rl.rollout_sglang.server import SGLangServer, attach_server, start_server, wait_healthy
@@ -80,6 +80,8 @@ def engine_args(cfg: Config) -> dict[str, Any]:
                           " the trainer and the engines build in one dtype; set model.dtype instead")
     if c.colocate:  # release/resume memory needs SGLang's memory saver
         args.setdefault("enable_memory_saver", True)
+    for key, value in vision.launch_flags(cfg.model.path).items():  # images: SGLang's tokenizer kept (vision.py)
+        args.setdefault(key, value)
     if not r.stop:  # token ids in and out; stop strings need SGLang's detokenizer
         args.setdefault("skip_tokenizer_init", True)
     if r.update_weight_mode == "delta":  # delta syncs load through our custom loader (weights/delta_loader.py)

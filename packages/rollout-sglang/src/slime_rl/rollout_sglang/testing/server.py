@@ -50,6 +50,7 @@ from slime_rl.rollout_sglang.testing.fp8 import held, weight_checksums
 from slime_rl.rollout_sglang.testing.gate import ModelGate, RequestAborted
 from slime_rl.rollout_sglang.testing.lora import LoraError, LoraRegistry, add_flags
 from slime_rl.rollout_sglang.testing.nccl import join_group, receive_broadcast
+from slime_rl.rollout_sglang.testing.vision import request_ids, with_text_fields
 
 
 def merge_config(argv: list[str]) -> list[str]:
@@ -102,7 +103,7 @@ class StandinServer:
         self.extra_flags = extra_flags
         model_dir = Path(args.model_path)
         self.tokenizer = Tokenizer.from_file(str(Path(args.tokenizer_path or model_dir) / "tokenizer.json"))
-        self.hf_config = json.loads((model_dir / "config.json").read_text())
+        self.hf_config = with_text_fields(json.loads((model_dir / "config.json").read_text()))  # VL: text_config's too
         self.vocab_size = int(self.hf_config["vocab_size"])
         eos = self.hf_config.get("eos_token_id")  # a random model made from a bare config has none
         self.eos_token_id = int(eos) if eos is not None else None
@@ -262,7 +263,7 @@ class StandinServer:
         self.record("generate_body", body={k: v for k, v in body.items() if k != "input_ids"})
         if not self.memory["weights"] or not self.memory["kv_cache"]:
             return _error("memory is released; call /resume_memory_occupation first")
-        ids = body.get("input_ids")
+        ids = request_ids(self, body)  # with image_data: pads expanded as SGLang's processor path does (vision.py)
         if ids is None:
             if body.get("text") is None:
                 return _error("Either text, input_ids or input_embeds should be provided.")

@@ -1,0 +1,68 @@
+"""Images through SGLang (docs/vlm.md; the contract is slime_rl.core.vision.contract's).
+
+SGLang 0.5.17 re-runs the HF processor on a request with ``image_data``, so it is sent our ids with one
+image pad per image (`request`) and expands them itself; its answer's ``meta_info.prompt_tokens`` must then
+equal our prompt's length (`check_prompt_tokens`), else the engine scored another prompt than the trainer
+will and the request fails with the reason. The launch keeps SGLang's tokenizer for a vision-language model
+(the processor decodes the ids) and sets a vision attention backend the GPU bundle has (`launch_flags`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from slime_rl.core.vision.contract import ContractProblem, engine_request
+
+#: SGLang's default vision attention on Hopper is FA3, which the GPU bundle drops (docs/gpu-results.md);
+#: sdpa is torch's own, in every build (triton_attn also works there).
+MM_ATTENTION_BACKEND = "sdpa"
+
+
+@functools.cache
+def image_token_id(model_path: str | Path) -> int | None:
+    """The served model's image pad id (config.json's ``image_token_id``); None for a text-only model."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if config.get("vision_config") is None:
+        return None
+    return int(config["image_token_id"])
+
+
+def serves_images(model_path: str | Path) -> bool:
+    """Whether the folder holds a vision-language model (False when it cannot be read here: an attached
+    server's model may live elsewhere, and then image data is refused up front)."""
+    try:
+        return image_token_id(model_path) is not None
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def launch_flags(model_path: str | Path) -> dict[str, Any]:
+    """Server flags a vision-language model needs (none for a text model); the user's server_args win."""
+    if not serves_images(model_path):
+        return {}
+    return {"skip_tokenizer_init": False, "mm_attention_backend": MM_ATTENTION_BACKEND}
+
+
+def request(input_ids: list[int], images: list[str], model_path: str | Path) -> tuple[list[int], list[str]]:
+    """(the ids SGLang is sent, its ``image_data``) for our ``input_ids`` with ``images``; ValueError when
+    the model takes no images or the ids do not hold one run of pads per image."""
+    pad_id = image_token_id(model_path)
+    if pad_id is None:
+        raise ValueError(f"images: the served model ({model_path}) has no vision tower")
+    try:
+        return engine_request(list(input_ids), list(images), pad_id)
+    except ContractProblem as problem:
+        raise ValueError(f"images: {problem.reason}") from None
+
+
+def check_prompt_tokens(body: dict[str, Any], expected: int) -> str | None:
+    """Why SGLang's prompt differs from ours (its ``meta_info.prompt_tokens`` against ``expected``), or None."""
+    got = (body.get("meta_info") or {}).get("prompt_tokens")
+    if got is None or int(got) == expected:
+        return None
+    return (f"SGLang expanded the request's images into a prompt of {got} tokens, ours has {expected}: its image "
+            f"processor resizes them otherwise (server-side min/max pixels?); the trainer would score other "
+            f"tokens than the engine sampled from (docs/vlm.md)")
