@@ -101,3 +101,18 @@ def test_a_text_model_takes_no_images(tmp_path):
     assert not text_engine.accepts_images
     with pytest.raises(ValueError, match="has no vision tower"):
         asyncio.run(text_engine.generate([1, 2, 3], SamplingParams(max_new_tokens=1), images=["x.png"]))
+
+
+def test_weight_sync_takes_the_checkpoint_names(folder):
+    """The trainer syncs the checkpoint's names (``visual.*``, ``model.layers.*``, ``lm_head``): every one lands
+    in transformers 5's module (``model.visual.*``, ``model.language_model.*``)."""
+    from safetensors.torch import load_file
+
+    engine = HFEngine.from_pretrained(folder, dtype="float32", device="cpu")
+    named = sorted(load_file(str(folder / "model.safetensors")).items())
+    assert any(n.startswith("visual.") for n, _ in named) and any(n.startswith("model.layers.") for n, _ in named)
+    bumped = [(n, t + 0.5) for n, t in named]
+    asyncio.run(engine.update_weights(bumped, version=1, last=True))
+    for name, tensor in bumped:
+        assert torch.equal(engine.current_weight(name), tensor), name
+    assert engine.weight_version == 1

@@ -9,6 +9,8 @@ import re
 import torch
 from transformers import PreTrainedModel
 
+from slime_rl.rollout_hf.vision import vl_module_name
+
 _CHECKPOINT_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)$")
 
@@ -20,6 +22,8 @@ def weight_target(name: str, params: dict[str, torch.Tensor]) -> torch.Tensor | 
     ``experts.down_proj`` ``[experts, hidden, inter]``."""
     if name in params:
         return params[name]
+    if (module := vl_module_name(name)) in params:  # a vision-language checkpoint's name (vision.py)
+        return params[module]
     m = _CHECKPOINT_EXPERT.match(name)
     if m is None:
         return None

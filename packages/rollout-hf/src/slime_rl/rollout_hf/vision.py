@@ -27,6 +27,16 @@ def is_vision_language(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None and hasattr(config, "image_token_id")
 
 
+def vl_module_name(name: str) -> str:
+    """A Qwen2-VL-family checkpoint name (what the trainer syncs: ``visual.*``, ``model.layers.*``) as
+    transformers 5's module holds it (``model.visual.*``, ``model.language_model.layers.*``); ``lm_head`` stays."""
+    if name.startswith("visual."):
+        return f"model.{name}"
+    if name.startswith("model.") and not name.startswith(("model.visual.", "model.language_model.")):
+        return f"model.language_model.{name[len('model.'):]}"
+    return name
+
+
 def load_model(path: Path, dtype: torch.dtype) -> Any:
     """A vision-language checkpoint (AutoModelForCausalLM does not map their configs)."""
     from transformers import AutoModelForImageTextToText
