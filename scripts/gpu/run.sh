@@ -183,8 +183,12 @@ for stage in "$@"; do
     opd-student) cmd=(bash scripts/gpu/multi_model.sh "$logs" student) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
-  "${cmd[@]}" > "$logs/$stage.log" 2>&1; rc=$?
+  stamp=$(mktemp); "${cmd[@]}" > "$logs/$stage.log" 2>&1; rc=$?
   grep -E "PASS|FAIL|Error|error|\[|passed|failed|\|" "$logs/$stage.log" | tail -n 60
+  # the SGLang servers' own logs of this stage (timestamped: where a server's ~90 s start goes), at most 40
+  find /tmp -name 'sglang-engine-*.log' -newer "$stamp" 2>/dev/null | head -n 40 |
+    tar -czf "$logs/$stage-sglang-logs.tgz" -T - 2>/dev/null || true
+  rm -f "$stamp"
   echo "=== $stage exit $rc"; [ $rc = 0 ] || status=1
 done
 exit $status
