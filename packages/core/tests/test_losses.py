@@ -273,6 +273,10 @@ def random_values(seed, mask):
 ALGOS = {
     "ppo": dict(),
     "ppo_dual_clip_tis": dict(eps_clip_c=3.0, use_tis=True),
+    "icepop": dict(rollout_correction="icepop"),
+    "seq_tis": dict(rollout_correction="seq-tis", rollout_correction_high=1.2),
+    "gspo_seq_mask_tis": dict(advantage_estimator="gspo", eps_clip=0.1, rollout_correction="seq-mask-tis",
+                              rollout_correction_high=1.2),
     "gspo": dict(advantage_estimator="gspo", eps_clip=0.1),
     "cispo": dict(policy_loss="cispo", eps_clip=1.0),
     "kl_k1_entropy": dict(use_kl_loss=True, kl_loss_coef=0.3, kl_loss_type="k1", entropy_coef=0.01),
@@ -349,11 +353,11 @@ def test_halves_sum_to_the_whole(name, mode):
 
 
 def assert_parts_combine(part_metrics, metrics):
-    """reduce_metrics over the parts' metrics gives the whole batch's."""
-    combined = reduce_metrics(part_metrics)
-    assert combined.keys() == metrics.keys()
-    for key, value in metrics.items():
-        assert combined[key] == pytest.approx(value.item(), rel=1e-10, abs=1e-12), key
+    """reduce_metrics over the parts' metrics gives the whole batch's (quantiles of *_dist values included)."""
+    combined, whole = reduce_metrics(part_metrics), reduce_metrics([metrics])
+    assert combined.keys() == whole.keys()
+    for key, value in whole.items():
+        assert combined[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)

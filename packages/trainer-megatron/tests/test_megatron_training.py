@@ -8,6 +8,7 @@ import torch
 from megatron_testlib import (
     ensure_single_rank_group,
     hf_response_log_probs,
+    launch,
     load_hf,
     make_config,
     make_hf_model,
@@ -15,6 +16,7 @@ from megatron_testlib import (
     per_sample,
     to_batch,
 )
+from megatron_worker import run_scenario
 
 from slime_rl.core.algorithms import losses
 from slime_rl.core.algorithms.advantages import compute_advantages
@@ -101,6 +103,66 @@ def test_micro_batching_and_recompute_do_not_change_the_update(model_dir):
         for a, b in zip(results[0], other, strict=True):
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-6)
+
+
+@pytest.mark.parametrize("correction", ["icepop", "seq-mask-tis"])
+def test_a_rollout_correction_reports_the_whole_steps_metrics_however_it_is_micro_batched(model_dir, correction):
+    """The engine's log-probs scattered around the trainer's: a step reports the shares masked, the ratio
+    quantiles and the gap that compute_loss gives on the whole batch, one sample per micro-batch or packed,
+    with the old log-probs given or taken from the training forward."""
+    samples = make_samples(8, VOCAB, seed=5)
+    old = trainer_for(model_dir).compute_log_probs(to_batch(samples))
+    g = torch.Generator().manual_seed(0)
+    sample_of_token = torch.arange(len(samples)).repeat_interleave(to_batch(samples).response_lengths)
+    shifted = torch.isin(sample_of_token, torch.tensor([2, 5]))  # two samples far from the trainer's as a whole
+    rollout = old - 0.3 * torch.randn(old.shape, generator=g) - 0.8 * shifted
+    overrides = [f"algorithm.rollout_correction={correction}", "algorithm.rollout_correction_high=1.6"]
+
+    def step(batching, given_old=True):
+        batch = to_batch(samples)
+        batch.rollout_log_probs = rollout
+        if given_old:
+            batch.old_log_probs = old
+        return trainer_for(model_dir, overrides + batching).train_step(batch)
+
+    batch = to_batch(samples)
+    cfg = make_config(model_dir, overrides)
+    inputs = losses.LossBatch(
+        log_probs=batch.padded(old).double(), old_log_probs=batch.padded(old).double(),
+        advantages=batch.padded(batch.advantages).double(), loss_mask=batch.padded(batch.loss_mask).double(),
+        rollout_log_probs=batch.padded(rollout).double())
+    _, whole = losses.compute_loss(cfg.algorithm, inputs, eps_clip_high=cfg.eps_clip_high,
+                                   num_tokens=float(batch.loss_mask.sum()), num_seqs=len(batch))
+    want = {k: v for k, v in losses.reduce_metrics([whole]).items() if k.startswith("rollout_corr_")}
+    want["train_rollout_logprob_abs_diff"] = float(((old - rollout).abs() * batch.loss_mask).sum()
+                                                   / batch.loss_mask.sum())
+    assert 0 < want["rollout_corr_masked_frac"] < 0.6
+    assert want["rollout_corr_masked_seq_frac"] == 2 / 8  # (icepop: every token of the shifted two)
+    assert want["rollout_corr_ratio_p5"] < want["rollout_corr_ratio_p50"] < want["rollout_corr_ratio_p95"]
+    assert len(want) == 11
+    want["loss"] = float(whole["loss"])  # the step starts at the weights that gave ``old``
+    runs = [step(["trainer.micro_batch_size=1"]), step(["trainer.micro_batch_size=8"]),
+            step(["trainer.max_tokens_per_gpu=25"]), step(["trainer.micro_batch_size=3"], given_old=False)]
+    for metrics in runs:
+        assert metrics["update_skipped"] == 0
+        for name, value in want.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.slow  # two trainer processes (~10 s on 2 cores)
+def test_a_rollout_correction_over_two_data_parallel_ranks_reports_what_one_rank_does(model_dir, tmp_path):
+    """Each rank holds half the step's tokens: the shares and quantiles are the whole step's all the same."""
+    spec = dict(model=str(model_dir), num_samples=8, vocab=VOCAB, steps=2, rollout_scatter=True)
+    overrides = ["algorithm.rollout_correction=seq-mask-tis", "algorithm.rollout_correction_high=1.6",
+                 "trainer.micro_batch_size=2"]
+    ensure_single_rank_group()
+    single = run_scenario({**spec, "overrides": overrides})
+    multi = launch(2, {**spec, "overrides": overrides + ["cluster.actor_num_gpus_per_node=2"]}, tmp_path)
+    for one, two in zip(single["metrics"], multi["metrics"], strict=True):
+        names = [n for n in one if n.startswith("rollout_corr_")] + ["loss", "train_rollout_logprob_abs_diff"]
+        assert len(names) == 12 and 0 < one["rollout_corr_masked_seq_frac"] < 1
+        for name in names:
+            assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name
 
 
 def test_a_rollout_of_several_global_batches_takes_several_optimizer_steps(model_dir):

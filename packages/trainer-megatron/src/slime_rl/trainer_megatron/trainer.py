@@ -336,8 +336,7 @@ class MegatronTrainer(PolicyTrainer):
             dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
 
     def _share_metrics(self, parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        # the *_dist metrics (rollout corrections' ratios) stay values until the whole step's are here
-        local = losses.reduce_metrics(parts, final=self.dp_size == 1) if parts else {}
+        local = losses.reduce_metrics(parts, final=self.dp_size == 1) if parts else {}  # final: *_dist -> quantiles
         if self.dp_size > 1:
             gathered: list[dict[str, float] | None] = [None] * self.dp_size
             dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())

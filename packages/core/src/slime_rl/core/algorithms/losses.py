@@ -11,7 +11,8 @@ Parallel training: :func:`compute_loss` divides by ``num_tokens`` and
 ``num_seqs``, the GLOBAL counts of one optimizer step (all micro-batches on all
 data-parallel ranks). Summing the losses (and gradients) of the pieces
 therefore gives the loss of the whole batch, and so do the metrics, except the
-``*_max`` / ``*_min`` ones; :func:`reduce_metrics` combines them.
+``*_max`` / ``*_min`` ones and the ``*_dist`` values (concatenated, then reported as
+quantiles); :func:`reduce_metrics` combines them.
 docs/algorithms.md has every formula.
 """
 
@@ -19,14 +20,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from slime_rl.core.algorithms.registry import policy_loss_of
+from slime_rl.core.algorithms.registry import policy_loss_of, rollout_correction_of
+from slime_rl.core.algorithms.rollout_correction import (
+    DIST_SUFFIX,
+    LOG_RATIO_LIMIT,
+    QUANTILES,
+    apply_correction,
+    quantiles,
+)
+from slime_rl.core.algorithms.rollout_correction import (
+    tis_weights as tis_weights,  # losses.tis_weights, as before
+)
 from slime_rl.core.config import AlgorithmConfig
-
-LOG_RATIO_LIMIT = 20.0  # |log pi/pi_old| beyond this is clamped so exp() stays finite
 
 
 @dataclass
@@ -37,7 +47,7 @@ class LossBatch:
     old_log_probs: Tensor  # policy before the update (the rollout's when use_rollout_logprobs)
     advantages: Tensor
     loss_mask: Tensor  # 1 = trained on; 0 = padding, tool output, masked
-    rollout_log_probs: Tensor | None = None  # the engine's (TIS, mismatch metrics)
+    rollout_log_probs: Tensor | None = None  # the engine's (rollout corrections, mismatch metrics)
     ref_log_probs: Tensor | None = None  # reference model (KL loss)
     entropy: Tensor | None = None  # per-token entropy of the current policy (entropy bonus)
 
@@ -133,14 +143,6 @@ def cispo_loss(log_probs: Tensor, log_ratio: Tensor, advantages: Tensor, eps_cli
     return -weight * advantages * log_probs, (weight != ratio).to(log_probs.dtype)
 
 
-def tis_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, tis_clip: float) -> tuple[Tensor, Tensor]:
-    """Truncated importance sampling for the trainer/engine mismatch -> ``(weight, truncated)``.
-
-    weight = clamp(exp(old_logp - rollout_logp), 0, tis_clip), with no gradient."""
-    raw = (old_log_probs - rollout_log_probs).clamp(max=LOG_RATIO_LIMIT).exp().detach()
-    return raw.clamp(0.0, tis_clip), (raw > tis_clip).to(raw.dtype)
-
-
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, loss_mask: Tensor, *, value_clip: float,
                loss_agg: str, num_tokens: float, num_seqs: float) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``, aggregated."""
@@ -184,7 +186,7 @@ class PolicyLossInputs:
 class PolicyLossTerms:
     """A policy loss's per-token ``[B, T]`` terms; compute_loss aggregates each (``algorithm.loss_agg``)."""
 
-    loss: Tensor  # the surrogate (TIS weights it when on)
+    loss: Tensor  # the surrogate (a rollout correction weights it when on)
     clipped: Tensor  # 1 where clipped: the clip_frac metric
     ratio: Tensor  # the ratio the loss used: the ratio_* metrics
     token_metrics: dict[str, Tensor] = field(default_factory=dict)  # more metrics, aggregated like the loss
@@ -219,7 +221,7 @@ def compute_loss(algo: AlgorithmConfig, batch: LossBatch, *, eps_clip_high: floa
 
     ``num_tokens`` (sum of loss_mask) and ``num_seqs`` (number of samples) count
     the whole optimizer step across micro-batches and data-parallel ranks.
-    loss = policy surrogate [* TIS weight] + kl_loss_coef * KL(ref) - entropy_coef * entropy.
+    loss = policy surrogate [* rollout-correction weight] + kl_loss_coef * KL(ref) - entropy_coef * entropy.
     A critic trains on :func:`value_loss` instead."""
     if num_tokens <= 0 or num_seqs <= 0:
         raise ValueError(f"compute_loss: num_tokens={num_tokens} and num_seqs={num_seqs} must be > 0 "
@@ -246,13 +248,16 @@ def compute_loss(algo: AlgorithmConfig, batch: LossBatch, *, eps_clip_high: floa
 
     if b.rollout_log_probs is not None:
         metrics["train_rollout_logprob_abs_diff"] = agg((b.old_log_probs - b.rollout_log_probs).abs())
-    if algo.use_tis:
+    correction = rollout_correction_of(algo)
+    if correction is not None:
+        key = "rollout_correction" if algo.rollout_correction is not None else "use_tis"
         if b.rollout_log_probs is None:
-            raise ValueError("algorithm.use_tis needs the engine's log-probs: set LossBatch.rollout_log_probs")
-        weight, truncated = tis_weights(b.old_log_probs, b.rollout_log_probs, algo.tis_clip)
+            raise ValueError(f"algorithm.{key} needs the engine's log-probs: set LossBatch.rollout_log_probs")
+        weight, corrected = apply_correction(correction.load(), correction.name, algo, b.old_log_probs,
+                                             b.rollout_log_probs, mask, agg=agg, num_tokens=num_tokens,
+                                             num_seqs=num_seqs)
         pg = pg * weight
-        metrics["tis_weight_mean"] = agg(weight)
-        metrics["tis_clipfrac"] = agg(truncated)
+        metrics.update(corrected)
 
     pg_loss = agg(pg)
     loss = pg_loss
@@ -286,28 +291,48 @@ def compute_loss(algo: AlgorithmConfig, batch: LossBatch, *, eps_clip_high: floa
 
 
 def metric_reduction(name: str) -> str:
-    """How a metric combines across micro-batches and ranks: ``"max"``, ``"min"`` or ``"sum"``."""
+    """How a metric combines across micro-batches and ranks: ``"max"``, ``"min"``, ``"sum"``, or ``"cat"``
+    (a ``*_dist`` metric: a tensor of values, NaN where there is none, concatenated)."""
     if name.endswith("_max"):
         return "max"
     if name.endswith("_min"):
         return "min"
+    if name.endswith(DIST_SUFFIX):
+        return "cat"
     return "sum"
 
 
-def reduce_metrics(parts: Sequence[Mapping[str, Tensor | float]]) -> dict[str, float]:
-    """Combine the metrics of micro-batches (or ranks) into the step's metrics."""
-    out: dict[str, float] = {}
+def reduce_metrics(parts: Sequence[Mapping[str, Tensor | float]], *, final: bool = True) -> dict[str, Any]:
+    """Combine the metrics of micro-batches (or ranks) into the step's metrics.
+
+    With ``final`` (once the parts cover the whole step) each ``<name>_dist`` becomes its quantiles,
+    ``<name>_p5``, ``<name>_p50``, ``<name>_p95`` (none when it holds no values), and every value is a float;
+    without it the ``*_dist`` values stay float64 CPU tensors, for a further reduce_metrics over ranks."""
+    out: dict[str, Any] = {}
     for part in parts:
         for name, value in part.items():
+            how = metric_reduction(name)
+            if how == "cat":
+                value = torch.as_tensor(value).detach().reshape(-1).to("cpu", torch.float64)
+                value = value[~value.isnan()]  # NaN: no value there (padding, untrained tokens)
+                out[name] = torch.cat([out[name], value]) if name in out else value
+                continue
             value = float(value)
             if name not in out:
                 out[name] = value
-            elif metric_reduction(name) == "max":
+            elif how == "max":
                 out[name] = max(out[name], value)
-            elif metric_reduction(name) == "min":
+            elif how == "min":
                 out[name] = min(out[name], value)
             else:
                 out[name] += value
+    if final:
+        for name in [n for n in out if metric_reduction(n) == "cat"]:
+            values = out.pop(name)
+            if values.numel():
+                stem = name[: -len(DIST_SUFFIX)]
+                for percent, value in zip(QUANTILES, quantiles(values), strict=True):
+                    out[f"{stem}_p{percent}"] = value
     return out
 
 

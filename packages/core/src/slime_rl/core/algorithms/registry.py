@@ -1,5 +1,5 @@
-"""The registries of advantage estimators and policy losses: the names the config accepts, what each
-entry declares, and the user's own (``@register_advantage_estimator`` or ``module:attr``).
+"""The registries of advantage estimators, policy losses and rollout corrections: the names the config
+accepts, what each entry declares, and the user's own (``@register_advantage_estimator`` or ``module:attr``).
 
 Standard library only: the config checks a name, and the placement asks whether a critic is
 needed, without importing torch. A built-in's function is named by its ``module:attr`` and
@@ -53,7 +53,23 @@ class PolicyLoss:
         return _load_function(self.function, "policy loss")
 
 
-Entry = TypeVar("Entry", AdvantageEstimator, PolicyLoss)
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """A correction of the trainer/engine mismatch and what it declares. ``function(inputs: CorrectionInputs)``
+    returns its per-token ``CorrectionTerms`` (core/algorithms/rollout_correction.py); compute_loss multiplies
+    the weight into the surrogate."""
+
+    name: str
+    function: Callable[..., Any] | str
+    level: str = "token"  # the ratio it tests: each token's ("token") or its sequence's geometric mean ("sequence")
+    masks: bool = False  # drops tokens or sequences outside [low, high] (uses algorithm.rollout_correction_low)
+    summary: str = ""
+
+    def load(self) -> Callable[..., Any]:
+        return _load_function(self.function, "rollout correction")
+
+
+Entry = TypeVar("Entry", AdvantageEstimator, PolicyLoss, RolloutCorrection)
 
 
 def _load_function(function: Callable[..., Any] | str, what: str) -> Callable[..., Any]:
@@ -140,6 +156,9 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
     "fn(inputs: AdvantageInputs) -> advantages [B, T]")
 POLICY_LOSSES: Registry[PolicyLoss] = Registry(
     "algorithm.policy_loss", PolicyLoss, "policy loss", "fn(inputs: PolicyLossInputs) -> PolicyLossTerms")
+ROLLOUT_CORRECTIONS: Registry[RolloutCorrection] = Registry(
+    "algorithm.rollout_correction", RolloutCorrection, "rollout correction",
+    "fn(inputs: CorrectionInputs) -> CorrectionTerms")
 
 
 def _registering(registry: Registry[Entry], name: str | None, declared: dict[str, Any]
@@ -170,6 +189,14 @@ def register_policy_loss(name: str | None = None, *, dual_clip: bool = False, su
     return _registering(POLICY_LOSSES, name, dict(dual_clip=dual_clip, summary=summary))
 
 
+def register_rollout_correction(name: str | None = None, *, level: str = "token", masks: bool = False,
+                                summary: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn(inputs: CorrectionInputs) -> CorrectionTerms`` under ``name``, as for estimators."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"rollout correction {name!r}: level {level!r}; use 'token' or 'sequence'")
+    return _registering(ROLLOUT_CORRECTIONS, name, dict(level=level, masks=masks, summary=summary))
+
+
 def advantage_estimator_of(algo: Any) -> AdvantageEstimator:
     """The entry ``algorithm.advantage_estimator`` names (``algo``: an AlgorithmConfig)."""
     return ADVANTAGE_ESTIMATORS.resolve(algo.advantage_estimator)
@@ -178,6 +205,14 @@ def advantage_estimator_of(algo: Any) -> AdvantageEstimator:
 def policy_loss_of(algo: Any) -> PolicyLoss:
     """The surrogate in use: the one the estimator implies (gspo), else ``algorithm.policy_loss``."""
     return POLICY_LOSSES.resolve(advantage_estimator_of(algo).policy_loss or algo.policy_loss)
+
+
+def rollout_correction_of(algo: Any) -> RolloutCorrection | None:
+    """The entry ``algorithm.rollout_correction`` names; ``use_tis`` is the built-in ``tis`` (its bound is
+    ``tis_clip``); None when neither is set."""
+    if algo.rollout_correction is not None:
+        return ROLLOUT_CORRECTIONS.resolve(algo.rollout_correction)
+    return ROLLOUT_CORRECTIONS.resolve("tis") if algo.use_tis else None
 
 
 def docs_table(registry: Registry[Entry]) -> str:
@@ -194,6 +229,7 @@ def docs_table(registry: Registry[Entry]) -> str:
 
 _ADVANTAGES = "slime_rl.core.algorithms.advantages:"
 _LOSSES = "slime_rl.core.algorithms.losses:"
+_CORRECTIONS = "slime_rl.core.algorithms.rollout_correction:"
 _GROUP_KL = "The KL penalty (`kl_coef`) is charged to `r_i` as `sum_t m_t kl_t` before the baseline."
 for _estimator in (
     AdvantageEstimator("grpo", _ADVANTAGES + "grpo_estimator", groups=True, summary=(
@@ -239,3 +275,18 @@ for _loss in (
         " `eps_clip >= 1`.")),
 ):
     POLICY_LOSSES.register(_loss)
+
+for _correction in (
+    RolloutCorrection("tis", _CORRECTIONS + "tis", summary=(
+        "truncated IS: `w_t = min(q_t, high)`. `use_tis: true` is this entry with `high = tis_clip` (and keeps"
+        " its `tis_weight_mean` / `tis_clipfrac` metrics).")),
+    RolloutCorrection("icepop", _CORRECTIONS + "icepop", masks=True, summary=(
+        "token-level masked IS (IcePop, MIS): `w_t = q_t * 1[low <= q_t <= high]`; a token outside the band"
+        " contributes nothing.")),
+    RolloutCorrection("seq-tis", _CORRECTIONS + "seq_tis", level="sequence", summary=(
+        "sequence-level TIS: `w_t = min(g_i, high)` for every token of sequence `i`.")),
+    RolloutCorrection("seq-mask-tis", _CORRECTIONS + "seq_mask_tis", level="sequence", masks=True, summary=(
+        "sequence-level masked IS: `w_t = q_t * 1[low <= g_i <= high]`; a sequence whose geometric-mean"
+        " ratio leaves the band contributes nothing, the tokens of the others keep their token ratio.")),
+):
+    ROLLOUT_CORRECTIONS.register(_correction)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from slime_rl.core.algorithms.registry import POLICY_LOSSES, advantage_estimator_of
+from slime_rl.core.algorithms.registry import POLICY_LOSSES, ROLLOUT_CORRECTIONS, advantage_estimator_of
 from slime_rl.core.config.backends import BACKEND_SECTIONS, section_key
 from slime_rl.core.config.builtin_models import BUILTIN_PREFIX, MODEL_PATH_FIELDS
 from slime_rl.core.config.memory import check_memory
@@ -195,6 +195,49 @@ def check_algorithm(cfg: Config) -> None:
     if estimator.needs_critic and a.loss_type == "sft":
         raise ConfigError("algorithm.loss_type", f"sft has no advantages; drop advantage_estimator="
                                                  f"{a.advantage_estimator} (it trains a critic)")
+    check_rollout_correction(cfg)
+
+
+def check_rollout_correction(cfg: Config) -> None:
+    """algorithm.rollout_correction loads, and its settings mean something with the rest of the config."""
+    a = cfg.algorithm
+    if a.rollout_correction is None:
+        if a.rollout_correction_low is not None:
+            raise ConfigError("algorithm.rollout_correction_low", "is the band of a masking rollout_correction"
+                              " (icepop, seq-mask-tis), and none is set; set one or drop it")
+        return
+    field = "algorithm.rollout_correction"
+    try:
+        entry = ROLLOUT_CORRECTIONS.resolve(a.rollout_correction)
+    except PluginError as err:
+        raise ConfigError(field, str(err)) from None
+    name, high, low = entry.name, a.rollout_correction_high, a.rollout_correction_low
+    if a.use_tis:
+        raise ConfigError("algorithm.use_tis", f"and rollout_correction={name} are two corrections of the same"
+                          " ratio; use_tis is rollout_correction: tis with rollout_correction_high: tis_clip."
+                          " Keep one")
+    if a.loss_type == "sft":
+        raise ConfigError(field, "loss_type sft has no importance ratio to correct; drop rollout_correction")
+    if a.use_rollout_logprobs:
+        raise ConfigError(field, f"{name} weighs pi_old / pi_rollout, which use_rollout_logprobs makes 1 on every"
+                          " token (pi_old is the engine's); drop one of them")
+    if entry.masks:
+        band = 1.0 / high if low is None else low
+        if not band < 1.0 < high:
+            raise ConfigError("algorithm.rollout_correction_low" if low is not None and high > 1 else
+                              "algorithm.rollout_correction_high",
+                              f"{name} keeps the tokens whose ratio lies in [rollout_correction_low,"
+                              f" rollout_correction_high] = [{band:g}, {high:g}], which must hold 1 inside it (a"
+                              " token the trainer and the engine agree on)" + (" (low defaults to 1 / high)"
+                                                                                if low is None else ""))
+    else:
+        if low is not None:
+            raise ConfigError("algorithm.rollout_correction_low", f"{name} truncates the weight at"
+                              " rollout_correction_high and masks nothing; drop rollout_correction_low, or use a"
+                              f" masking correction ({', '.join(e.name for e in ROLLOUT_CORRECTIONS if e.masks)})")
+        if high < 1.0:
+            raise ConfigError("algorithm.rollout_correction_high", f"{high:g} would cap even a token the trainer"
+                              " and the engine agree on (ratio 1) below 1; give a cap >= 1")
 
 
 def check_backend_settings(cfg: Config) -> None:

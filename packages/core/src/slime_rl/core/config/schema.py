@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from slime_rl.core.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from slime_rl.core.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from slime_rl.core.config.backends import BACKEND_SECTIONS, section_key, settings_model, validate_sections
 from slime_rl.core.config.errors import ConfigError
 from slime_rl.core.config.renamed import move_renamed_keys
@@ -225,6 +225,14 @@ class RolloutConfig(_BackendSection):
     buffer_filter: str | None = None  # which buffered groups to hand out: "oldest_first", "freshest_first", module:attr
 
 
+def _registered(registry: Any) -> Any:
+    """An optional registry name: None, or what ``registry.check_name`` accepts."""
+    def check(spec: str | None) -> str | None:
+        return None if spec is None else registry.check_name(spec)
+
+    return check
+
+
 class AlgorithmConfig(_Section):
     # The names are core/algorithms/registry.py's; a `module:attr` is the user's, loaded by check_config.
     advantage_estimator: Annotated[str, AfterValidator(ADVANTAGE_ESTIMATORS.check_name)] = "grpo"
@@ -237,8 +245,12 @@ class AlgorithmConfig(_Section):
     eps_clip: float = Field(0.2, gt=0)
     eps_clip_high: float | None = Field(None, gt=0)  # defaults to eps_clip
     eps_clip_c: float | None = None  # dual-clip, > 1
-    use_tis: bool = False
+    use_tis: bool = False  # token-level TIS: the same as rollout_correction: tis with rollout_correction_high: tis_clip
     tis_clip: float = Field(2.0, gt=0)
+    # the trainer/engine mismatch (docs/algorithms.md): tis, icepop, seq-tis, seq-mask-tis or module:attr; null: none
+    rollout_correction: Annotated[str | None, AfterValidator(_registered(ROLLOUT_CORRECTIONS))] = None
+    rollout_correction_low: float | None = Field(None, gt=0)  # a masking one's band [low, high]; null: 1 / high
+    rollout_correction_high: float = Field(2.0, gt=0)  # a truncating one's cap; a masking one's top of the band
     kl_coef: float = Field(0.0, ge=0.0)  # KL as a reward penalty
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.0, ge=0.0)
