@@ -12,12 +12,15 @@ import hashlib
 import torch
 
 SCALE_SUFFIX = "weight_scale_inv"
+FP8_DTYPE = torch.float8_e4m3fn
 
 
 def held(param: torch.Tensor, loaded: torch.Tensor) -> torch.Tensor:
-    """What a parameter holds after ``loaded`` went in: SGLang's loaders ``copy_`` into the parameter, so the
-    parameter's dtype stays (an FP8 one takes a bf16 tensor cast, unscaled, as the real server would)."""
-    return loaded.detach().to("cpu", dtype=param.dtype, copy=True)
+    """What a parameter holds after ``loaded`` went in. SGLang's loaders ``copy_`` into the parameter, so an FP8
+    one stays FP8 (a bf16 tensor is cast, unscaled, as the real server would). The others take the loaded
+    tensor's dtype: the stand-in reads its dtype from the folder's files, where SGLang builds them in --dtype,
+    the trainer's dtype (launch.py), so a pushed tensor has the dtype the real parameter has."""
+    return loaded.detach().to("cpu", dtype=param.dtype if param.dtype == FP8_DTYPE else None, copy=True)
 
 
 def _hash(tensor: torch.Tensor) -> str:
