@@ -35,3 +35,20 @@ def test_delta_syncs_of_fp8_weights_are_refused():
                                           "=full"):
         check_precision(cfg(precision="fp8", update_weight_mode="delta"), "cuda")
     check_precision(cfg(kv_cache_dtype="fp8_e4m3", update_weight_mode="delta"), "cuda")  # the KV cache alone is fine
+
+
+def test_the_engine_memory_estimate_counts_fp8_weights_and_kv_cache_at_a_byte():
+    from slime_rl.core.config import memory
+    from slime_rl.core.config.memory import ModelSize
+
+    size = ModelSize.from_hf({"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                              "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                              "tie_word_embeddings": False})  # Qwen2.5-7B
+    bf16 = memory.engine_estimate(cfg(), size, "cuda")
+    fp8 = memory.engine_estimate(cfg(precision="fp8"), size, "cuda")
+    kv = memory.engine_estimate(cfg(precision="fp8", kv_cache_dtype="fp8_e4m3"), size, "cuda")
+    embeddings = 2 * 152064 * 3584  # embed_tokens and lm_head stay bf16
+    assert bf16.weights == size.total_params * 2
+    assert fp8.weights == embeddings * 2 + (size.total_params - embeddings)
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token == 2 * kv.kv_bytes_per_token
+    assert fp8.kv_cache(80 * 2**30) > bf16.kv_cache(80 * 2**30)  # the bytes FP8 saves go to the KV cache

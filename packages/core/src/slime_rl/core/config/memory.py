@@ -399,8 +399,12 @@ def engine_estimate(cfg: Config, size: ModelSize, device: str) -> EngineEstimate
     fraction = next((v for k, v in server_args.items() if str(k).replace("-", "_") == "mem_fraction_static"),
                     SGLANG_STATIC_FRACTION)
     kv_per_layer = size.mla_cache_dim or 2 * kv_heads * size.head_dim  # MLA: one latent a token, not K and V
-    return EngineEstimate(weights=int(size.total_params * dtype_bytes / tp),
-                          kv_bytes_per_token=size.layers * kv_per_layer * dtype_bytes,
+    weights = size.total_params * dtype_bytes
+    if cfg.rollout.precision == "fp8":  # the projections at a byte each, embeddings and lm_head as they were
+        embeddings = size.embedding_params * (1 if size.tied_embeddings else 2)
+        weights = embeddings * dtype_bytes + (size.total_params - embeddings)
+    kv_bytes = 1 if cfg.rollout.kv_cache_dtype == "fp8_e4m3" else dtype_bytes
+    return EngineEstimate(weights=int(weights / tp), kv_bytes_per_token=size.layers * kv_per_layer * kv_bytes,
                           context_len=sample_tokens(cfg), static_fraction=float(fraction))
 
 
