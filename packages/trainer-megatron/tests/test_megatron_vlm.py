@@ -58,7 +58,8 @@ def test_vision_tower_and_mrope_positions_equal_transformers(vl_model):
     grid = torch.tensor(GRIDS)
     pixels = torch.randn(int(grid.prod(-1).sum()), patch_dim(), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ours, theirs = tower(pixels, grid), hf.model.visual(pixels, grid_thw=grid).pooler_output
+        (ours, deepstack), theirs = tower(pixels, grid), hf.model.visual(pixels, grid_thw=grid).pooler_output
+    assert deepstack == []  # Qwen2.5-VL has none
     assert ours.shape == theirs.shape == (sum(t * h * w for t, h, w in GRIDS) // 4, 64)
     assert float((ours - theirs).abs().max()) <= 1e-5
     for sample in make_vl_samples(4):  # 2, 0, 1 and 3 images
@@ -131,8 +132,9 @@ def test_freeze_vision_tower(vl_model, freeze):
         assert sorted(changed) == sorted(vision)
 
 
-VLM_SPEC = {"scenario": "vlm", "num_samples": 6, "steps": 2, "overrides": ["trainer.max_tokens_per_gpu=4096",
-                                                                           "trainer.lr=0.01"]}
+# at the default lr (1e-3) two steps move the log-probs by ~2; at 1e-2 Adam's normalised steps turn TP's other
+# summation order into ~1e-4 of log-prob
+VLM_SPEC = {"scenario": "vlm", "num_samples": 6, "steps": 2, "overrides": ["trainer.max_tokens_per_gpu=4096"]}
 
 
 @pytest.fixture(scope="module")

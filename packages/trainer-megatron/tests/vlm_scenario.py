@@ -15,8 +15,11 @@ TEXT_IDS = 240  # text tokens are drawn below this
 GRIDS = ((1, 8, 12), (1, 4, 4), (1, 6, 10), (2, 4, 6))
 
 
-def vl_config(vision: dict | None = None, **text):
-    from transformers import Qwen2_5_VLConfig
+def vl_config(vision: dict | None = None, family: str = "qwen2_5_vl", **text):
+    """A tiny Qwen2.5-VL config, or Qwen3-VL's (``family: qwen3_vl``: Qwen3 text with q/k norms and interleaved
+    mRoPE, 3 LM layers of which the first 2 take deepstack features from vision blocks 0 and 2, a 4 x 4 learned
+    position grid, no windows)."""
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
     text_config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -25,32 +28,41 @@ def vl_config(vision: dict | None = None, **text):
     vision_config = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, spatial_merge_size=2,
                          temporal_patch_size=2, window_size=16, out_hidden_size=64, fullatt_block_indexes=[1],
                          initializer_range=0.1)
-    return Qwen2_5_VLConfig(text_config={**text_config, **text}, vision_config={**vision_config, **(vision or {})},
-                            image_token_id=IMAGE,
-                            video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
-                            architectures=["Qwen2_5_VLForConditionalGeneration"])
+    if family == "qwen3_vl":
+        text_config.update(num_hidden_layers=3, head_dim=16, rms_norm_eps=1e-6, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+        for key in ("window_size", "fullatt_block_indexes"):
+            del vision_config[key]
+        vision_config.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 2])
+    config_class = Qwen3VLConfig if family == "qwen3_vl" else Qwen2_5_VLConfig
+    architecture = "Qwen3VLForConditionalGeneration" if family == "qwen3_vl" else "Qwen2_5_VLForConditionalGeneration"
+    return config_class(text_config={**text_config, **text}, vision_config={**vision_config, **(vision or {})},
+                        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+                        architectures=[architecture])
 
 
 def make_vl_model(path: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32, vision: dict | None = None,
-                  **text) -> Path:
-    """A random Qwen2.5-VL folder (config.json + model.safetensors), norms and biases perturbed so that every
-    weight shows in the outputs."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+                  family: str = "qwen2_5_vl", **text) -> Path:
+    """A random Qwen2.5-VL (or Qwen3-VL) folder (config.json + model.safetensors), norms, biases and the learned
+    position grid perturbed so that every weight shows in the outputs."""
+    from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(vl_config(vision, **text)).float()
+    model = AutoModelForImageTextToText.from_config(vl_config(vision, family, **text)).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "ln_q" in name or "bias" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+            elif "pos_embed" in name:
+                param.normal_(0.0, 0.5)
     model.to(dtype).save_pretrained(path)
     return Path(path)
 
 
 def load_hf_vl(path: Path, dtype: torch.dtype = torch.float32):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=dtype).eval()
+    return AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype).eval()
 
 
 def patch_dim() -> int:

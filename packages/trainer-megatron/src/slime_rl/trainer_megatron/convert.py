@@ -23,12 +23,14 @@ Megatron layouts (local spec):
 - DeepSeek-V3 (the layers and MTP as GLM-4.5's): multi-head latent attention's projections and norms (mla.py) are
   HF's tensors one to one, unfused and unpermuted (``kv_b_proj`` stays whole: SGLang derives its ``w_kc``/``w_vc``
   from it after loading). TP=1 only.
-- Qwen2.5-VL: the language model's tensors are Qwen2's (``model.*``, ``lm_head``); the vision tower's
-  ``visual.X`` are the first stage's ``vision.X`` one to one, replicated over TP (vision.py).
+- Qwen2.5-VL and Qwen3-VL: the language model's tensors are Qwen2's and Qwen3's; the vision tower's ``visual.X``
+  are the first stage's ``vision.X`` one to one, replicated over TP (vision.py); the checkpoint's prefixes are
+  the family's (vlm.CHECKPOINT_PREFIXES: Qwen3-VL's under ``model.language_model.`` and ``model.visual.``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from slime_rl.core.contracts import NamedTensors
+from slime_rl.trainer_megatron import vlm
 from slime_rl.trainer_megatron.mla import hf_tensor_shape
 from slime_rl.trainer_megatron.model import HFModelShape, PolicyGPT
 from slime_rl.trainer_megatron.vision import hf_tensor_shapes
@@ -136,9 +139,10 @@ def param_refs(shape: HFModelShape) -> list[ParamRef]:
     refs.append(ParamRef("decoder.final_layernorm.weight", ("model.norm.weight",), None, None))
     if not shape.tie_word_embeddings:
         refs.append(ParamRef("output_layer.weight", ("lm_head.weight",), 0, None))
-    if shape.vision is not None:  # the vision tower, HF's names under visual. (vision.py)
+    if shape.vision is not None:  # the vision tower (vision.py), then every name as the VL checkpoint has it
         refs += [ParamRef("vision." + name.removeprefix("visual."), (name,), None, None)
                  for name in hf_tensor_shapes(shape.vision)]
+        refs = [dataclasses.replace(r, hf_names=tuple(vlm.hf_name(shape, n) for n in r.hf_names)) for r in refs]
     return refs
 
 
@@ -381,8 +385,8 @@ def _hf_shapes(ref: ParamRef, shape: HFModelShape) -> list[tuple[int, ...]]:
     out = []
     moe = shape.moe
     for name in ref.hf_names:
-        if name.startswith("visual."):
-            out.append(hf_tensor_shapes(shape.vision)[name])
+        if shape.vision is not None and (canonical := vlm.canonical_name(shape, name)).startswith("visual."):
+            out.append(hf_tensor_shapes(shape.vision)[canonical])
         elif shape.mla is not None and (mla := hf_tensor_shape(shape.mla, name, shape.num_heads, h)) is not None:
             out.append(mla)
         elif moe is not None and (".experts." in name or ".shared_expert." in name or ".shared_experts." in name):

@@ -13,7 +13,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                            "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
                            "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
-                           "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+                           "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl"}
 #: Architectures users ask for that are not built yet, with the part that is missing.
 MISSING_PARTS = {
     "DeepseekV2ForCausalLM": "V2's softmax routing (greedy or group-limited greedy) so far; its multi-head latent"

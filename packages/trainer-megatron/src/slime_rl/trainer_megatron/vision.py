@@ -1,5 +1,5 @@
-"""Qwen2.5-VL's vision tower and patch merger for the Megatron trainer: plain torch modules, replicated on every
-tensor-parallel rank.
+"""Qwen2.5-VL's vision tower and patch merger for the Megatron trainer (Qwen3-VL's: vision_qwen3.py): plain torch
+modules, replicated on every tensor-parallel rank.
 
 Why not Megatron's TP layers: the tower is small beside the language model (Qwen2.5-VL-7B: 0.67B of 8.3B
 parameters, 32 blocks of width 1280) and sees a few thousand patches a sample, so splitting it buys little, and a
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 @dataclass(frozen=True)
 class VisionShape:
-    """What the vision tower and the mRoPE language model need from a Qwen2.5-VL config.json."""
+    """What the vision tower and the mRoPE language model need from a Qwen2.5-VL or Qwen3-VL config.json."""
 
     depth: int
     hidden_size: int
@@ -44,6 +44,13 @@ class VisionShape:
     rope_theta: float
     image_token_id: int
     mrope_section: tuple[int, ...]  # the language model's rotary dims per position stream (t, h, w)
+    # Qwen3-VL (vision_qwen3.py): learned position embeddings resampled to each image, LayerNorms, a GELU MLP,
+    # full attention in every block, features of some blocks added to the first LM layers' outputs (deepstack),
+    # and the rotary dims' streams interleaved (t, h, w, t, h, w, ...) rather than in three runs
+    family: str = "qwen2_5_vl"
+    num_position_embeddings: int = 0
+    deepstack_visual_indexes: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -57,6 +64,7 @@ class VisionShape:
 
 def vision_shape(hf_config) -> VisionShape:
     v, text = hf_config.vision_config, hf_config.text_config
+    family = "qwen3_vl" if hf_config.model_type == "qwen3_vl" else "qwen2_5_vl"
     rope = dict(getattr(v, "rope_parameters", None) or {})
     text_rope = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
     section = text_rope.get("mrope_section")
@@ -68,31 +76,36 @@ def vision_shape(hf_config) -> VisionShape:
     return VisionShape(
         depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size, num_heads=v.num_heads,
         in_channels=v.in_channels, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-        spatial_merge_size=v.spatial_merge_size, window_size=v.window_size, out_hidden_size=v.out_hidden_size,
-        fullatt_block_indexes=tuple(v.fullatt_block_indexes), hidden_act=v.hidden_act,
+        spatial_merge_size=v.spatial_merge_size, window_size=getattr(v, "window_size", 0) or 0,
+        out_hidden_size=v.out_hidden_size, hidden_act=v.hidden_act,
+        fullatt_block_indexes=tuple(getattr(v, "fullatt_block_indexes", None) or range(v.depth)),
         rope_theta=float(rope.get("rope_theta", 10000.0)), image_token_id=int(hf_config.image_token_id),
-        mrope_section=tuple(int(s) for s in section))
+        mrope_section=tuple(int(s) for s in section), family=family,
+        num_position_embeddings=int(getattr(v, "num_position_embeddings", 0) or 0),
+        deepstack_visual_indexes=tuple(getattr(v, "deepstack_visual_indexes", None) or ()),
+        mrope_interleaved=bool(text_rope.get("mrope_interleaved", family == "qwen3_vl")))
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
                 "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
 
+def build_tower(v: VisionShape) -> nn.Module:
+    """The vision tower of ``v``'s family."""
+    if v.family == "qwen3_vl":
+        from slime_rl.trainer_megatron.vision_qwen3 import Qwen3VisionTower
+
+        return Qwen3VisionTower(v)
+    return VisionTower(v)
+
+
+@functools.cache
 def hf_tensor_shapes(v: VisionShape) -> dict[str, tuple[int, ...]]:
-    """Every vision tensor's HF name (under ``visual.``) and shape."""
-    h, i = v.hidden_size, v.intermediate_size
-    merged = h * v.spatial_merge_size ** 2
-    out = {"visual.patch_embed.proj.weight": (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)}
-    for b in range(v.depth):
-        p = f"visual.blocks.{b}."
-        out |= {p + "norm1.weight": (h,), p + "norm2.weight": (h,), p + "attn.qkv.weight": (3 * h, h),
-                p + "attn.qkv.bias": (3 * h,), p + "attn.proj.weight": (h, h), p + "attn.proj.bias": (h,),
-                p + "mlp.gate_proj.weight": (i, h), p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.weight": (h, i), p + "mlp.down_proj.bias": (h,)}
-    out |= {"visual.merger.ln_q.weight": (h,), "visual.merger.mlp.0.weight": (merged, merged),
-            "visual.merger.mlp.0.bias": (merged,), "visual.merger.mlp.2.weight": (v.out_hidden_size, merged),
-            "visual.merger.mlp.2.bias": (v.out_hidden_size,)}
-    return out
+    """Every vision tensor's HF name (``visual.X``: the tower's parameter ``X``, as the HF module names it) and
+    shape, from the tower built on the meta device (no memory)."""
+    with torch.device("meta"):
+        tower = build_tower(v)
+    return {f"visual.{name}": tuple(t.shape) for name, t in tower.state_dict().items()}
 
 
 # ---------------------------------------------------------------- layout of the patches
@@ -109,17 +122,34 @@ class PatchLayout:
     images: list[int]  # patches per image frame (full-attention segments)
 
 
-def patch_layout(grid_thw: Tensor, v: VisionShape) -> PatchLayout:
-    m = v.spatial_merge_size
-    per_window = v.window_size // m // v.patch_size  # merged blocks per window side
-    positions, window_index, windows, images = [], [], [], []
-    offset = 0
+def patch_positions(grid_thw: Tensor, m: int) -> Tensor:
+    """``[patches, 2]``: each patch's (row, column) in its image, patches in the processor's order (each m x m
+    merge block contiguous, blocks row by row, frames one after the other)."""
+    positions = []
     for t, h, w in grid_thw.tolist():
         hpos, wpos = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
         block = (h // m, m, w // m, m)
         pos = torch.stack([hpos.reshape(block).transpose(1, 2).flatten(),
                            wpos.reshape(block).transpose(1, 2).flatten()], dim=-1)
         positions.append(pos.repeat(t, 1))
+    return torch.cat(positions)
+
+
+def rotary_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin ``[patches, head_dim]`` of the 2D rotary: half the frequencies turn with the row, half with the
+    column, the whole head rotated."""
+    freqs = positions[..., None].float() * inv_freq.float()  # [n, 2, d / 4]
+    freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def patch_layout(grid_thw: Tensor, v: VisionShape) -> PatchLayout:
+    m = v.spatial_merge_size
+    per_window = v.window_size // m // v.patch_size  # merged blocks per window side
+    window_index, windows, images = [], [], []
+    offset = 0
+    for t, h, w in grid_thw.tolist():
         images += [h * w] * t
         gh, gw = h // m, w // m
         index = torch.arange(t * gh * gw).reshape(t, gh, gw)
@@ -133,7 +163,7 @@ def patch_layout(grid_thw: Tensor, v: VisionShape) -> PatchLayout:
         window_index.append(flat[flat >= 0] + offset)
         windows += [int(n) * m * m for n in sizes if n > 0]
         offset += t * gh * gw
-    return PatchLayout(positions=torch.cat(positions), window_index=torch.cat(window_index), windows=windows,
+    return PatchLayout(positions=patch_positions(grid_thw, m), window_index=torch.cat(window_index), windows=windows,
                        images=images)
 
 
@@ -158,14 +188,14 @@ class RMSNorm(nn.Module):
 class PatchEmbed(nn.Module):
     """The 3D convolution whose stride is its kernel, as the matmul it is (one GEMM; the same weight, ``proj``)."""
 
-    def __init__(self, v: VisionShape):
+    def __init__(self, v: VisionShape, bias: bool = False):
         super().__init__()
         kernel = (v.temporal_patch_size, v.patch_size, v.patch_size)
-        self.proj = nn.Conv3d(v.in_channels, v.hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(v.in_channels, v.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, pixel_values: Tensor) -> Tensor:
         weight = self.proj.weight
-        return F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+        return F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
 
 
 class VisionMLP(nn.Module):
@@ -248,7 +278,8 @@ class PatchMerger(nn.Module):
 
 class VisionTower(nn.Module):
     """``pixel_values [patches, patch_dim]`` of the images of ``grid_thw [images, 3]`` -> one embedding per
-    merged token ``[patches / merge^2, out_hidden_size]``, in the order the images' placeholder tokens come."""
+    merged token ``[patches / merge^2, out_hidden_size]``, in the order the images' placeholder tokens come, and
+    the deepstack features (none in Qwen2.5-VL)."""
 
     def __init__(self, v: VisionShape):
         super().__init__()
@@ -260,7 +291,7 @@ class VisionTower(nn.Module):
         inv_freq = 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> Tensor:
+    def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
         v = self.shape
         layout = patch_layout(grid_thw.cpu(), v)
         unit = v.spatial_merge_size ** 2
@@ -269,12 +300,9 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         n = x.shape[0]
         x = x.reshape(n // unit, unit, -1)[window_index].reshape(n, -1)
-        freqs = layout.positions.to(device)[..., None].float() * self.inv_freq.float()  # [n, 2, d / 4]
-        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        freqs = freqs.reshape(n // unit, unit, -1)[window_index].reshape(n, -1)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        positions = layout.positions.to(device).reshape(n // unit, unit, 2)[window_index].reshape(n, 2)
+        cos, sin = rotary_tables(positions, self.inv_freq)
         for i, block in enumerate(self.blocks):
             segments = layout.images if i in v.fullatt_block_indexes else layout.windows
             x = block(x, cos, sin, segments)
-        return self.merger(x)[torch.argsort(window_index)]
+        return self.merger(x)[torch.argsort(window_index)], []

@@ -1,6 +1,8 @@
-"""Qwen2.5-VL in the Megatron trainer: the language model is the Qwen2 GPTModel (model.py) with multimodal RoPE,
-and the first pipeline stage holds the vision tower (vision.py), whose embeddings replace the image placeholder
-tokens' embeddings before the first layer.
+"""Qwen2.5-VL and Qwen3-VL in the Megatron trainer: the language model is the Qwen2 (Qwen3) GPTModel (model.py) with
+multimodal RoPE, and the first pipeline stage holds the vision tower (vision.py, vision_qwen3.py), whose embeddings
+replace the image placeholder tokens' embeddings before the first layer. Qwen3-VL also adds its deepstack features
+to the image tokens' hidden states after each of its first layers (one feature map a layer), and interleaves the
+rotary dims' streams (t, h, w, t, h, w, ...; `InterleavedMRoPE`) where Qwen2.5-VL gives each stream a run.
 
 mRoPE: every token has three positions (t, h, w); a text token's three are equal and count on from the previous
 token, an image's merged tokens take (t, row, column) offset by the position where the image starts, and the text
@@ -24,10 +26,31 @@ import torch
 from torch import Tensor
 
 from slime_rl.trainer_megatron.model import PolicyGPT
-from slime_rl.trainer_megatron.vision import VisionShape, VisionTower, vision_shape
+from slime_rl.trainer_megatron.settings import megatron_settings
+from slime_rl.trainer_megatron.vision import VisionShape, build_tower, vision_shape
 
 #: HF architecture -> the text-only architecture whose language model it carries (support.py's table has both).
-VL_TEXT_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+VL_TEXT_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+                         "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
+#: The checkpoint's name prefixes of the language model and the vision tower, by family: Qwen2.5-VL's hub folders
+#: (and transformers 5's save_pretrained) keep the pre-4.52 layout, Qwen3-VL's were released in the later one.
+CHECKPOINT_PREFIXES = {"qwen2_5_vl": ("model.", "visual."), "qwen3_vl": ("model.language_model.", "model.visual.")}
+
+
+def hf_name(shape, name: str) -> str:
+    """A text model's HF name (``model.X``, ``lm_head.X``) or the tower's (``visual.X``) as the VL checkpoint has it."""
+    text, vision = CHECKPOINT_PREFIXES[shape.vision.family]
+    if name.startswith("visual."):
+        return vision + name.removeprefix("visual.")
+    return text + name.removeprefix("model.") if name.startswith("model.") else name
+
+
+def canonical_name(shape, name: str) -> str:
+    """The inverse of `hf_name`."""
+    text, vision = CHECKPOINT_PREFIXES[shape.vision.family]
+    if name.startswith(vision):
+        return "visual." + name.removeprefix(vision)
+    return "model." + name.removeprefix(text) if name.startswith(text) else name
 
 
 @dataclass
@@ -60,7 +83,7 @@ def vl_model_shape(hf_config, text_shape):
     if sum(vision.mrope_section) * 2 != shape.head_dim:
         raise ValueError(f"model.path: mrope_section {list(vision.mrope_section)} covers {2 * sum(vision.mrope_section)}"
                          f" rotary dims; the heads have {shape.head_dim}")
-    return dataclasses.replace(shape, family="qwen2_5_vl", architecture=arch, tie_word_embeddings=tie, vision=vision)
+    return dataclasses.replace(shape, family=vision.family, architecture=arch, tie_word_embeddings=tie, vision=vision)
 
 
 # ---------------------------------------------------------------- positions
@@ -132,32 +155,71 @@ class PolicyVLM(PolicyGPT):
         self.vision_shape = vision
         self.vision = None
         if self.pre_process:
-            self.vision = VisionTower(vision).to(self.config.params_dtype)
+            self.vision = build_tower(vision).to(self.config.params_dtype)
+        if vision.mrope_interleaved:
+            self.rotary_pos_emb = InterleavedMRoPE(self.rotary_pos_emb.inv_freq)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask, *, images: ImageInputs | None = None,
                 **kwargs):
-        decoder_input = None
+        decoder_input, hooks = None, []
         if self.pre_process:
             decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
             if images is not None:
-                embeds = self.vision(images.pixel_values, images.grid_thw)
-                decoder_input = merge_image_embeddings(decoder_input, input_ids, embeds, self.vision_shape.image_token_id)
-        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
+                embeds, deepstack = self.vision(images.pixel_values, images.grid_thw)
+                rows = image_rows(input_ids, self.vision_shape.image_token_id, embeds.shape[0])
+                flat = decoder_input.reshape(-1, decoder_input.shape[-1])
+                decoder_input = flat.index_copy(0, rows, embeds.to(flat.dtype)).view_as(decoder_input)
+                # Qwen3-VL: feature map i joins the image tokens' hidden states after layer i (the first stage's)
+                hooks = [self.decoder.layers[i].register_forward_hook(_DeepstackAdd(rows, feature))
+                         for i, feature in enumerate(deepstack)]
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
-def merge_image_embeddings(embeddings: Tensor, input_ids: Tensor, image_embeds: Tensor, image_token_id: int) -> Tensor:
-    """``embeddings [s, b, h]`` with the image placeholder tokens' rows replaced by ``image_embeds`` (rows in
-    sample order, then position order: how the micro-batch's images are concatenated)."""
-    mask = (input_ids == image_token_id).t()  # [s, b]
-    count = int(mask.sum())
-    if count != image_embeds.shape[0]:
-        raise ValueError(f"a micro-batch has {count} image placeholder tokens and {image_embeds.shape[0]} image"
+def image_rows(input_ids: Tensor, image_token_id: int, count: int) -> Tensor:
+    """The image placeholder tokens' rows in the ``[s, b]`` layout flattened, in sample order, then position order
+    (how the micro-batch's images are concatenated); a ValueError unless there are ``count`` of them."""
+    mask = input_ids == image_token_id  # [b, s]
+    if int(mask.sum()) != count:
+        raise ValueError(f"a micro-batch has {int(mask.sum())} image placeholder tokens and {count} image"
                          " embeddings; each sample's image_grid_thw must match its placeholder runs")
-    order = mask.t().reshape(-1).nonzero().squeeze(1)  # placeholder positions in [b, s] order
-    s, b = mask.shape
-    rows = (order % s) * b + order // s  # the same positions in the [s, b] layout
-    flat = embeddings.reshape(s * b, -1).index_copy(0, rows, image_embeds.to(embeddings.dtype))
-    return flat.view_as(embeddings)
+    b, s = mask.shape
+    order = mask.reshape(-1).nonzero().squeeze(1)
+    return (order % s) * b + order // s
+
+
+class _DeepstackAdd:
+    """A decoder layer's forward hook adding one deepstack feature map to the image tokens' outputs."""
+
+    def __init__(self, rows: Tensor, feature: Tensor):
+        self.rows, self.feature = rows, feature
+
+    def __call__(self, module, args, output):
+        hidden, *rest = output
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_add(0, self.rows, self.feature.to(hidden.dtype))
+        return (flat.view_as(hidden), *rest)
+
+
+class InterleavedMRoPE(torch.nn.Module):
+    """Qwen3-VL's mRoPE table (transformers' Qwen3VLTextRotaryEmbedding): frequency i turns with the h position where
+    i % 3 == 1 and i < 3 * sections[1], with w where i % 3 == 2 and i < 3 * sections[2], with t elsewhere. Called as
+    megatron-core's MultimodalRotaryEmbedding is: ``[3, b, s]`` positions -> ``[s, b, 1, dim]``."""
+
+    def __init__(self, inv_freq: Tensor):
+        super().__init__()
+        self.inv_freq = inv_freq
+
+    def forward(self, position_ids: Tensor, mrope_section: list[int], cp_group=None) -> Tensor:
+        freqs = position_ids.to(self.inv_freq.device).float()[..., None] * self.inv_freq.float()  # [3, b, s, d/2]
+        out = freqs[0].clone()
+        for stream in (1, 2):
+            at = slice(stream, mrope_section[stream] * 3, 3)
+            out[..., at] = freqs[stream, ..., at]
+        emb = torch.cat([out, out], dim=-1)
+        return emb[..., None, :].transpose(0, 1).contiguous()
 
 
 # ---------------------------------------------------------------- the trainer's hooks
@@ -169,9 +231,16 @@ def configure(model, shape, cfg) -> None:
     if shape.vision is None:
         return
     p = cfg.parallel
+    first_stage_layers = shape.num_layers // p.pipeline_model_parallel_size
+    deepstack = len(shape.vision.deepstack_visual_indexes)
+    recompute = megatron_settings(cfg).recompute
     unsupported = {"parallel.sequence_parallel": p.sequence_parallel and p.tensor_model_parallel_size > 1,
                    "parallel.context_parallel_size > 1": p.context_parallel_size > 1,
-                   "trainer.lora": cfg.trainer.lora.rank > 0}
+                   "trainer.lora": cfg.trainer.lora.rank > 0,
+                   # deepstack's additions are hooks on the first layers' forward, which a recomputed forward
+                   # would run without, and whose features come from the first stage's vision tower
+                   "trainer.megatron.recompute: true (full)": deepstack and recompute is True,
+                   f"a first pipeline stage of fewer than the {deepstack} deepstack layers": first_stage_layers < deepstack}
     for name, on in unsupported.items():
         if on:
             raise ValueError(f"{name}: not supported with a vision-language model ({shape.architecture}) yet")
