@@ -4,6 +4,7 @@
     python benchmarks/fp8_rollout.py rollout --variants bf16 fp8 fp8-kv --json OUT.json
     python benchmarks/fp8_rollout.py sync --json OUT.json            # the 7B sync, bf16 vs FP8 with quantisation
     python benchmarks/fp8_rollout.py table OUT.json ...              # one table over the rows of earlier calls
+    python benchmarks/fp8_rollout.py sync --shape tiny --device cpu --python STANDIN_PYTHON   # the CPU smoke test
 
 - ``gemm``: every choice of SGLang's ``--fp8-gemm-backend`` (server_args.FP8_GEMM_RUNNER_BACKEND_CHOICES) runs
   SGLang's block-FP8 linear (``dispatch_w8a8_block_fp8_linear``) on the Qwen2.5-7B projections at a decode batch
@@ -44,7 +45,9 @@ SHAPE = "qwen2.5-7b"
 # hidden 3584, q/k/v 3584/512/512, gate/up 18944 x2, down 18944 -> 3584
 GEMM_SHAPES = {"qkv_proj": (4608, 3584), "o_proj": (3584, 3584), "gate_up_proj": (37888, 3584),
                "down_proj": (3584, 18944)}
-FLAGS = {"skip_tokenizer_init": True, "grammar_backend": "none", "mem_fraction_static": 0.85, "load_format": "dummy"}
+# the bundle's SGLang has triton attention and pytorch sampling (../shared/gpu/README.md); CUDA graphs stay on
+FLAGS = {"skip_tokenizer_init": True, "attention_backend": "triton", "sampling_backend": "pytorch",
+         "grammar_backend": "none", "dtype": "bfloat16", "mem_fraction_static": 0.85}
 
 
 def rows_out(path: Path | None, rows: list[dict]) -> None:
@@ -105,24 +108,33 @@ def timed_cuda(fn, repeats: int = 20) -> float:
 
 # ---------------------------------------------------------------------- rollout
 
-def model_folder(work: Path, fp8: bool) -> Path:
-    """The 7B shape's config (no weights: the server makes dummy ones), with the FP8 quantization_config."""
+def model_folder(work: Path, shape: str, fp8: bool) -> Path:
+    """The shape's HF folder (a large one without weights: its server makes dummy ones, `dummy_flags`); with
+    ``fp8`` its FP8 copy as the engines start from it (rollout_sglang/fp8.py), or the config with the FP8
+    quantization_config when there are no weights to quantise."""
     from weight_sync import make_model_folder
 
-    from slime_rl.rollout_sglang.fp8 import fp8_format
+    from slime_rl.rollout_sglang.fp8 import fp8_format, write_served_folder
 
-    base = work / SHAPE
+    base = work / shape
     if not (base / "config.json").is_file():
-        make_model_folder(SHAPE, base, weights=False)
+        make_model_folder(shape, base)
     if not fp8:
         return base
-    folder = work / f"{SHAPE}-fp8"
+    folder = work / f"{shape}-fp8"
+    if any(base.glob("*.safetensors")):
+        return write_served_folder(base, folder, fp8_format(base, 1))
     if not folder.is_dir():
         shutil.copytree(base, folder)
         config = json.loads((folder / "config.json").read_text())
         config["quantization_config"] = fp8_format(base, 1).quantization_config()
         (folder / "config.json").write_text(json.dumps(config, indent=1))
     return folder
+
+
+def dummy_flags(folder: Path) -> dict:
+    """SGLang's random weights for a folder without any (``--load-format dummy``)."""
+    return {} if any(folder.glob("*.safetensors")) else {"load_format": "dummy"}
 
 
 def rollout(args, work: Path) -> list[dict]:
@@ -139,10 +151,10 @@ def rollout(args, work: Path) -> list[dict]:
         return [[rng.randrange(10, 150_000) for _ in range(args.prompt_len)] for _ in range(count)]
 
     for variant in args.variants:
-        flags = dict(FLAGS, **(args.engine_args or {}))
+        folder = model_folder(work, args.shape, fp8=variant != "bf16")
+        flags = dict(FLAGS, **dummy_flags(folder), **(args.engine_args or {}))
         if variant == "fp8-kv":
             flags["kv_cache_dtype"] = "fp8_e4m3"
-        folder = model_folder(work, fp8=variant != "bf16")
         server = start_server(0, str(folder), log_dir=work / f"logs-{variant}", python=args.python, engine_args=flags)
         try:
             t0 = time.perf_counter()
@@ -155,7 +167,7 @@ def rollout(args, work: Path) -> list[dict]:
             seconds = time.perf_counter() - start
         finally:
             server.process.stop()
-        row = {"mode": "rollout", "variant": variant, "tokens": tokens, "seconds": seconds,
+        row = {"mode": "rollout", "shape": args.shape, "variant": variant, "tokens": tokens, "seconds": seconds,
                "tokens_per_s": tokens / seconds, "startup_s": started, "flags": flags}
         rows.append(row)
         print(f"[rollout] {variant}: {tokens} new tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tok/s"
@@ -174,26 +186,26 @@ def sync(args, work: Path) -> list[dict]:
     from slime_rl.rollout_sglang.weights import verify
     from slime_rl.rollout_sglang.weights.trainer_sender import SGLangWeightSender
 
-    rows = []
+    rows, on_cuda = [], args.device == "cuda"
     for variant in ("bf16", "fp8"):
-        folder = model_folder(work, fp8=variant == "fp8")
-        flags = dict(GPU_ENGINE_ARGS, mem_fraction_static=0.3, load_format="dummy")
+        folder, base = model_folder(work, args.shape, fp8=variant == "fp8"), model_folder(work, args.shape, fp8=False)
+        flags = dict(GPU_ENGINE_ARGS, mem_fraction_static=0.3, **dummy_flags(folder)) if on_cuda else {}
         engine = SGLangEngine.launch(str(folder), engine_args=flags, python=args.python, work_dir=work / f"sync-{variant}",
                                      startup_timeout=args.startup_timeout, health_interval=0)
         try:
-            weights = trainer_weights(model_folder(work, fp8=False), "cuda")
+            weights = trainer_weights(base, args.device)
             buckets = bucketed(weights, 2048 * 2**20)
             cfg = Config.model_validate({
-                "model": {"path": str(model_folder(work, fp8=False))}, "logging": {"dir": str(work / f"run-{variant}")},
+                "model": {"path": str(base)}, "logging": {"dir": str(work / f"run-{variant}")},
                 "rollout": {"engine": "sglang", "update_weight_transport": "tensor",
                             "precision": "fp8" if variant == "fp8" else "model"}})
             sender = SGLangWeightSender(cfg, rank=0)  # with the restore copy, as the loop runs it
             seconds = []
             for version in range(1, args.syncs + 2):
-                torch.cuda.synchronize()
+                synchronize(on_cuda)
                 start = time.perf_counter()
                 asyncio.run(loop_sync(engine, sender, buckets, version))
-                torch.cuda.synchronize()
+                synchronize(on_cuda)
                 seconds.append(time.perf_counter() - start)
                 sender.restore.writes.wait()  # the background host copy, untimed (the loop trains meanwhile)
             sent = quantize_named(weights, sender.fp8) if sender.fp8 is not None else weights
@@ -202,13 +214,19 @@ def sync(args, work: Path) -> list[dict]:
         finally:
             asyncio.run(engine.shutdown())
         median = statistics.median(seconds[1:])
-        rows.append({"mode": "sync", "variant": variant, "seconds": seconds[1:], "median_s": median,
-                     "checked": checked})
+        rows.append({"mode": "sync", "shape": args.shape, "variant": variant, "seconds": seconds[1:],
+                     "median_s": median, "checked": checked})
         print(f"[sync] {variant}: {' '.join(f'{s:.3f}' for s in seconds[1:])} s (first {seconds[0]:.3f});"
               f" checksums equal: {checked} tensors", flush=True)
         del weights, buckets
-        torch.cuda.empty_cache()
+        if on_cuda:
+            torch.cuda.empty_cache()
     return rows
+
+
+def synchronize(on_cuda: bool) -> None:
+    if on_cuda:
+        torch.cuda.synchronize()
 
 
 async def loop_sync(engine, sender, buckets, version: int) -> None:
@@ -224,7 +242,8 @@ def table(rows: list[dict]) -> None:
     rollouts = {r["variant"]: r for r in rows if r["mode"] == "rollout"}
     if rollouts:
         base = rollouts.get("bf16")
-        print("\n| rollout (Qwen2.5-7B shape) | new tokens/s | vs bf16 |\n|---|---|---|")
+        print(f"\n| rollout ({next(iter(rollouts.values())).get('shape', SHAPE)} shape) | new tokens/s | vs bf16 |"
+              "\n|---|---|---|")
         for variant, r in rollouts.items():
             ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
             print(f"| {variant} | {r['tokens_per_s']:,.0f} | {ratio} |")
@@ -232,7 +251,8 @@ def table(rows: list[dict]) -> None:
             print(f"FP8 / bf16 = {rollouts['fp8']['tokens_per_s'] / base['tokens_per_s']:.2f} (target >= 1.3)")
     syncs = {r["variant"]: r for r in rows if r["mode"] == "sync"}
     if syncs:
-        print("\n| 7B sync (CUDA IPC, 2 GiB buckets) | median s | checksums equal |\n|---|---|---|")
+        print(f"\n| {next(iter(syncs.values())).get('shape', SHAPE)} sync (CUDA IPC, 2 GiB buckets) | median s |"
+              " checksums equal |\n|---|---|---|")
         for variant, r in syncs.items():
             print(f"| {variant}{' (quantised at each sync)' if variant == 'fp8' else ''} | {r['median_s']:.3f} |"
                   f" {r['checked']} |")
@@ -255,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["gemm", "rollout", "sync", "table"])
     p.add_argument("files", nargs="*", type=Path, help="table: JSON files of earlier calls")
+    p.add_argument("--shape", default=SHAPE, help="a shape of benchmarks/weight_sync.py (tiny: the CPU smoke test)")
+    p.add_argument("--device", default="cuda", help="the trainer's weights (sync; cpu with --python a stand-in)")
     p.add_argument("--variants", nargs="+", default=["bf16", "fp8", "fp8-kv"], choices=["bf16", "fp8", "fp8-kv"])
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=256)
