@@ -35,7 +35,7 @@
 # moe-sync (issue 19: Qwen3-MoE and Qwen2-MoE weights from the Megatron trainer into SGLang by IPC and disk; issue 37:
 # GLM-4.5 too), mla-varlen (issue 37: DeepSeek-V3's MLA tests on megatron-core 0.19.2, the GPU one on the flash varlen
 # kernel with V padded to the q/k head dim).
-# vlm (issue 41: Qwen2.5-VL in the Megatron trainer: the CPU tests on megatron-core 0.19.2 and transformers 5.12.1,
+# vlm (issue 41: Qwen2.5-VL and Qwen3-VL in the Megatron trainer: the CPU tests on megatron-core 0.19.2 and transformers 5.12.1,
 # TP=2/PP=2 over gloo included, then bf16 and fp32 log-probs of samples with images against transformers on CUDA,
 # packed (flash varlen, compiled mRoPE) and padded; ~2 min), bench-vlm (issue 41: one GRPO update of 32 samples x 2
 # images of 448 x 448 on the Qwen2.5-VL-3B shape with 12 LM layers, trainer vs transformers' Qwen2.5-VL: tokens/s,
@@ -108,6 +108,7 @@ for stage in "$@"; do
     moe-sync) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_moe_sync.py -p no:cacheprovider) ;;
     mla-varlen) cmd=(python3 -m pytest -x -q -s -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_mla.py) ;;
     vlm) cmd=(python3 -m pytest -x -q -s -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_vlm.py
+              packages/trainer-megatron/tests/test_megatron_qwen3_vl.py
               packages/trainer-megatron/tests/test_megatron_vlm_gpu.py) ;;
     bench-vlm) cmd=(timeout 500 python3 benchmarks/vlm_trainer_throughput.py --device cuda --shape qwen2.5-vl-3b-reduced
                     --samples 32 --images 2 --grid 32 32 --response-len 256 --max-tokens-per-gpu 8192

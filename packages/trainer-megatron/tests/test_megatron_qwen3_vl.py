@@ -112,6 +112,11 @@ def test_tensor_parallel_equals_one_rank(qwen3_vl, tmp_path):
     (["parallel.pipeline_model_parallel_size=3"], "first pipeline stage of fewer than the 2 deepstack layers"),
 ])
 def test_refuses_what_deepstack_cannot_do(qwen3_vl, overrides, match):
+    from slime_rl.trainer_megatron.support import model_support
+
+    said = dict(model_support(qwen3_vl)[1])
+    assert said["architecture"] == "Qwen3VLForConditionalGeneration: supported (family qwen3_vl)"
+    assert "deepstack from blocks [0, 2]" in said["vision"] and "[2, 3, 3] interleaved" in said["vision"]
     from slime_rl.trainer_megatron import vlm
 
     shape = trainer_for(qwen3_vl, ["trainer.max_tokens_per_gpu=4096"]).shape

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL in the Megatron trainer on the GPU (scripts/gpu/run.sh stage vlm): log-probs of samples with several
+"""Qwen2.5-VL and Qwen3-VL in the Megatron trainer on the GPU (scripts/gpu/run.sh stage vlm): log-probs of samples with several
 images against transformers' on the same device, bf16 and fp32, packed (the flash varlen kernel, the compiled mRoPE
 table) and padded, on a config wide enough for bf16 rounding to show. Fresh processes per case (launch). The figures
 printed here go to docs/gpu-results.md:
@@ -21,11 +21,18 @@ TEXT = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_at
                                                      "mrope_section": [8, 12, 12]})
 VISION = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=512,
               fullatt_block_indexes=[1, 3], initializer_range=0.02)
+# Qwen3-VL: Qwen3 text (head dim 64 given), deepstack from vision blocks 1 and 2, an 8 x 8 learned position grid
+QWEN3_TEXT = {**TEXT, "head_dim": 64}
+QWEN3_VISION = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=512,
+                    deepstack_visual_indexes=[1, 2], num_position_embeddings=64, initializer_range=0.02)
 
 
-@pytest.fixture(scope="module")
-def vl_model(tmp_path_factory):
-    return make_vl_model(tmp_path_factory.mktemp("vl") / "m", vision=VISION, **TEXT)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param) / "m"
+    if request.param == "qwen3_vl":
+        return make_vl_model(folder, family="qwen3_vl", vision=QWEN3_VISION, **QWEN3_TEXT)
+    return make_vl_model(folder, vision=VISION, **TEXT)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -34,8 +41,8 @@ def test_vl_log_probs_match_transformers_on_cuda(vl_model, tmp_path, dtype, batc
     spec = dict(scenario="vlm_hf_parity", model=str(vl_model), num_samples=12, response=(32, 96),
                 overrides=["cluster.device=cuda", f"model.dtype={dtype}", batching])
     diff = launch(1, spec, tmp_path)["abs_diff"]
-    print(f"\nQwen2.5-VL {dtype} {batching}: |megatron - transformers| mean {diff.mean():.2e}, max {diff.max():.2e}"
-          f" over {diff.numel()} tokens")
+    print(f"\n{vl_model.parent.name} {dtype} {batching}: |megatron - transformers| mean {diff.mean():.2e},"
+          f" max {diff.max():.2e} over {diff.numel()} tokens")
     if dtype == "float32":
         assert diff.max() <= 1e-3  # TF32 is off by default on both sides; cuBLAS orders sums differently
     else:

@@ -84,9 +84,12 @@ def model_support(path: str | Path) -> tuple[bool, list[tuple[str, str]]]:
                                    f" {mla.qk_nope_head_dim}+{mla.qk_rope_head_dim}, v {mla.v_head_dim}); TP=1, CP=1"))
     if shape.vision is not None:
         v = shape.vision
+        deepstack = f", deepstack from blocks {list(v.deepstack_visual_indexes)}" if v.deepstack_visual_indexes else ""
         lines.append(("vision", f"vision tower of {v.depth} blocks (width {v.hidden_size}, full attention at"
-                                f" {list(v.fullatt_block_indexes)}), merged {v.spatial_merge_size}x{v.spatial_merge_size};"
-                                f" mRoPE sections {list(v.mrope_section)}; TP and PP, CP=1, no sequence parallelism"))
+                                f" {list(v.fullatt_block_indexes)}{deepstack}), merged {v.spatial_merge_size}x"
+                                f"{v.spatial_merge_size}; mRoPE sections {list(v.mrope_section)}"
+                                f"{' interleaved' if v.mrope_interleaved else ''}; TP and PP, CP=1, no sequence"
+                                " parallelism"))
     if shape.mtp_layers:
         lines.append(("mtp", f"{shape.mtp_layers} multi-token-prediction layer(s): not trained, carried unchanged"
                              " into saved checkpoints"))
