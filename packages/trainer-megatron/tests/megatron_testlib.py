@@ -28,10 +28,11 @@ def ensure_single_rank_group() -> None:
 
 def make_hf_model(path: Path, family: str = "llama", *, tie: bool = False, seed: int = 0, vocab: int = 256,
                   layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
-                  rope_scaling: dict | None = None, dtype: torch.dtype = torch.float32) -> Path:
+                  rope_scaling: dict | None = None, dtype: torch.dtype = torch.float32, **fields) -> Path:
     """A random HF model folder (config.json + model.safetensors, no tokenizer); norms and biases perturbed
-    so that every parameter matters."""
+    so that every parameter matters. ``fields``: other config fields (tiny_config's)."""
     extra = {"head_dim": hidden // heads * 2} if family == "qwen3" else {}  # head_dim != hidden/heads
+    extra.update(fields)
     config = tiny_config(family, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, tie_word_embeddings=tie,
                          max_position_embeddings=512, **extra)

@@ -1,5 +1,5 @@
 """DeepSeek-V3 (multi-head latent attention, mla.py, with GLM-4.5's routing, dense first layer and shared expert) in
-the Megatron trainer at TP=1: HF -> Megatron -> HF is bit-exact for every MLA tensor, log-probs equal transformers'
+the Megatron trainer at TP=1 (TP=2: test_megatron_sequence_parallel): HF -> Megatron -> HF is bit-exact for every MLA tensor, log-probs equal transformers'
 (fp32, <= 1e-4) on padded and packed micro-batches (both CPU kernels), without a q down-projection (V2-Lite's
 q_lora_rank null) and with YaRN, and each MLA part moves transformers' log-probs by far more than that when changed:
 a trainer that got one wrong would fail the parity check."""
@@ -185,10 +185,11 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path):
     assert _max_gap(samples, ours, hf) > 1e-3
 
 
-def test_deepseek_checkpoint_carries_its_mtp_layer_through(tmp_path):
+def test_deepseek_checkpoint_carries_its_mtp_layer_through(tmp_path, caplog):
     """A bf16 DeepSeek-V3 checkpoint as released: float32 correction bias and a multi-token-prediction layer after
     the last decoder layer (num_nextn_predict_layers: 1; transformers builds none). The trainer neither builds nor
-    syncs the MTP layer, and save_hf writes every tensor of the checkpoint back, the MTP layer's bit for bit."""
+    syncs the MTP layer, says so when it loads, and save_hf writes every tensor of the checkpoint back, the MTP
+    layer's bit for bit."""
     from safetensors.torch import load_file, save_file
 
     model_dir = deepseek_model(tmp_path / "m")
@@ -204,8 +205,10 @@ def test_deepseek_checkpoint_carries_its_mtp_layer_through(tmp_path):
     (model_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1, "dtype": "bfloat16"}))
     mtp_names = sorted(f"model.layers.2.{suffix}" for suffix in mtp)
 
-    trainer = trainer_for(model_dir, ["model.dtype=bfloat16"])
+    with caplog.at_level("WARNING", logger="slime_rl.trainer_megatron.convert"):
+        trainer = trainer_for(model_dir, ["model.dtype=bfloat16"])
     assert trainer.shape.mtp_layers == 1
+    assert "1 multi-token-prediction layer(s) (5 tensors, model.layers.2.*) not loaded" in caplog.text
     reader = SafetensorsFolder(model_dir)
     synced = dict(item for bucket in trainer.named_weights(bucket_bytes=1 << 20) for item in bucket)
     assert sorted(synced) == sorted(set(reader.weight_map) - set(mtp_names))
@@ -287,10 +290,11 @@ def test_mla_refuses_what_it_does_not_build(tmp_path):
     shape = hf_model_shape(config)
     assert (shape.family, shape.head_dim, shape.num_kv_heads, shape.mla.qk_head_dim, shape.mla.v_head_dim,
             shape.moe.dense_layers, shape.moe.num_groups) == ("deepseek_v3", 8, 4, 20, 10, (0,), 2)
-    with pytest.raises(ValueError, match="multi-head latent attention .* runs at TP=1 and CP=1"):
-        check_parallel_fits(shape, tp=2, pp=1)
-    with pytest.raises(ValueError, match="runs at TP=1 and CP=1 .*CP=2"):
+    check_parallel_fits(shape, tp=2, pp=1)  # TP=2 splits the 4 heads (test_megatron_sequence_parallel)
+    with pytest.raises(ValueError, match="multi-head latent attention .* runs at CP=1 .*CP=2"):
         check_parallel_fits(shape, tp=1, pp=1, cp=2)
+    with pytest.raises(ValueError, match="must divide the model's 4 heads"):
+        check_parallel_fits(shape, tp=8, pp=1)
     config.topk_method, config.scoring_func = "group_limited_greedy", "softmax"  # DeepSeek-V2's routing
     with pytest.raises(ValueError, match="topk_method='group_limited_greedy' with scoring_func='softmax'"):
         hf_model_shape(config)

@@ -469,8 +469,9 @@ def test_glm_routing_megatron_cannot_match_is_refused(tmp_path):
     shape = hf_model_shape(config)
     assert (shape.moe.dense_layers, shape.moe.num_groups, shape.moe.group_topk, shape.moe.scaling_factor,
             shape.rotary_percent, shape.qk_norm, shape.qkv_bias) == ((0,), 2, 1, 2.5, 0.5, True, True)
-    with pytest.raises(ValueError, match="GLM-4.5-style MoE .* runs at TP=1"):
-        check_expert_parallel(shape.moe, tp=2, ep=1, etp=1, sequence_parallel=True)
+    check_expert_parallel(shape.moe, tp=2, ep=1, etp=1, sequence_parallel=True)  # test_megatron_sequence_parallel
+    with pytest.raises(ValueError, match="parallel.sequence_parallel=true"):
+        check_expert_parallel(shape.moe, tp=2, ep=1, etp=1)
     config.norm_topk_prob = False
     with pytest.raises(ValueError, match="norm_topk_prob=false with sigmoid routing"):
         hf_model_shape(config)

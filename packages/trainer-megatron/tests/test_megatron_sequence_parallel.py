@@ -17,8 +17,8 @@ COMMON = ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1", "algorithm
 SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", "cluster.actor_num_gpus_per_node=2"]
 
 
-def _tp2_sp_matches_one_rank(family: str, batching: list[str], tmp_path, *, tie: bool = False) -> dict:
-    model = make_hf_model(tmp_path / "model", family, tie=tie, vocab=256)
+def _tp2_sp_matches_one_rank(family: str, batching: list[str], tmp_path, *, tie: bool = False, **fields) -> dict:
+    model = make_hf_model(tmp_path / "model", family, tie=tie, vocab=256, **fields)
     spec = dict(model=str(model), num_samples=6, vocab=256, ref=True, steps=3)
     ensure_single_rank_group()
     single = run_scenario({**spec, "overrides": COMMON + batching})
@@ -49,7 +49,22 @@ def test_moe_tp2_with_sequence_parallel_matches_one_rank(tmp_path):
     assert all(m["moe_expert_load_max_over_mean"] >= 1.0 for m in multi["metrics"])
 
 
+def test_deepseek_v3_mla_tp2_with_sequence_parallel_matches_one_rank(tmp_path):
+    """DeepSeek-V3 (issue 37): multi-head latent attention split by heads (q_b_proj and kv_b_proj column-parallel,
+    the down-projections and latent norms replicated with their gradients summed over TP, o_proj row-parallel) with
+    GLM-4.5's routing, dense first layer and shared expert; packed micro-batches of odd token counts. The HF round
+    trip at TP=2 is bit-exact (kv_b_proj split and merged by heads)."""
+    multi = _tp2_sp_matches_one_rank("deepseek_v3", ["trainer.max_tokens_per_gpu=41"], tmp_path)
+    assert "model.layers.1.self_attn.kv_b_proj.weight" in multi["exported_names"]
+
+
 SLOW_CASES = {
+    # GLM-4.5 (issue 37): dense first layer, sigmoid routing with the correction bias in 2 groups, shared expert,
+    # partial RoPE, attention biases and q/k norms; padded rows. Adam's eps as in the PP case below: at the default
+    # 1e-8 one weight of the dense MLP whose gradient is ~1e-9 ends 2e-5 apart (log-probs 5e-7, grad norms 2e-7)
+    "glm4_moe-padded": ("glm4_moe", False, ["trainer.micro_batch_size=3", "trainer.adam_eps=1e-6"]),
+    # DeepSeek-V3 on padded rows (the packed case runs in make test)
+    "deepseek_v3-padded": ("deepseek_v3", False, ["trainer.micro_batch_size=3"]),
     # Qwen2-MoE: the shared expert and its gate (tagged sequence_parallel by megatron-core), padded rows
     "qwen2_moe-padded": ("qwen2_moe", False, ["trainer.micro_batch_size=3"]),
     # dense with QKV biases and a tied LM head, padded micro-batches
@@ -64,6 +79,20 @@ SLOW_CASES = {
 def test_tp2_with_sequence_parallel_matches_one_rank(case, tmp_path):
     family, tie, batching = SLOW_CASES[case]
     _tp2_sp_matches_one_rank(family, batching, tmp_path, tie=tie)
+
+
+MLA_CASES = {
+    # V2-Lite's q layout (q_lora_rank null): one q_proj, column-parallel by heads on the gathered sequence
+    "v2-lite-q": ("deepseek_v3", {"q_lora_rank": None}, "model.layers.0.self_attn.q_proj.weight"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(MLA_CASES))
+def test_mla_variants_tp2_match_one_rank(case, tmp_path):
+    family, fields, name = MLA_CASES[case]
+    multi = _tp2_sp_matches_one_rank(family, ["trainer.max_tokens_per_gpu=41"], tmp_path, **fields)
+    assert name in multi["exported_names"]
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ Megatron layouts (local spec):
   unchanged from the source folder, so a saved folder holds every tensor the checkpoint had.
 - DeepSeek-V3 (the layers and MTP as GLM-4.5's): multi-head latent attention's projections and norms (mla.py) are
   HF's tensors one to one, unfused and unpermuted (``kv_b_proj`` stays whole: SGLang derives its ``w_kc``/``w_vc``
-  from it after loading). TP=1 only.
+  from it after loading). Under TP, q_b_proj (V2-Lite's q_proj) and kv_b_proj split on dim 0 by heads as they are
+  (each head's rows are contiguous), o_proj on dim 1; the down-projections and latent norms are replicated.
 - Qwen2.5-VL and Qwen3-VL: the language model's tensors are Qwen2's and Qwen3's; the vision tower's ``visual.X``
   are the first stage's ``vision.X`` one to one, replicated over TP (vision.py); the checkpoint's prefixes are
   the family's (vlm.CHECKPOINT_PREFIXES: Qwen3-VL's under ``model.language_model.`` and ``model.visual.``).
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import shutil
 from collections.abc import Iterator
@@ -96,6 +98,7 @@ _LOCAL_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
 _STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)(fc1|fc2)_weight$")
 _EXPERT_BIAS = "mlp.router.expert_bias"  # a buffer, not a parameter: float32, frozen (moe.py)
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+logger = logging.getLogger(__name__)
 _GLOBAL_PARAMS = {
     "embedding.word_embeddings.weight": ("model.embed_tokens.weight", 0),
     "decoder.final_layernorm.weight": ("model.norm.weight", None),
@@ -364,6 +367,10 @@ def load_hf(model: PolicyGPT, folder: str | Path, shape: HFModelShape) -> None:
             param.data = local.to(param.device, torch.float32).clone()
             continue
         param.data.copy_(local)
+    if (mtp := mtp_tensor_names(shape, reader.weight_map)) and dist.get_rank() == 0:
+        logger.warning("%s: %d multi-token-prediction layer(s) (%d tensors, model.layers.%d.*) not loaded: the trainer"
+                       " neither trains nor syncs them; save_hf copies them unchanged", folder, shape.mtp_layers,
+                       len(mtp), shape.num_layers)
 
 
 # ---------------------------------------------------------------- HF tensors out
@@ -458,16 +465,22 @@ def _hf_dtype(ref: ParamRef, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if ref.megatron_name.endswith(_EXPERT_BIAS) else model_dtype
 
 
+def mtp_tensor_names(shape: HFModelShape, names) -> list[str]:
+    """The multi-token-prediction layers' tensors (``model.layers.{num_hidden_layers + i}.*``) among ``names``."""
+    if not shape.mtp_layers:
+        return []
+    layers = range(shape.num_layers, shape.num_layers + shape.mtp_layers)
+    return sorted(n for n in names if (m := _HF_LAYER.match(n)) is not None and int(m.group(1)) in layers)
+
+
 def carried_tensors(shape: HFModelShape, folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors the Megatron model does not hold and a saved folder must still have:
     its multi-token-prediction layers (``model.layers.{num_hidden_layers + i}.*``), as stored."""
     if not shape.mtp_layers:
         return
     reader = SafetensorsFolder(folder)
-    for name in sorted(reader.weight_map):
-        m = _HF_LAYER.match(name)
-        if m is not None and shape.num_layers <= int(m.group(1)) < shape.num_layers + shape.mtp_layers:
-            yield name, reader.get(name)
+    for name in mtp_tensor_names(shape, reader.weight_map):
+        yield name, reader.get(name)
 
 
 def _gather_expert(ref: ParamRef, by_global: dict, shape: HFModelShape, dtype: torch.dtype,

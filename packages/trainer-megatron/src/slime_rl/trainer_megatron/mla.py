@@ -1,10 +1,21 @@
-"""Multi-head latent attention (MLA: DeepSeek-V3, and V2-Lite's projections) in the Megatron trainer, at TP=1.
+"""Multi-head latent attention (MLA: DeepSeek-V3, and V2-Lite's projections) in the Megatron trainer.
 
 Our own module rather than megatron-core's ``MLASelfAttention``, which its local spec cannot build here: the local
 ``DotProductAttention`` takes no ``k_channels``/``v_channels``; ``HAVE_TE`` is True without TransformerEngine
 (``extensions.transformer_engine`` substitutes MagicMocks), so its ``isinstance(..., TELinear)`` checks raise; and
-the local spec's down-projections are column-parallel. Here every projection is a plain (TP=1) Megatron linear and
-core attention is ours (attention.py: padded SDPA, per-sequence, or flash varlen with V padded to the q/k head dim).
+the local spec's down-projections are column-parallel. Here core attention is ours (attention.py: padded SDPA,
+per-sequence, or flash varlen with V padded to the q/k head dim), and under tensor parallelism (which needs sequence
+parallelism here: MLA models are MoE models):
+
+- the sequence is gathered once on the way in (``gather_from_sequence_parallel_region``; its backward reduce-scatters,
+  summing each TP rank's heads' part of the input's gradient), as megatron-core's linear_qkv does under SP;
+- the down-projections (q_a_proj, kv_a_proj_with_mqa with the decoupled rope key) and the latent norms are replicated:
+  their input is the whole hidden state. Each rank's gradient of them is its own heads' part, so their weights are
+  tagged ``sequence_parallel`` and megatron-core's ``finalize_model_grads`` sums them over TP, as it does the norms';
+- the up-projections (q_b_proj, kv_b_proj; V2-Lite's q_proj) are column-parallel by heads (each rank's rows are its
+  heads' ``[nope | rope]`` or ``[k nope | v]`` blocks, so HF's tensors split on dim 0 as they are) and take the
+  gathered input as it is (no second gather, no all-reduce of their input's gradient);
+- o_proj is row-parallel, reduce-scattering its output over the sequence.
 
 As transformers' ``DeepseekV3Attention`` computes it (the names are megatron-core's MLA names; convert.py maps them
 one to one onto HF's, no tensor is fused or permuted):
@@ -121,9 +132,22 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
+class ReplicatedLinear(torch.nn.Module):
+    """A bias-free linear every TP rank holds whole (MLA's down-projections), called as Megatron's linears are:
+    ``x -> (x @ W^T, None)``. Its weight is tagged ``sequence_parallel`` (see the module docstring)."""
+
+    def __init__(self, inputs: int, outputs: int, config):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(outputs, inputs, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.nn.functional.linear(x, self.weight), None
+
+
 class MultiLatentSelfAttention(MegatronModule):
     """DeepSeek's MLA as a Megatron self-attention module (the layer calls it as it calls SelfAttention and gets
-    ``(output, bias)``), over our core attention. TP=1 only (model.check_parallel_fits)."""
+    ``(output, bias)``), over our core attention; TP > 1 with sequence parallelism (the module docstring)."""
 
     def __init__(self, config, submodules=None, layer_number: int = 1,
                  attn_mask_type: AttnMaskType = AttnMaskType.causal, *, mla: MLAShape, **unused):
@@ -131,26 +155,36 @@ class MultiLatentSelfAttention(MegatronModule):
         self.mla = mla
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
+        tp = config.tensor_model_parallel_size
+        if tp > 1 and not config.sequence_parallel:
+            # the replicated weights' gradients are summed over TP only for sequence-parallel tensors
+            raise ValueError("parallel.sequence_parallel: multi-head latent attention with TP > 1 needs it; set"
+                             " parallel.sequence_parallel=true")
         heads = config.num_attention_heads
-        self.num_heads = heads
+        self.num_heads = heads // tp  # this TP rank's heads
 
-        def linear(inputs: int, outputs: int) -> tensor_parallel.ColumnParallelLinear:
-            return tensor_parallel.ColumnParallelLinear(inputs, outputs, config=config, init_method=config.init_method,
-                                                        bias=False, gather_output=False)
+        def by_heads(inputs: int, outputs: int) -> tensor_parallel.ColumnParallelLinear:
+            linear = tensor_parallel.ColumnParallelLinear(
+                inputs, outputs, config=config, init_method=config.init_method, bias=False, gather_output=False,
+                disable_grad_reduce=True)  # its input's gradient is summed by the gather in forward
+            linear.sequence_parallel = False  # its input is already the whole sequence
+            return linear
 
         def norm(size: int) -> torch.nn.RMSNorm:
-            return torch.nn.RMSNorm(size, eps=_A_NORM_EPS, dtype=config.params_dtype)
+            latent_norm = torch.nn.RMSNorm(size, eps=_A_NORM_EPS, dtype=config.params_dtype)
+            latent_norm.weight.sequence_parallel = config.sequence_parallel  # replicated: summed over TP
+            return latent_norm
 
         hidden = config.hidden_size
         if mla.q_lora_rank is None:
-            self.linear_q_proj = linear(hidden, heads * mla.qk_head_dim)
+            self.linear_q_proj = by_heads(hidden, heads * mla.qk_head_dim)
         else:
-            self.linear_q_down_proj = linear(hidden, mla.q_lora_rank)
+            self.linear_q_down_proj = ReplicatedLinear(hidden, mla.q_lora_rank, config)
             self.q_layernorm = norm(mla.q_lora_rank)
-            self.linear_q_up_proj = linear(mla.q_lora_rank, heads * mla.qk_head_dim)
-        self.linear_kv_down_proj = linear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim)
+            self.linear_q_up_proj = by_heads(mla.q_lora_rank, heads * mla.qk_head_dim)
+        self.linear_kv_down_proj = ReplicatedLinear(hidden, mla.kv_lora_rank + mla.qk_rope_head_dim, config)
         self.kv_layernorm = norm(mla.kv_lora_rank)
-        self.linear_kv_up_proj = linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+        self.linear_kv_up_proj = by_heads(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))
         self.core_attention = SDPAttention(config, layer_number, attn_mask_type, "self",
                                            softmax_scale=mla.softmax_scale)
         # trainer.megatron.recompute: [core_attn], as megatron-core's Attention reads it
@@ -164,6 +198,8 @@ class MultiLatentSelfAttention(MegatronModule):
                 packed_seq_params=None, **unused):
         """``hidden_states`` ``[s, b, hidden]`` (packed: ``[t, 1, hidden]``) -> ``(output, bias)``."""
         mla, heads = self.mla, self.num_heads
+        if self.config.sequence_parallel:  # [s / TP, b, h] -> [s, b, h]; backward sums the TP ranks' parts
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
         s, b, _ = hidden_states.shape
         if mla.q_lora_rank is None:
             q, _ = self.linear_q_proj(hidden_states)

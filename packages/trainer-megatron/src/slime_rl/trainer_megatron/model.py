@@ -171,10 +171,10 @@ def attention_cost_weight(shape: HFModelShape) -> float:
 
 
 def check_parallel_fits(shape: HFModelShape, tp: int, pp: int, cp: int = 1) -> None:
-    if shape.mla is not None and (tp > 1 or cp > 1):
-        raise ValueError(f"parallel: multi-head latent attention (DeepSeek-V3) runs at TP=1 and CP=1 (here TP={tp},"
-                         f" CP={cp}); spread the experts with parallel.expert_model_parallel_size and the layers with"
-                         " parallel.pipeline_model_parallel_size")
+    if shape.mla is not None and cp > 1:
+        raise ValueError(f"parallel.context_parallel_size: multi-head latent attention (DeepSeek-V3) runs at CP=1 (here"
+                         f" CP={cp}); spread the sequence with parallel.tensor_model_parallel_size and"
+                         " parallel.sequence_parallel, the experts with parallel.expert_model_parallel_size")
     if shape.num_heads % tp:
         raise ValueError(f"parallel.tensor_model_parallel_size: {tp} must divide the model's {shape.num_heads} heads")
     if shape.num_kv_heads % tp:

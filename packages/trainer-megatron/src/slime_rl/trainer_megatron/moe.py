@@ -177,9 +177,6 @@ def check_expert_parallel(moe: MoEShape | None, *, tp: int, ep: int, etp: int, s
             raise ValueError("parallel.expert_model_parallel_size / expert_tensor_parallel_size: the model has no"
                              " experts; set both to 1")
         return
-    if tp > 1 and (moe.expert_bias or moe.dense_layers):
-        raise ValueError("parallel.tensor_model_parallel_size: GLM-4.5-style MoE (sigmoid routing, dense first layers)"
-                         " runs at TP=1 so far; spread the experts with parallel.expert_model_parallel_size")
     if tp > 1 and not sequence_parallel:
         # megatron-core's MoE layer under TP works on the sequence-split hidden states (the router
         # and dispatcher each see this TP rank's share of the tokens): sequence_parallel.py

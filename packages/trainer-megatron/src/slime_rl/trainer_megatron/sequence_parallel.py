@@ -55,8 +55,9 @@ def with_local_norms(layer_specs: list, config) -> TransformerBlockSubmodules:
 def _with_local_norms_in_layer(layer_spec):
     layer = _local_norms_in(layer_spec.submodules)
     attention = layer.self_attention
-    layer = dataclasses.replace(layer, self_attention=dataclasses.replace(
-        attention, submodules=_local_norms_in(attention.submodules)))
+    if attention.submodules is not None:  # MLA (mla.py) builds its own latent norms, tagged for SP
+        layer = dataclasses.replace(layer, self_attention=dataclasses.replace(
+            attention, submodules=_local_norms_in(attention.submodules)))
     return dataclasses.replace(layer_spec, submodules=layer)
 
 
