@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from slime_rl.cli.app import app
 from slime_rl.core.testing import chat_tokenizer, tiny_config
+from slime_rl.trainer_megatron.support import SUPPORTED_ARCHITECTURES
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "grpo_math.yaml"
@@ -29,7 +30,7 @@ def _model_folder(folder: Path, architecture: str, model_type: str) -> Path:
 
 
 @pytest.mark.parametrize("architecture,model_type,supported", [("Glm4MoeForCausalLM", "glm4_moe", True),
-                                                                ("DeepseekV2ForCausalLM", "deepseek_v2", False)])
+                                                                ("DeepseekV32ForCausalLM", "deepseek_v32", False)])
 def test_plan_and_doctor_say_whether_the_trainer_builds_the_model(architecture, model_type, supported, tmp_path):
     model = _model_folder(tmp_path / "m", architecture, model_type)
     plan = runner.invoke(app, ["plan", str(EXAMPLE), f"model.path={model}"])
@@ -42,7 +43,7 @@ def test_plan_and_doctor_say_whether_the_trainer_builds_the_model(architecture, 
         return
     assert plan.exit_code == 2 and plan.stdout == ""
     (line,) = plan.stderr.splitlines()
-    assert line.startswith(f"error: model.path: {model}: architecture DeepseekV2ForCausalLM is not supported")
-    assert "lacks V2's softmax routing" in line and line.endswith("Glm4MoeForCausalLM, DeepseekV3ForCausalLM")
-    assert "megatron: NOT supported" in support and "lacks V2's softmax routing" in support
+    assert line.startswith(f"error: model.path: {model}: architecture DeepseekV32ForCausalLM is not supported")
+    assert "lacks DeepSeek Sparse Attention" in line and line.endswith(", ".join(SUPPORTED_ARCHITECTURES))
+    assert "megatron: NOT supported" in support and "lacks DeepSeek Sparse Attention" in support
     assert doctor.exit_code == 1

@@ -84,6 +84,9 @@ def test_tp2_with_sequence_parallel_matches_one_rank(case, tmp_path):
 MLA_CASES = {
     # V2-Lite's q layout (q_lora_rank null): one q_proj, column-parallel by heads on the gathered sequence
     "v2-lite-q": ("deepseek_v3", {"q_lora_rank": None}, "model.layers.0.self_attn.q_proj.weight"),
+    # DeepSeek-V2's routing (softmax, group-limited greedy by each group's best expert) on sequence-split tokens
+    "deepseek_v2": ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_routed_experts": 16, "n_group": 4,
+                                    "topk_group": 2, "num_experts_per_tok": 4}, "model.layers.1.mlp.gate.weight"),
 }
 
 

@@ -29,9 +29,11 @@ def test_architectures_map_to_families_and_the_rest_are_named():
     assert architecture_family({"architectures": ["DeepseekV3ForCausalLM"]}) == "deepseek_v3"
     # a reward model's backbone: its own head is not the trainer's business
     assert architecture_family({"architectures": ["Qwen2ForSequenceClassification"], "model_type": "qwen2"}) == "qwen2"
+    assert architecture_family({"architectures": ["DeepseekV2ForCausalLM"]}) == "deepseek_v2"
     with pytest.raises(ValueError) as err:
-        architecture_family({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"})
-    assert "DeepseekV2ForCausalLM is not supported: the Megatron trainer lacks V2's softmax routing" in str(err.value)
+        architecture_family({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32"})
+    assert ("DeepseekV32ForCausalLM is not supported: the Megatron trainer lacks DeepSeek Sparse Attention"
+            in str(err.value))
     assert str(err.value).endswith(", ".join(SUPPORTED_ARCHITECTURES))
     with pytest.raises(ValueError, match="GPT2LMHeadModel is not supported; the Megatron trainer handles LlamaForCausalLM"):
         architecture_family({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
@@ -44,9 +46,9 @@ def test_the_config_check_refuses_an_unsupported_model_path(tmp_path):
     settings = MegatronSettings()
     settings.check(make_config(folder), "trainer.megatron")  # supported: nothing to say
     hf = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**hf, "architectures": ["DeepseekV2ForCausalLM"],
-                                                    "model_type": "deepseek_v2"}))
-    with pytest.raises(ConfigError, match="model.path: .*DeepseekV2ForCausalLM is not supported"):
+    (folder / "config.json").write_text(json.dumps({**hf, "architectures": ["DeepseekV32ForCausalLM"],
+                                                    "model_type": "deepseek_v32"}))
+    with pytest.raises(ConfigError, match="model.path: .*DeepseekV32ForCausalLM is not supported"):
         settings.check(make_config(folder), "trainer.megatron")
 
 
@@ -55,15 +57,21 @@ def test_model_support_says_what_is_built_and_which_field_is_not(tmp_path):
     said = dict(lines)
     assert supported and said["architecture"] == "Glm4MoeForCausalLM: supported (family glm4_moe)"
     assert "sigmoid scores with the correction bias (frozen in training), 2 group(s)" in said["experts"]
-    assert "the first 1 layer(s) dense; TP=1" in said["experts"] and "not trained" in said["mtp"]
+    assert "the first 1 layer(s) dense; TP > 1 with parallel.sequence_parallel" in said["experts"]
+    assert "not loaded (neither trained nor synced to engines)" in said["mtp"]
 
     supported, lines = model_support(_config_folder(tmp_path / "bad", "glm4_moe", norm_topk_prob=False))
     assert not supported and dict(lines)["config"] == "norm_topk_prob=false with sigmoid routing is not supported"
     supported, lines = model_support(_config_folder(tmp_path / "ds", "deepseek_v3"))
     said = dict(lines)
     assert supported and said["architecture"] == "DeepseekV3ForCausalLM: supported (family deepseek_v3)"
-    assert said["attention"] == "multi-head latent attention (q rank 24, kv rank 16, qk 12+8, v 10); TP=1, CP=1"
-    supported, lines = model_support(_config_folder(tmp_path / "v2", "glm4_moe", architectures=["DeepseekV2ForCausalLM"],
-                                                    model_type="deepseek_v2"))
-    assert not supported and "lacks V2's softmax routing" in dict(lines)["architecture"]
+    assert said["attention"] == ("multi-head latent attention (q rank 24, kv rank 16, qk 12+8, v 10); TP > 1 with"
+                                 " sequence parallelism, CP=1")
+    supported, lines = model_support(_config_folder(tmp_path / "v2", "deepseek_v2", q_lora_rank=None))
+    said = dict(lines)
+    assert supported and said["architecture"] == "DeepseekV2ForCausalLM: supported (family deepseek_v2)"
+    assert said["experts"].startswith("8 routed, top-2, softmax scores") and "q unprojected" in said["attention"]
+    supported, lines = model_support(_config_folder(tmp_path / "v32", "glm4_moe", architectures=["DeepseekV32ForCausalLM"],
+                                                    model_type="deepseek_v32"))
+    assert not supported and "lacks DeepSeek Sparse Attention" in dict(lines)["architecture"]
     assert model_support(tmp_path / "nowhere")[0] is False

@@ -46,6 +46,8 @@ from megatron.core.transformer.module import MegatronModule
 
 from slime_rl.trainer_megatron.attention import SDPAttention
 
+#: The families whose attention is MLA: DeepSeek-V3 and DeepSeek-V2 / V2-Lite (the same attention; V2 routes otherwise).
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v2")
 _A_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which q_a_layernorm and kv_a_layernorm are built with
 
 

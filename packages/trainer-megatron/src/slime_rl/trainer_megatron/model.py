@@ -34,7 +34,13 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from slime_rl.trainer_megatron import fused_rope, sequence_parallel
 from slime_rl.trainer_megatron.attention import PACKED_ATTENTION_CHOICES, SDPAttention
 from slime_rl.trainer_megatron.grouped_experts import GroupedExperts
-from slime_rl.trainer_megatron.mla import MLAShape, MultiLatentSelfAttention, mla_shape, projection_params
+from slime_rl.trainer_megatron.mla import (
+    MLA_FAMILIES,
+    MLAShape,
+    MultiLatentSelfAttention,
+    mla_shape,
+    projection_params,
+)
 from slime_rl.trainer_megatron.moe import MOE_FAMILIES, MoEShape, moe_shape
 from slime_rl.trainer_megatron.support import SUPPORTED_ARCHITECTURES, architecture_family
 from slime_rl.trainer_megatron.vision import VisionShape
@@ -106,7 +112,7 @@ def hf_model_shape(hf_config) -> HFModelShape:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    mla = mla_shape(hf_config, rope) if family == "deepseek_v3" else None
+    mla = mla_shape(hf_config, rope) if family in MLA_FAMILIES else None
     if mla is not None:  # Megatron's RoPE (kv_channels) rotates the rope dims; every head has its keys and values
         head_dim, num_kv_heads = mla.qk_rope_head_dim, heads
     else:
@@ -354,6 +360,10 @@ def build_model(shape: HFModelShape, config: TransformerConfig, hf_config, *, va
     )
     _apply_hf_rope_scaling(model, shape, hf_config)
     _mark_tensor_parallel_weights(model)
+    if shape.moe is not None and shape.moe.groups_by_best_expert:  # DeepSeek-V2's group-limited greedy routing
+        from slime_rl.trainer_megatron.deepseek_v2 import score_groups_by_best_expert
+
+        score_groups_by_best_expert(model)
     return model
 
 

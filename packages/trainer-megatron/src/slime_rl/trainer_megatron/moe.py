@@ -9,6 +9,8 @@ Routing, as each family's HF model defines it (moe_utils.topk_routing_with_score
   weighted by their unbiased scores, renormalised, times ``routed_scaling_factor``. The bias is frozen
   in training (``moe_router_bias_update_rate=0``): it is loaded from and saved to the checkpoint as it is,
   and never updated from the expert loads (DeepSeek's auxiliary-loss-free balancing is not run).
+- DeepSeek-V2 / V2-Lite (deepseek_v2.py): softmax over all experts, top-k of those probabilities unrenormalised
+  times ``routed_scaling_factor``; group-limited greedy scores a group by its best expert. No correction bias.
 
 Experts run as ``GroupedExperts`` (grouped_experts.py: all local experts in one ``torch._grouped_mm``
 per projection), or with ``trainer.megatron.moe_grouped_gemm: false`` as megatron's SequentialMLP (one MLP
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v2")
 #: Families whose routers score experts with a sigmoid and choose them with a correction bias (noaux_tc).
 BIAS_ROUTED_FAMILIES = ("glm4_moe", "deepseek_v3")
 
@@ -47,6 +49,7 @@ class MoEShape:
     group_topk: int | None = None  # ... of which topk_group are searched
     scaling_factor: float | None = None  # routed_scaling_factor on the routing weights
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (GLM/DeepSeek: the first k)
+    groups_by_best_expert: bool = False  # DeepSeek-V2: a group scores its best expert (deepseek_v2.py)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -56,6 +59,10 @@ def moe_shape(hf_config, family: str) -> MoEShape:
     """Read and check the MoE fields."""
     if family in BIAS_ROUTED_FAMILIES:
         return _noaux_tc_shape(hf_config)
+    if family == "deepseek_v2":
+        from slime_rl.trainer_megatron.deepseek_v2 import deepseek_v2_moe_shape
+
+        return deepseek_v2_moe_shape(hf_config)
     sparse_step = getattr(hf_config, "decoder_sparse_step", 1)
     dense_layers = list(getattr(hf_config, "mlp_only_layers", None) or [])
     if sparse_step != 1 or dense_layers:

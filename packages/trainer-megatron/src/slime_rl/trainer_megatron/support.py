@@ -13,11 +13,12 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                            "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
                            "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV3ForCausalLM": "deepseek_v3",
+                           "DeepseekV2ForCausalLM": "deepseek_v2",
                            "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl"}
 #: Architectures users ask for that are not built yet, with the part that is missing.
 MISSING_PARTS = {
-    "DeepseekV2ForCausalLM": "V2's softmax routing (greedy or group-limited greedy) so far; its multi-head latent"
-                             " attention is DeepSeek-V3's, which it has",
+    "DeepseekV32ForCausalLM": "DeepSeek Sparse Attention (V3.2's lightning indexer and top-k token selection); its"
+                              " multi-head latent attention and routing are DeepSeek-V3's, which it has",
 }
 
 
@@ -74,14 +75,14 @@ def model_support(path: str | Path) -> tuple[bool, list[tuple[str, str]]]:
             if moe.expert_bias else "softmax scores")
         if moe.dense_layers:
             experts += f"; the first {len(moe.dense_layers)} layer(s) dense"
-        if moe.expert_bias or moe.dense_layers:
-            experts += "; TP=1 (spread the experts with parallel.expert_model_parallel_size)"
+        experts += "; TP > 1 with parallel.sequence_parallel"
         lines.append(("experts", experts))
     if shape.mla is not None:
         mla = shape.mla
         q = f"q rank {mla.q_lora_rank}" if mla.q_lora_rank else "q unprojected (q_lora_rank null)"
         lines.append(("attention", f"multi-head latent attention ({q}, kv rank {mla.kv_lora_rank}, qk"
-                                   f" {mla.qk_nope_head_dim}+{mla.qk_rope_head_dim}, v {mla.v_head_dim}); TP=1, CP=1"))
+                                   f" {mla.qk_nope_head_dim}+{mla.qk_rope_head_dim}, v {mla.v_head_dim}); TP > 1 with"
+                                   " sequence parallelism, CP=1"))
     if shape.vision is not None:
         v = shape.vision
         deepstack = f", deepstack from blocks {list(v.deepstack_visual_indexes)}" if v.deepstack_visual_indexes else ""
@@ -91,6 +92,6 @@ def model_support(path: str | Path) -> tuple[bool, list[tuple[str, str]]]:
                                 f"{' interleaved' if v.mrope_interleaved else ''}; TP and PP, CP=1, no sequence"
                                 " parallelism"))
     if shape.mtp_layers:
-        lines.append(("mtp", f"{shape.mtp_layers} multi-token-prediction layer(s): not trained, carried unchanged"
-                             " into saved checkpoints"))
+        lines.append(("mtp", f"{shape.mtp_layers} multi-token-prediction layer(s): not loaded (neither trained nor"
+                             " synced to engines), copied unchanged into saved checkpoints"))
     return True, lines

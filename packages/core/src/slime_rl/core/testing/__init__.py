@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2")
 #: Tiny mixture-of-experts defaults (8 experts, top-2; Qwen2-MoE adds its gated shared expert).
 MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
                 "mlp_only_layers": []}
@@ -40,6 +40,14 @@ DEEPSEEK_V3_DEFAULTS = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_in
                         "norm_topk_prob": True, "routed_scaling_factor": 2.5, "q_lora_rank": 24, "kv_lora_rank": 16,
                         "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "rope_interleave": True,
                         "num_nextn_predict_layers": 0}
+#: Tiny DeepSeek-V2 defaults: DeepSeek-V3's multi-head latent attention and layer layout (dense first layer, 8 experts,
+#: a shared expert) with V2's routing: softmax over the experts, greedy top-2 unrenormalised, times a routed scaling
+#: factor other than 1. ``q_lora_rank=None`` gives V2-Lite's q_proj; ``topk_method="group_limited_greedy"`` with
+#: ``n_group``/``topk_group`` V2's group-limited search.
+DEEPSEEK_V2_DEFAULTS = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                        "n_shared_experts": 1, "first_k_dense_replace": 1, "topk_method": "greedy",
+                        "norm_topk_prob": False, "routed_scaling_factor": 2.5, "q_lora_rank": 24, "kv_lora_rank": 16,
+                        "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10}
 
 
 def stdlib_text(num_files: int = 60) -> list[str]:
@@ -77,15 +85,17 @@ def tiny_config(family: str = "llama", *, vocab_size: int, hidden_size: int = 64
 
     classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-               "glm4_moe": transformers.Glm4MoeConfig, "deepseek_v3": transformers.DeepseekV3Config}
+               "glm4_moe": transformers.Glm4MoeConfig, "deepseek_v3": transformers.DeepseekV3Config,
+               "deepseek_v2": transformers.DeepseekV2Config}
     if family not in classes:
         raise ValueError(f"family: {family!r}; use one of {', '.join(FAMILIES)}")
     if family == "glm4_moe":
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
         fields = {**GLM4_MOE_DEFAULTS, "rope_parameters": rope, **fields}
-    elif family == "deepseek_v3":
+    elif family in ("deepseek_v3", "deepseek_v2"):
         rope = {"rope_type": "default", "rope_theta": 10000.0}
-        fields = {**DEEPSEEK_V3_DEFAULTS, "rope_parameters": rope, **fields}
+        defaults = DEEPSEEK_V3_DEFAULTS if family == "deepseek_v3" else DEEPSEEK_V2_DEFAULTS
+        fields = {**defaults, "rope_parameters": rope, **fields}
         num_kv_heads = num_heads  # MLA: every head has its own keys and values, expanded from one latent
     elif family.endswith("_moe"):
         shared = {"shared_expert_intermediate_size": 48} if family == "qwen2_moe" else {}
