@@ -35,7 +35,7 @@ def trainer_for(model_dir, overrides=()):
     return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
 
 
-MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"]
+MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2"]
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -125,6 +125,8 @@ def _routing_weights(gate, logits: torch.Tensor, idx: torch.Tensor) -> torch.Ten
         scores = scores / (scores.sum(-1, keepdim=True) + 1e-20) if gate.norm_topk_prob else scores
         return scores * gate.routed_scaling_factor
     scores = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, idx)
+    if hasattr(gate, "topk_method"):  # DeepSeek-V2: never renormalised, scaled
+        return scores * gate.routed_scaling_factor
     return scores / scores.sum(-1, keepdim=True) if gate.norm_topk_prob else scores
 
 
