@@ -285,3 +285,12 @@ def test_processor_made_samples_through_the_trainer(tmp_path):
     samples[1].multimodal_train_inputs = prompt.train_inputs
     moved = torch.tensor(_log_probs(trainer, samples[1:2])[0]) - torch.tensor(ours[1])
     assert float(moved.abs().max()) > 100 * PARITY
+
+
+def test_a_text_model_refuses_samples_with_images(tmp_path):
+    """Images in the batch of a text-only model would be dropped without a word; the trainer names the mismatch."""
+    from megatron_testlib import make_hf_model
+
+    trainer = trainer_for(make_hf_model(tmp_path / "text", "qwen2", vocab=256))
+    with pytest.raises(ValueError, match="carry images and model.path is a text-only model"):
+        trainer.compute_log_probs(to_batch(make_vl_samples(3)))

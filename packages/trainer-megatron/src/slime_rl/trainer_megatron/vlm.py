@@ -251,6 +251,9 @@ def configure(model, shape, cfg) -> None:
 def with_vision_inputs(mbs: list, batch, shape, device: torch.device) -> list:
     """``mbs`` with each micro-batch's mRoPE positions and images (the batch's ``images`` of its rows, in row order)."""
     if shape.vision is None:
+        if batch.images is not None and any(x is not None for x in batch.images):
+            raise ValueError(f"the batch's samples carry images and model.path is a text-only model"
+                             f" ({shape.architecture}); train a vision-language model or drop data.image_key")
         return mbs
     per_sample = [None] * len(batch) if batch.images is None else [
         None if x is None else ImageInputs(torch.as_tensor(x["pixel_values"]), torch.as_tensor(x["image_grid_thw"]).long())
