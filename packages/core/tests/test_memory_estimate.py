@@ -121,6 +121,15 @@ def test_mla_attention_is_counted_as_transformers_builds_it(q_lora_rank):
     cfg = Config.model_validate({"rollout": {"max_response_len": 64}, "cluster": {"rollout_num_gpus_per_engine": 2}})
     cfg.rollout.engine = "sglang"
     assert memory.engine_estimate(cfg, size, "cuda").kv_bytes_per_token == 2 * (16 + 8) * 2  # layers, latent+rope, bf16
+    # the trainer's TP ranks each hold the down-projections whole (and 1/TP of the rest)
+    down = ("q_a_proj", "kv_a_proj_with_mqa")
+    assert size.mla_replicated_params == sum(p.numel() for n, p in attention.named_parameters() if n.startswith(down))
+    one, two = (estimate_memory(Config.model_validate({"parallel": {"tensor_model_parallel_size": tp},
+                                                       "cluster": {"actor_num_gpus_per_node": tp}}), size, "cuda")
+                for tp in (1, 2))
+    split_half = (size.attention_params - size.mla_replicated_params) / 2 * size.layers * 2  # bf16 bytes
+    assert one.terms["weights"] - two.terms["weights"] == pytest.approx(split_half + (size.dense_mlp_params / 2 * size.layers
+                                                                                       + size.embedding_params) * 2)
 
 
 def test_the_activation_term_follows_its_formula():

@@ -68,6 +68,8 @@ class ModelSize:
     # layer (the kv latent and the shared rope key, on every engine TP rank); 0 for q/k/v attention
     mla_attention_params: int = 0
     mla_cache_dim: int = 0
+    # of those, the down-projections (q_a_proj, kv_a_proj_with_mqa), which every trainer TP rank holds whole
+    mla_replicated_params: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelSize:
@@ -251,7 +253,8 @@ def estimate_memory(cfg: Config, size: ModelSize, device: str, *,
     dtype = model_dtype(cfg.model.dtype, device)
     dtype_bytes = DTYPE_BYTES[dtype]
     layers = size.layers / pp
-    per_layer = (size.attention_params + size.dense_mlp_params) / tp + size.expert_params / (lay.ep * lay.etp)
+    split = size.attention_params - size.mla_replicated_params + size.dense_mlp_params  # MLA's down-projections whole
+    per_layer = split / tp + size.mla_replicated_params + size.expert_params / (lay.ep * lay.etp)
     embeddings = size.embedding_params / tp
     ends = embeddings * (1 if size.tied_embeddings else 2) if pp == 1 else embeddings  # the worst stage's
     params = layers * per_layer + ends
@@ -385,7 +388,7 @@ def _mla_fields(hf: dict[str, Any], heads: int) -> dict[str, int]:
     q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
     kv = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v)
     return {"mla_attention_params": q + kv + heads * v * hidden, "mla_cache_dim": kv_rank + rope,
-            "head_dim": (nope + rope + v) // 2}
+            "mla_replicated_params": hidden * ((q_rank or 0) + kv_rank + rope), "head_dim": (nope + rope + v) // 2}
 
 
 def engine_estimate(cfg: Config, size: ModelSize, device: str) -> EngineEstimate | None:
