@@ -99,10 +99,12 @@ def test_mla_variants_tp2_match_one_rank(case, tmp_path):
 
 
 @pytest.mark.slow
-def test_routing_replay_under_sequence_parallel_matches_one_rank(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_routing_replay_under_sequence_parallel_matches_one_rank(family, tmp_path):
     """The engine's experts (random ones, which no router would pick) under SP: each TP rank replays its part
-    of the sequence, the padding's tokens go to experts 0..k-1; log-probs and steps equal one rank's."""
-    model = make_hf_model(tmp_path / "model", "qwen3_moe", vocab=256)
+    of the sequence, the padding's tokens go to experts 0..k-1; log-probs and steps equal one rank's. DeepSeek-V3:
+    a dense first layer (no router), MLA split by heads."""
+    model = make_hf_model(tmp_path / "model", family, vocab=256)
     spec = dict(model=str(model), num_samples=6, vocab=256, steps=2, random_routes=True, ref=True)
     overrides = COMMON + ["algorithm.routing_replay=rollout", "trainer.micro_batch_size=2"]
     ensure_single_rank_group()
