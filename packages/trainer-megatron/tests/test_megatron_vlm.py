@@ -294,3 +294,24 @@ def test_a_text_model_refuses_samples_with_images(tmp_path):
     trainer = trainer_for(make_hf_model(tmp_path / "text", "qwen2", vocab=256))
     with pytest.raises(ValueError, match="carry images and model.path is a text-only model"):
         trainer.compute_log_probs(to_batch(make_vl_samples(3)))
+
+
+def test_full_recompute_reaches_the_vision_tower(vl_model, monkeypatch):
+    """trainer.megatron.recompute: true recomputes the vision blocks in backward too (each runs twice a train step),
+    with the same loss and gradient norm."""
+    from slime_rl.trainer_megatron.vision import VisionBlock
+
+    calls = []
+    forward = VisionBlock.forward
+    monkeypatch.setattr(VisionBlock, "forward", lambda self, *a: calls.append(1) or forward(self, *a))
+    batch = to_batch(make_vl_samples(6))
+    metrics = {}
+    for recompute in ("false", "true"):
+        trainer = trainer_for(vl_model, ["trainer.max_tokens_per_gpu=4096", f"trainer.megatron.recompute={recompute}"])
+        batch.old_log_probs = trainer.compute_log_probs(batch)
+        calls.clear()
+        metrics[recompute] = trainer.train_step(batch)
+        metrics[recompute]["block_calls"] = len(calls)
+    assert metrics["false"]["block_calls"] == 3 and metrics["true"]["block_calls"] == 6  # 3 blocks, one micro-batch
+    assert metrics["true"]["loss"] == pytest.approx(metrics["false"]["loss"], abs=1e-6)
+    assert metrics["true"]["grad_norm"] == pytest.approx(metrics["false"]["grad_norm"], rel=1e-5)

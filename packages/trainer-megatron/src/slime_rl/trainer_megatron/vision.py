@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,15 @@ def patch_layout(grid_thw: Tensor, v: VisionShape) -> PatchLayout:
 # ---------------------------------------------------------------- modules
 
 
+def run_block(block: nn.Module, recompute: bool, *args) -> Tensor:
+    """``block(*args)``, its activations recomputed in backward when ``recompute`` (trainer.megatron.recompute:
+    true reaches the vision tower too: a 1,024-patch image holds more activations in the tower than its 256 tokens
+    do in Qwen2.5-VL-7B's LM)."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(block, *args, use_reentrant=False)
+    return block(*args)
+
+
 class RMSNorm(nn.Module):
     """transformers' Qwen2RMSNorm op for op: normalised in float32, weight applied in the input's dtype."""
 
@@ -284,6 +294,7 @@ class VisionTower(nn.Module):
     def __init__(self, v: VisionShape):
         super().__init__()
         self.shape = v
+        self.recompute = False  # vlm.configure: trainer.megatron.recompute true
         self.patch_embed = PatchEmbed(v)
         self.blocks = nn.ModuleList([VisionBlock(v) for _ in range(v.depth)])
         self.merger = PatchMerger(v)
@@ -304,5 +315,5 @@ class VisionTower(nn.Module):
         cos, sin = rotary_tables(positions, self.inv_freq)
         for i, block in enumerate(self.blocks):
             segments = layout.images if i in v.fullatt_block_indexes else layout.windows
-            x = block(x, cos, sin, segments)
+            x = run_block(block, self.recompute, x, cos, sin, segments)
         return self.merger(x)[torch.argsort(window_index)], []

@@ -20,6 +20,7 @@ from slime_rl.trainer_megatron.vision import (
     VisionShape,
     patch_positions,
     rotary_tables,
+    run_block,
 )
 
 
@@ -83,6 +84,7 @@ class Qwen3VisionTower(nn.Module):
     def __init__(self, v: VisionShape):
         super().__init__()
         self.shape = v
+        self.recompute = False  # vlm.configure: trainer.megatron.recompute true
         self.patch_embed = PatchEmbed(v, bias=True)
         self.pos_embed = nn.Embedding(v.num_position_embeddings, v.hidden_size)
         self.blocks = nn.ModuleList([Qwen3VisionBlock(v) for _ in range(v.depth)])
@@ -105,7 +107,7 @@ class Qwen3VisionTower(nn.Module):
         segments = [h * w for t, h, w in grid.tolist() for _ in range(t)]
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, segments)
+            x = run_block(block, self.recompute, x, cos, sin, segments)
             if i in v.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[v.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack

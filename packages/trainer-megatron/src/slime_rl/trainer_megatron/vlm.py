@@ -244,8 +244,10 @@ def configure(model, shape, cfg) -> None:
     for name, on in unsupported.items():
         if on:
             raise ValueError(f"{name}: not supported with a vision-language model ({shape.architecture}) yet")
-    if cfg.trainer.freeze_vision_tower and model.vision is not None:
-        model.vision.requires_grad_(False)
+    if model.vision is not None:
+        model.vision.recompute = recompute is True  # full recompute: the tower's blocks too
+        if cfg.trainer.freeze_vision_tower:
+            model.vision.requires_grad_(False)
 
 
 def with_vision_inputs(mbs: list, batch, shape, device: torch.device) -> list:
