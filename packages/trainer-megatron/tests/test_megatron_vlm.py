@@ -315,3 +315,22 @@ def test_full_recompute_reaches_the_vision_tower(vl_model, monkeypatch):
     assert metrics["false"]["block_calls"] == 3 and metrics["true"]["block_calls"] == 6  # 3 blocks, one micro-batch
     assert metrics["true"]["loss"] == pytest.approx(metrics["false"]["loss"], abs=1e-6)
     assert metrics["true"]["grad_norm"] == pytest.approx(metrics["false"]["grad_norm"], rel=1e-5)
+
+
+def test_mrope_positions_of_images_back_to_back_and_mismatches(vl_model):
+    """Two images with no token between them (one placeholder run; the processor always puts vision start/end
+    tokens between images, and transformers' get_rope_index takes a run for one image) take their positions in
+    turn; placeholders that do not match the images are refused."""
+    v = vision_shape(load_hf_vl(vl_model).config)
+    grid = torch.tensor([[1, 4, 4], [1, 2, 6]])  # 2 x 2 and 1 x 3 merged tokens
+    ids = torch.tensor([5, 6, *[IMAGE] * 7, 7, 8])
+    expected = torch.tensor([[0, 1, 2, 2, 2, 2, 4, 4, 4, 7, 8],   # t: text, image 1 from 2, image 2 from 4, text on
+                             [0, 1, 2, 2, 3, 3, 4, 4, 4, 7, 8],   # h: rows
+                             [0, 1, 2, 3, 2, 3, 4, 5, 6, 7, 8]])  # w: columns
+    assert torch.equal(mrope_positions(ids, grid, v), expected)
+    with pytest.raises(ValueError, match="needs 3 placeholder tokens in a row; the sequence has 2"):
+        mrope_positions(ids[:-3], grid, v)
+    with pytest.raises(ValueError, match="2 image\\(s\\) but placeholder tokens for 1"):
+        mrope_positions(torch.tensor([5, *[IMAGE] * 4, 6]), grid, v)
+    with pytest.raises(ValueError, match="more image placeholder tokens than its 2 image"):
+        mrope_positions(torch.tensor([*[IMAGE] * 7, 5, IMAGE]), grid, v)

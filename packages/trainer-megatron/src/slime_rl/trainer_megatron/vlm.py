@@ -91,35 +91,37 @@ def vl_model_shape(hf_config, text_shape):
 
 def mrope_positions(ids: Tensor, grid_thw: Tensor | None, v: VisionShape) -> Tensor:
     """``[3, len(ids)]`` (t, h, w) positions of one sequence whose image placeholder runs belong, in order, to the
-    images of ``grid_thw`` (transformers' get_rope_index for images: a still image is one frame)."""
+    images of ``grid_thw`` (transformers' get_rope_index for images: a still image is one frame). Work per run of
+    text or image tokens, not per token (thousands of tokens a sample, a few runs)."""
     ids = ids.long()
     n = len(ids)
     out = torch.empty(3, n, dtype=torch.long)
-    image = (ids == v.image_token_id).tolist()
+    image = ids == v.image_token_id
+    bounds = [0, *((image[1:] != image[:-1]).nonzero().squeeze(1) + 1).tolist(), n]
     grids = grid_thw.tolist() if grid_thw is not None else []
     m = v.spatial_merge_size
-    pos, i, k = 0, 0, 0
-    while i < n:
-        if not image[i]:
-            j = i
-            while j < n and not image[j]:
-                j += 1
-            out[:, i:j] = torch.arange(pos, pos + j - i)
-            pos += j - i
-            i = j
+    pos, k = 0, 0
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if a == b:
             continue
-        if k >= len(grids):
-            raise ValueError(f"a sample has more image placeholder tokens than its {len(grids)} image(s) fill")
-        t, h, w = grids[k]
-        gh, gw = h // m, w // m
-        count = t * gh * gw
-        if i + count > n or not all(image[i:i + count]):
-            raise ValueError(f"image {k} of a sample needs {count} placeholder tokens in a row; the sequence has fewer")
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
-        out[:, i:i + count] = torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos
-        pos += max(gh, gw)
-        i += count
-        k += 1
+        if not image[a]:
+            out[:, a:b] = torch.arange(pos, pos + b - a)
+            pos += b - a
+            continue
+        while a < b:  # a run holds one image, or several placed back to back
+            if k >= len(grids):
+                raise ValueError(f"a sample has more image placeholder tokens than its {len(grids)} image(s) fill")
+            t, h, w = grids[k]
+            gh, gw = h // m, w // m
+            count = t * gh * gw
+            if a + count > b:
+                raise ValueError(f"image {k} of a sample needs {count} placeholder tokens in a row; the sequence"
+                                 f" has {b - a}")
+            tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+            out[:, a:a + count] = torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos
+            pos += max(gh, gw)
+            a += count
+            k += 1
     if k != len(grids):
         raise ValueError(f"a sample has {len(grids)} image(s) but placeholder tokens for {k}")
     return out
