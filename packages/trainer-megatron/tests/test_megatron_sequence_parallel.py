@@ -145,6 +145,27 @@ def test_critic_and_pipeline_under_sequence_parallel_match_one_rank(tmp_path):
         assert torch.allclose(t, four["final"][name], atol=1e-5, rtol=0), name
 
 
+@pytest.mark.slow
+def test_mla_under_sequence_parallel_and_pipeline_matches_one_rank(tmp_path):
+    """DeepSeek-V3 at TP=2 + SP x PP=2 on four ranks (the dense layer on the first stage, the MoE layer on the
+    second): the HF export gathers MLA's head-split tensors on each stage's TP ranks and broadcasts them over PP,
+    bit-exact; log-probs, losses, grad norms and weights equal one rank's over two steps."""
+    model = make_hf_model(tmp_path / "model", "deepseek_v3", vocab=256)
+    spec = dict(model=str(model), num_samples=6, vocab=256, steps=2, ref=True)
+    batching = COMMON + ["trainer.max_tokens_per_gpu=41", "trainer.adam_eps=1e-6"]  # eps: as the test above
+    ensure_single_rank_group()
+    single = run_scenario({**spec, "overrides": batching})
+    four = launch(4, {**spec, "overrides": batching + SP[:2] + ["parallel.pipeline_model_parallel_size=2",
+                                                                "cluster.actor_num_gpus_per_node=4"]}, tmp_path)
+    assert four["roundtrip_exact"] and four["peers_agree"]
+    for a, b in zip(single["log_probs"], four["log_probs"], strict=True):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    for one, two in zip(single["metrics"], four["metrics"], strict=True):
+        assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
+    for name, t in single["final"].items():
+        assert torch.allclose(t, four["final"][name], atol=1e-5, rtol=0), name
+
+
 def test_refusals_name_the_fix():
     shape = moe.MoEShape(num_experts=8, topk=2, expert_intermediate_size=32, norm_topk_prob=True,
                          shared_expert_intermediate_size=None)
