@@ -78,6 +78,10 @@ def _with_old(batch, trainer):
                                              # multi-head latent attention on packed rows (thd RoPE)
                                              pytest.param("deepseek_v3", ["trainer.max_tokens_per_gpu=40",
                                                                           "trainer.adam_eps=1e-6"],
+                                                          marks=pytest.mark.slow),
+                                             # V2's softmax routing, unrenormalised and scaled, on padded rows
+                                             pytest.param("deepseek_v2", ["trainer.micro_batch_size=2",
+                                                                          "trainer.adam_eps=1e-6"],
                                                           marks=pytest.mark.slow)])
 def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
     """Packed micro-batches (qwen2_moe) pack differently on the two ranks: split_to_count evens them.
@@ -85,7 +89,7 @@ def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
     The one rank runs Megatron's SequentialMLP, the two ranks the grouped experts (the default).
     GLM-4.5's and DeepSeek-V3's two layers are one dense and one MoE layer."""
     model = make_hf_model(tmp_path / "model", family, vocab=VOCAB)
-    moe_layers = 1 if family in ("glm4_moe", "deepseek_v3") else 2
+    moe_layers = 1 if family in ("glm4_moe", "deepseek_v3", "deepseek_v2") else 2
     spec = dict(model=str(model), num_samples=6, vocab=VOCAB, steps=3, ref=True)
     batching = batching + ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"]
     ensure_single_rank_group()
