@@ -334,3 +334,28 @@ def test_mrope_positions_of_images_back_to_back_and_mismatches(vl_model):
         mrope_positions(torch.tensor([5, *[IMAGE] * 4, 6]), grid, v)
     with pytest.raises(ValueError, match="more image placeholder tokens than its 2 image"):
         mrope_positions(torch.tensor([*[IMAGE] * 7, 5, IMAGE]), grid, v)
+
+
+def test_a_checkpoint_in_transformers_4_52_layout_round_trips_under_its_own_names(vl_model, tmp_path):
+    """Qwen2.5-VL saved by transformers 4.52-4.57 (``model.language_model.*``, ``model.visual.*``): the trainer
+    reads that layout from the folder, scores as transformers does, and exports and saves under the same names."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    nested = tmp_path / "nested"
+    shutil.copytree(vl_model, nested)
+    tensors = load_file(vl_model / "model.safetensors")
+    renamed = {("model.visual." + n.removeprefix("visual.") if n.startswith("visual.") else
+                "model.language_model." + n.removeprefix("model.") if n.startswith("model.") else n): t
+               for n, t in tensors.items()}
+    assert any(n.startswith("model.language_model.layers.") for n in renamed)
+    save_file(renamed, nested / "model.safetensors", metadata={"format": "pt"})
+    trainer = trainer_for(nested, ["trainer.max_tokens_per_gpu=4096"])
+    assert trainer.shape.vision.prefixes == ("model.language_model.", "model.visual.")
+    exported = dict(item for bucket in trainer.named_weights(bucket_bytes=1 << 20) for item in bucket)
+    assert sorted(exported) == sorted(renamed) and all(torch.equal(t, renamed[n]) for n, t in exported.items())
+    samples = make_vl_samples(4)
+    assert _max_gap(samples, _log_probs(trainer, samples), load_hf_vl(nested)) <= PARITY
+    trainer.save_hf(str(tmp_path / "out"))
+    assert sorted(SafetensorsFolder(tmp_path / "out").weight_map) == sorted(renamed)

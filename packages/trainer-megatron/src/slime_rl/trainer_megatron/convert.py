@@ -26,7 +26,8 @@ Megatron layouts (local spec):
   (each head's rows are contiguous), o_proj on dim 1; the down-projections and latent norms are replicated.
 - Qwen2.5-VL and Qwen3-VL: the language model's tensors are Qwen2's and Qwen3's; the vision tower's ``visual.X``
   are the first stage's ``vision.X`` one to one, replicated over TP (vision.py); the checkpoint's prefixes are
-  the family's (vlm.CHECKPOINT_PREFIXES: Qwen3-VL's under ``model.language_model.`` and ``model.visual.``).
+  the checkpoint's own (``model.``/``visual.``, or ``model.language_model.``/``model.visual.`` as transformers
+  4.52-4.57 saved Qwen2.5-VL and Qwen3-VL ships; vision.checkpoint_prefixes reads which).
 """
 
 from __future__ import annotations

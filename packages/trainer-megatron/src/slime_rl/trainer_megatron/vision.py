@@ -18,7 +18,9 @@ merger's RMSNorm + 2-layer GELU MLP over each ``spatial_merge_size``^2 block of 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,10 @@ class VisionShape:
     num_position_embeddings: int = 0
     deepstack_visual_indexes: tuple[int, ...] = ()
     mrope_interleaved: bool = False
+    # the checkpoint's name prefixes of the language model and the tower: (model., visual.) as Qwen2.5-VL's hub
+    # folders and transformers 5's save_pretrained write them, (model.language_model., model.visual.) as
+    # transformers 4.52-4.57 saved them and Qwen3-VL's hub folders hold them; read from the folder's weights
+    prefixes: tuple[str, str] = ("model.", "visual.")
 
     @property
     def head_dim(self) -> int:
@@ -84,7 +90,34 @@ def vision_shape(hf_config) -> VisionShape:
         mrope_section=tuple(int(s) for s in section), family=family,
         num_position_embeddings=int(getattr(v, "num_position_embeddings", 0) or 0),
         deepstack_visual_indexes=tuple(getattr(v, "deepstack_visual_indexes", None) or ()),
-        mrope_interleaved=bool(text_rope.get("mrope_interleaved", family == "qwen3_vl")))
+        mrope_interleaved=bool(text_rope.get("mrope_interleaved", family == "qwen3_vl")),
+        prefixes=checkpoint_prefixes(getattr(hf_config, "_name_or_path", "") or "", family))
+
+
+NESTED_PREFIXES = ("model.language_model.", "model.visual.")
+FLAT_PREFIXES = ("model.", "visual.")
+
+
+def checkpoint_prefixes(folder: str, family: str) -> tuple[str, str]:
+    """The name prefixes the checkpoint in ``folder`` uses (its safetensors index or file); the family's own where
+    there is no checkpoint to read (a config alone)."""
+    from safetensors import safe_open
+
+    path = Path(folder)
+    names: list[str] = []
+    try:
+        if (path / "model.safetensors.index.json").is_file():
+            names = list(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
+        elif (path / "model.safetensors").is_file():
+            with safe_open(path / "model.safetensors", "pt") as f:
+                names = list(f.keys())
+    except (OSError, ValueError, KeyError):
+        names = []
+    if any(n.startswith(NESTED_PREFIXES[1]) for n in names):
+        return NESTED_PREFIXES
+    if any(n.startswith(FLAT_PREFIXES[1]) for n in names):
+        return FLAT_PREFIXES
+    return NESTED_PREFIXES if family == "qwen3_vl" else FLAT_PREFIXES
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),

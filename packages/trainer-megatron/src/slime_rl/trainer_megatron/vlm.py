@@ -32,14 +32,12 @@ from slime_rl.trainer_megatron.vision import VisionShape, build_tower, vision_sh
 #: HF architecture -> the text-only architecture whose language model it carries (support.py's table has both).
 VL_TEXT_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
                          "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
-#: The checkpoint's name prefixes of the language model and the vision tower, by family: Qwen2.5-VL's hub folders
-#: (and transformers 5's save_pretrained) keep the pre-4.52 layout, Qwen3-VL's were released in the later one.
-CHECKPOINT_PREFIXES = {"qwen2_5_vl": ("model.", "visual."), "qwen3_vl": ("model.language_model.", "model.visual.")}
 
 
 def hf_name(shape, name: str) -> str:
-    """A text model's HF name (``model.X``, ``lm_head.X``) or the tower's (``visual.X``) as the VL checkpoint has it."""
-    text, vision = CHECKPOINT_PREFIXES[shape.vision.family]
+    """A text model's HF name (``model.X``, ``lm_head.X``) or the tower's (``visual.X``) as the VL checkpoint has it
+    (`VisionShape.prefixes`)."""
+    text, vision = shape.vision.prefixes
     if name.startswith("visual."):
         return vision + name.removeprefix("visual.")
     return text + name.removeprefix("model.") if name.startswith("model.") else name
@@ -47,7 +45,7 @@ def hf_name(shape, name: str) -> str:
 
 def canonical_name(shape, name: str) -> str:
     """The inverse of `hf_name`."""
-    text, vision = CHECKPOINT_PREFIXES[shape.vision.family]
+    text, vision = shape.vision.prefixes
     if name.startswith(vision):
         return "visual." + name.removeprefix(vision)
     return "model." + name.removeprefix(text) if name.startswith(text) else name
