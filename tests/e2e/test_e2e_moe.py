@@ -1,4 +1,4 @@
-"""End to end on CPU through `slime-cli train`: a tiny random Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (2 layers, 8 experts, top-2) on
+"""End to end on CPU through `slime-cli train`: a tiny random Qwen3-MoE, GLM-4.5, DeepSeek-V3 and DeepSeek-V2 (2 layers, 8 experts, top-2) on
 the Megatron trainer and the transformers rollout engine learns the toy reward with GRPO, with rollout
 routing replay on (the engine's expert choices travel with the samples and the trainer replays them)."""
 
@@ -15,10 +15,10 @@ from test_e2e_grpo import write_prompts
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "deepseek_v3", "deepseek_v2"])
 def test_grpo_on_a_tiny_moe_learns_toy_reward(family, tmp_path):
     """GLM-4.5: a dense first layer, sigmoid routing with the correction bias in 2 groups, a shared expert;
-    DeepSeek-V3: the same with multi-head latent attention."""
+    DeepSeek-V3: the same with multi-head latent attention; DeepSeek-V2: MLA with softmax routing, unrenormalised."""
     from slime_rl.core.testing import tiny_model_folder
 
     model = tiny_model_folder(tmp_path / f"tiny-{family}", family)
