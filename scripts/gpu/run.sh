@@ -33,8 +33,8 @@
 # servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place),
 # restore-copy (the restore copy of CUDA buckets holds the pushed values; adapter folders keep dtypes),
 # moe-sync (issue 19: Qwen3-MoE and Qwen2-MoE weights from the Megatron trainer into SGLang by IPC and disk; issue 37:
-# GLM-4.5 too), mla-varlen (issue 37: DeepSeek-V3's MLA tests on megatron-core 0.19.2, the GPU one on the flash varlen
-# kernel with V padded to the q/k head dim).
+# GLM-4.5 too), mla-varlen (issue 37: DeepSeek-V3's MLA tests and DeepSeek-V2's on megatron-core 0.19.2 and
+# transformers 5.12.1, the GPU one on the flash varlen kernel with V padded to the q/k head dim).
 # vlm (issue 41: Qwen2.5-VL and Qwen3-VL in the Megatron trainer: the CPU tests on megatron-core 0.19.2 and transformers 5.12.1,
 # TP=2/PP=2 over gloo included, then bf16 and fp32 log-probs of samples with images against transformers on CUDA,
 # packed (flash varlen, compiled mRoPE) and padded; ~2 min), bench-vlm (issue 41: one GRPO update of 32 samples x 2
@@ -106,7 +106,8 @@ for stage in "$@"; do
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_e2e.py -p no:cacheprovider) ;;
     conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
     moe-sync) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_moe_sync.py -p no:cacheprovider) ;;
-    mla-varlen) cmd=(python3 -m pytest -x -q -s -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_mla.py) ;;
+    mla-varlen) cmd=(python3 -m pytest -x -q -s -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_mla.py
+                     packages/trainer-megatron/tests/test_megatron_deepseek_v2.py) ;;
     vlm) cmd=(python3 -m pytest -x -q -s -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_vlm.py
               packages/trainer-megatron/tests/test_megatron_qwen3_vl.py
               packages/trainer-megatron/tests/test_megatron_vlm_gpu.py) ;;
