@@ -200,7 +200,8 @@ def transformers_update(args, folder: Path, samples) -> tuple[list[float], list[
     return lp_s, train_s, first
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> tuple[list[dict], torch.Tensor]:
+    """The table's rows (transformers, then megatron) and the old log-probs' |megatron - transformers| per token."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--shape", default="qwen2.5-vl-3b-reduced", choices=sorted(SHAPES))
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"trainer / transformers train tokens/s: {speedup:.2f}x")
     print(f"old log-probs |megatron - transformers| over {gap.numel()} response tokens: mean {gap.mean():.2e},"
           f" max {gap.max():.2e}")
-    return rows
+    return rows, gap
 
 
 if __name__ == "__main__":
