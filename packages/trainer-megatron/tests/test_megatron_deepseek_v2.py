@@ -160,3 +160,16 @@ def test_v2_routing_megatron_cannot_match_is_refused(tmp_path):
     config.norm_topk_prob, config.topk_method = False, "noaux_tc"
     with pytest.raises(ValueError, match="topk_method='noaux_tc' .* not supported for DeepseekV2ForCausalLM"):
         hf_model_shape(config)
+
+
+def test_a_megatron_core_that_ignores_the_group_rule_is_refused():
+    """Where megatron-core's top-k routing would not call the swapped group_limited_topk (another release), the
+    check at install raises instead of routing V2 by megatron-core's rule: its answer on the check's token (group
+    1, whose best two sum higher; what 0.16.1 gives unswapped) is refused."""
+    from types import SimpleNamespace
+
+    from slime_rl.trainer_megatron.deepseek_v2 import _check_installed
+
+    unswapped = SimpleNamespace(topk_routing_with_score_function=lambda **_: (None, torch.tensor([[0, 0, 1, 1]]).bool()))
+    with pytest.raises(RuntimeError, match="did not take the best-expert group rule"):
+        _check_installed(unswapped)

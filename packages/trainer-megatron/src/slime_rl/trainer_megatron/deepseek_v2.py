@@ -108,3 +108,20 @@ def _install() -> None:
         return torch.topk(masked, k=topk, dim=-1)
 
     moe_utils.group_limited_topk = group_limited_topk
+    _check_installed(moe_utils)
+
+
+def _check_installed(moe_utils) -> None:
+    """The rule must reach megatron-core's top-k routing (a release that looked ``group_limited_topk`` up elsewhere
+    would route V2 by megatron-core's rule, silently): one token whose best expert is in group 0 (0.4 against 0.3)
+    while group 1's best two sum higher (0.6 against 0.42) must go to group 0's experts."""
+    logits = torch.tensor([[0.40, 0.02, 0.30, 0.28]]).log()
+    token = _BEST_EXPERT_GROUPS.set(True)
+    try:
+        _, routing_map = moe_utils.topk_routing_with_score_function(logits=logits, topk=2, use_pre_softmax=True,
+                                                                    num_groups=2, group_topk=1)
+    finally:
+        _BEST_EXPERT_GROUPS.reset(token)
+    if routing_map[0].tolist() != [True, True, False, False]:
+        raise RuntimeError("DeepSeek-V2 group-limited routing: megatron-core's top-k routing did not take the"
+                           " best-expert group rule (deepseek_v2.py); this megatron-core release routes V2 otherwise")
