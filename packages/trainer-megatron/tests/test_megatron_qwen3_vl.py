@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron_testlib import ensure_single_rank_group, launch, make_config, per_sample, to_batch
-from vlm_scenario import GRIDS, hf_vl_log_probs, load_hf_vl, make_vl_model, make_vl_samples, patch_dim
+from vlm_scenario import (
+    GRIDS,
+    hf_vision,
+    hf_vl_log_probs,
+    load_hf_vl,
+    make_vl_model,
+    make_vl_samples,
+    patch_dim,
+)
 
 from slime_rl.trainer_megatron.convert import SafetensorsFolder
 from slime_rl.trainer_megatron.trainer import MegatronTrainer
@@ -45,10 +53,10 @@ def test_vision_tower_and_deepstack_features_equal_transformers(qwen3_vl):
     grid = torch.tensor([*GRIDS, (1, 2, 2)])  # a 2 x 2 image too: one merge block, the grid's corners only
     pixels = torch.randn(int(grid.prod(-1).sum()), patch_dim(), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        (ours, deepstack), theirs = tower(pixels, grid), hf.model.visual(pixels, grid_thw=grid)
-    assert float((ours - theirs.pooler_output).abs().max()) <= 1e-5
-    assert len(deepstack) == len(theirs.deepstack_features) == 2
-    assert all(float((a - b).abs().max()) <= 1e-5 for a, b in zip(deepstack, theirs.deepstack_features, strict=True))
+        (ours, deepstack), (theirs, their_deepstack) = tower(pixels, grid), hf_vision(hf, pixels, grid)
+    assert float((ours - theirs).abs().max()) <= 1e-5
+    assert len(deepstack) == len(their_deepstack) == 2
+    assert all(float((a - b).abs().max()) <= 1e-5 for a, b in zip(deepstack, their_deepstack, strict=True))
 
 
 def test_round_trip_is_bit_exact_and_log_probs_match_transformers(qwen3_vl, tmp_path):

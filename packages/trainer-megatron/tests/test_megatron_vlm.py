@@ -14,6 +14,8 @@ from megatron_testlib import ensure_single_rank_group, launch, make_config, per_
 from vlm_scenario import (
     GRIDS,
     IMAGE,
+    hf_rope_index,
+    hf_vision,
     hf_vl_log_probs,
     load_hf_vl,
     make_vl_model,
@@ -58,7 +60,7 @@ def test_vision_tower_and_mrope_positions_equal_transformers(vl_model):
     grid = torch.tensor(GRIDS)
     pixels = torch.randn(int(grid.prod(-1).sum()), patch_dim(), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        (ours, deepstack), theirs = tower(pixels, grid), hf.model.visual(pixels, grid_thw=grid).pooler_output
+        (ours, deepstack), (theirs, _) = tower(pixels, grid), hf_vision(hf, pixels, grid)
     assert deepstack == []  # Qwen2.5-VL has none
     assert ours.shape == theirs.shape == (sum(t * h * w for t, h, w in GRIDS) // 4, 64)
     assert float((ours - theirs).abs().max()) <= 1e-5
@@ -69,7 +71,7 @@ def test_vision_tower_and_mrope_positions_equal_transformers(vl_model):
         if grid is None:
             assert torch.equal(mrope_positions(ids[0], None, v), torch.arange(ids.shape[1]).expand(3, -1))
             continue
-        expected, _ = hf.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=grid)
+        expected = hf_rope_index(hf, ids, grid)
         assert torch.equal(mrope_positions(ids[0], grid, v), expected[:, 0])
 
 

@@ -106,6 +106,24 @@ def make_vl_samples(n: int, *, seed: int = 1, images_per_sample: tuple[int, ...]
     return out
 
 
+def hf_vision(hf, pixels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """transformers' vision tower output: the merged embeddings and the deepstack features (Qwen3-VL), from a model
+    output (transformers 5.25) or a tensor / (tensor, features) pair (5.12)."""
+    out = hf.model.visual(pixels, grid_thw=grid)
+    if hasattr(out, "pooler_output"):
+        return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
+    return (out[0], list(out[1])) if isinstance(out, tuple) else (out, [])
+
+
+def hf_rope_index(hf, ids: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """transformers' ``[3, b, s]`` mRoPE positions of ``ids`` (5.25 takes the token types, 5.12 finds the images)."""
+    import inspect
+
+    if "mm_token_type_ids" in inspect.signature(hf.model.get_rope_index).parameters:
+        return hf.model.get_rope_index(ids, mm_token_type_ids=(ids == IMAGE).int(), image_grid_thw=grid)[0]
+    return hf.model.get_rope_index(ids, image_grid_thw=grid)[0]
+
+
 def hf_vl_log_probs(hf, sample, *, pixel_scale: float = 1.0) -> torch.Tensor:
     """transformers' log-probs of ``sample``'s response tokens (its images through the model's own vision tower and
     get_rope_index; ``pixel_scale`` scales the pixels)."""
