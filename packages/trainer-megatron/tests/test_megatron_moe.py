@@ -512,11 +512,12 @@ def test_a_glm_reference_checkpoint_routes_with_its_own_correction_bias(tmp_path
 
 
 @pytest.mark.slow  # two ranks, two GRPO steps (~15 s)
-def test_pipeline_stages_replay_their_own_layers_experts(tmp_path):
-    """Routing replay under PP=2 on a GLM-4.5 of 4 layers (dense, then 3 MoE; the stages hold layers 0-1 and
-    2-3): each router takes its own global layer's experts (random ones, other ones in every layer), so the
-    log-probs, losses and gradient norms equal one rank's."""
-    model = make_hf_model(tmp_path / "model", "glm4_moe", vocab=VOCAB, layers=4)
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v2"])
+def test_pipeline_stages_replay_their_own_layers_experts(family, tmp_path):
+    """Routing replay under PP=2 on a GLM-4.5 (or a DeepSeek-V2: MLA, softmax routing) of 4 layers (dense, then
+    3 MoE; the stages hold layers 0-1 and 2-3): each router takes its own global layer's experts (random ones, other
+    ones in every layer), so the log-probs, losses and gradient norms equal one rank's."""
+    model = make_hf_model(tmp_path / "model", family, vocab=VOCAB, layers=4)
     spec = dict(model=str(model), num_samples=6, vocab=VOCAB, steps=2, random_routes=True)
     overrides = COMMON + ["algorithm.routing_replay=rollout", "trainer.micro_batch_size=2"]
     ensure_single_rank_group()
