@@ -20,7 +20,7 @@ Megatron layouts (local spec):
   Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are not built: they are
   neither trained nor synced to engines (which keep the checkpoint's), and `save_hf` copies them
   unchanged from the source folder, so a saved folder holds every tensor the checkpoint had.
-- DeepSeek-V3 (the layers and MTP as GLM-4.5's): multi-head latent attention's projections and norms (mla.py) are
+- DeepSeek-V3 and V2 (the layers and MTP as GLM-4.5's): multi-head latent attention's projections and norms (mla.py) are
   HF's tensors one to one, unfused and unpermuted (``kv_b_proj`` stays whole: SGLang derives its ``w_kc``/``w_vc``
   from it after loading). Under TP, q_b_proj (V2-Lite's q_proj) and kv_b_proj split on dim 0 by heads as they are
   (each head's rows are contiguous), o_proj on dim 1; the down-projections and latent norms are replicated.

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA: DeepSeek-V3, and V2-Lite's projections) in the Megatron trainer.
+"""Multi-head latent attention (MLA: DeepSeek-V3 and DeepSeek-V2 / V2-Lite) in the Megatron trainer.
 
 Our own module rather than megatron-core's ``MLASelfAttention``, which its local spec cannot build here: the local
 ``DotProductAttention`` takes no ``k_channels``/``v_channels``; ``HAVE_TE`` is True without TransformerEngine

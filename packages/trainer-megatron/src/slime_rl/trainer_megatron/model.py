@@ -1,7 +1,8 @@
 """A Hugging Face config -> a Megatron GPTModel (local layer spec) for Llama, Qwen2/2.5, Qwen3, and the
-mixture-of-experts Qwen3-MoE, Qwen2-MoE, GLM-4.5 and DeepSeek-V3 (moe.py; their first layers are dense;
-DeepSeek's attention is multi-head latent attention, mla.py); Qwen2.5-VL is Qwen2 with mRoPE and a vision
-tower (vlm.py, vision.py), Qwen3-VL Qwen3 with interleaved mRoPE, its own tower and deepstack (vision_qwen3.py).
+mixture-of-experts Qwen3-MoE, Qwen2-MoE, GLM-4.5, DeepSeek-V3 and DeepSeek-V2 (moe.py, deepseek_v2.py; their
+first layers are dense; DeepSeek's attention is multi-head latent attention, mla.py); Qwen2.5-VL is Qwen2 with
+mRoPE and a vision tower (vlm.py, vision.py), Qwen3-VL Qwen3 with interleaved mRoPE, its own tower and deepstack
+(vision_qwen3.py).
 
 The model returns the final hidden states (after the last RMSNorm) instead of logits:
 ``logprobs.py`` applies the output layer in chunks, so full-vocabulary logits for a
@@ -50,7 +51,8 @@ from slime_rl.trainer_megatron.vision import VisionShape
 class HFModelShape:
     """What the conversion and the model need from an HF config.json."""
 
-    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe | glm4_moe | deepseek_v3 | qwen2_5_vl | qwen3_vl
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | qwen2_moe | glm4_moe | deepseek_v3 | deepseek_v2 | qwen2_5_vl
+    # | qwen3_vl
     architecture: str
     vocab_size: int
     hidden_size: int
