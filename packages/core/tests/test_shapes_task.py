@@ -17,6 +17,7 @@ from slime_rl.core.testing.shapes import (  # noqa: E402
     BACKGROUND,
     COLOURS,
     PROMPTS,
+    digit_reward_shaped,
     shapes_reward,
     write_shapes_data,
 )
@@ -32,14 +33,15 @@ def _oracle(path, task: str) -> str:
     size = image.width
     inked = [(x, y, image.getpixel((x, y))) for x in range(size) for y in range(size)
              if image.getpixel((x, y)) != BACKGROUND]
-    if task == "colour":
+    if task in ("colour", "colour_number"):
         mean = [sum(p[2][c] for p in inked) / len(inked) for c in range(3)]
-        return min(COLOURS, key=lambda name: sum((a - b) ** 2 for a, b in zip(COLOURS[name], mean, strict=True)))
+        name = min(COLOURS, key=lambda name: sum((a - b) ** 2 for a, b in zip(COLOURS[name], mean, strict=True)))
+        return name if task == "colour" else str(list(COLOURS).index(name) + 1)
     half = size // 2
     return str(len({(x >= half, y >= half) for x, y, _ in inked}))
 
 
-@pytest.mark.parametrize("task", ["colour", "count"])
+@pytest.mark.parametrize("task", ["colour", "count", "colour_number"])
 def test_the_answer_is_in_the_image_and_only_there(tmp_path, task):
     path = write_shapes_data(tmp_path / "a", n=200, seed=5, task=task)
     again = write_shapes_data(tmp_path / "b", n=200, seed=5, task=task)
@@ -71,3 +73,13 @@ def test_reward_checks_the_first_word():
     assert reward(" Red.", "red") == 1.0 and reward("red shape", "red") == 1.0
     assert reward("blue", "red") == 0.0 and reward("", "red") == 0.0 and reward("a red", "red") == 0.0
     assert reward("3", "3") == 1.0 and reward("34", "3") == 0.0
+
+
+def test_the_shaped_reward_leads_to_the_answer_and_is_plain_on_strict_records(tmp_path):
+    def reward(response, label, **metadata):
+        return digit_reward_shaped(SimpleNamespace(response=response, label=label, metadata=metadata))
+
+    assert [reward(r, "2") for r in ("2", "3", "7", "x")] == [1.0, 0.3, 0.1, 0.0]
+    assert [reward(r, "2", strict=True) for r in ("2", "3", "7", "x")] == [1.0, 0.0, 0.0, 0.0]
+    held_out = _records(write_shapes_data(tmp_path, n=4, seed=0, task="colour_number", strict=True))
+    assert all(r["metadata"] == {"strict": True} for r in held_out)

@@ -116,3 +116,28 @@ def test_weight_sync_takes_the_checkpoint_names(folder):
     for name, tensor in bumped:
         assert torch.equal(engine.current_weight(name), tensor), name
     assert engine.weight_version == 1
+
+
+def test_the_vision_tokens_are_never_sampled(folder, images):
+    """Even where the model puts almost all its mass on them (a hook adds 50 to their logits): a pad in a
+    response would claim an image that is not there. The reported log-prob stays the whole distribution's,
+    the one the trainer scores."""
+    engine = HFEngine.from_pretrained(folder, dtype="float32", device="cpu")
+    banned = engine.vision.banned
+    assert engine.vision.pad_id in banned and len(banned) == 4
+
+    def push(_module, _inputs, logits):
+        logits[..., banned] += 50.0
+        return logits
+
+    hook = engine.model.lm_head.register_forward_hook(push)
+    try:
+        prompt = _prompt(engine, "What colour?", [images["red"]])
+        for temperature in (1.0, 0.0):
+            out = asyncio.run(engine.generate(prompt, SamplingParams(temperature=temperature, max_new_tokens=6,
+                                                                     seed=1, ignore_eos=True),
+                                              images=[images["red"]]))
+            assert not set(out.token_ids) & set(banned)
+            assert max(out.log_probs) < -30  # under the unmasked distribution, where the banned ids hold the mass
+    finally:
+        hook.remove()

@@ -113,6 +113,7 @@ class HFEngine(RolloutEngine):
         self.router_recorder = RouterRecorder.for_model(self.model)  # MoE models: routed experts on request
         self.vision = VisionInputs.for_model(self.model, getattr(model, "name_or_path", None) or None)
         self.accepts_images = self.vision is not None  # the prompts' images (vision.py, docs/vlm.md)
+        self.sample = self.vision.sampler(_sample) if self.vision is not None else _sample  # no vision tokens
         self.adapters = AdapterSync(self.model, lora_scaling)
         # what this instance can do: no experts to report for a dense model, no adapters unless built for them
         self.capabilities = type(self).capabilities - {name for name, lacking in (
@@ -475,7 +476,7 @@ class _DecodeBatch:
         aborted = [r.aborted for r in self.rows]  # one snapshot: abort() may flip flags while this runs
         live = [i for i, was_aborted in enumerate(aborted) if not was_aborted]
         finished, keep, kept_tokens = [], [], []
-        tokens, log_probs = _sample(self.logits[live], [self.rows[i] for i in live]) if live else ([], [])
+        tokens, log_probs = self.engine.sample(self.logits[live], [self.rows[i] for i in live]) if live else ([], [])
         for i, token, log_prob in zip(live, _tolist(tokens), _tolist(log_probs), strict=True):
             req = self.rows[i]
             req.token_ids.append(token)

@@ -11,6 +11,7 @@ three streams, as transformers' own generate does.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,12 @@ PIXEL_CACHE_SIZE = 64  # distinct image lists kept (a wave of groups)
 
 def is_vision_language(config: Any) -> bool:
     return getattr(config, "vision_config", None) is not None and hasattr(config, "image_token_id")
+
+
+def vision_token_ids(config: Any) -> list[int]:
+    """The ids that only the processor may place: image and video pads, vision start and end."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({int(getattr(config, n)) for n in names if getattr(config, n, None) is not None})
 
 
 def vl_module_name(name: str) -> str:
@@ -50,6 +57,7 @@ class VisionInputs:
     def __init__(self, model: Any, processor: Any):
         self.model, self.processor = model, processor
         self.pad_id = int(model.config.image_token_id)
+        self.banned = vision_token_ids(model.config)
         self._pixels: OrderedDict[tuple[str, ...], dict[str, torch.Tensor]] = OrderedDict()
 
     @classmethod
@@ -60,6 +68,20 @@ class VisionInputs:
         if path is None:
             raise ValueError("a vision-language model needs its folder (model.name_or_path) for the processor")
         return cls(model, load_processor(path))
+
+    def sampler(self, sample: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., Any]:
+        """``sample`` (the engine's ``_sample``) that never draws the vision tokens (a pad in a response would
+        claim an image that is not there: the trainer refuses such a sample, SGLang's expansion miscounts) and
+        still reports the log-prob under the whole distribution, which the trainer scores (as top-k/top-p)."""
+        banned = torch.tensor(self.banned)
+
+        def sample_text(logits: torch.Tensor, requests: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            tokens, _ = sample(logits.index_fill(1, banned.to(logits.device), float("-inf")), requests)
+            temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
+            log_probs = torch.log_softmax(logits / temperature.to(logits.dtype)[:, None], dim=-1)
+            return tokens, log_probs.gather(1, tokens[:, None])[:, 0]
+
+        return sample_text
 
     def check(self, input_ids: list[int], images: list[str]) -> None:
         runs = placeholder_runs(input_ids, self.pad_id)
