@@ -70,10 +70,16 @@ class ModelSize:
     mla_cache_dim: int = 0
     # of those, the down-projections (q_a_proj, kv_a_proj_with_mqa), which every trainer TP rank holds whole
     mla_replicated_params: int = 0
+    # a vision-language model's vision tower and merger(s), which every trainer TP rank of the first stage holds whole
+    vision_params: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelSize:
-        """Llama-style names; MoE under Mixtral's, Qwen's or DeepSeek's."""
+        """Llama-style names; MoE under Mixtral's, Qwen's or DeepSeek's; a vision-language config's text_config
+        plus its vision_config (Qwen2.5-VL's and Qwen3-VL's names)."""
+        if "text_config" in hf and "vision_config" in hf and "num_attention_heads" not in hf:
+            text = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
+            return replace(cls.from_hf(text), vision_params=_vision_params(hf["vision_config"]))
         heads = hf["num_attention_heads"]
         experts = hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts") or 0
         mla = _mla_fields(hf, heads)
@@ -126,7 +132,8 @@ class ModelSize:
     def total_params(self) -> int:
         """The whole model's (norms aside)."""
         per_layer = self.attention_params + self.dense_mlp_params + self.expert_params
-        return self.layers * per_layer + self.embedding_params * (1 if self.tied_embeddings else 2)
+        return (self.layers * per_layer + self.embedding_params * (1 if self.tied_embeddings else 2)
+                + self.vision_params)
 
     def lora_params(self, rank: int, targets: tuple[str, ...]) -> int:
         """Adapter parameters of the whole model: ``rank * (in + out)`` per targeted projection and layer."""
@@ -257,7 +264,7 @@ def estimate_memory(cfg: Config, size: ModelSize, device: str, *,
     per_layer = split / tp + size.mla_replicated_params + size.expert_params / (lay.ep * lay.etp)
     embeddings = size.embedding_params / tp
     ends = embeddings * (1 if size.tied_embeddings else 2) if pp == 1 else embeddings  # the worst stage's
-    params = layers * per_layer + ends
+    params = layers * per_layer + ends + size.vision_params  # the tower on the first stage, whole on every TP rank
     lora = cfg.trainer.lora
     trainable = size.lora_params(lay.lora_rank, tuple(lora.target_modules)) / pp / tp if lay.lora_rank else params
     weights = params + (trainable if lay.lora_rank else 0)  # adapters sit beside the frozen weights
@@ -377,6 +384,20 @@ class EngineEstimate:
         return (f"weights {gib(self.weights)}, KV cache {gib(max(0, cache))} = {tokens:,} tokens"
                 f" ({tokens / self.context_len:.1f} samples of {self.context_len:,} tokens at once;"
                 f" mem_fraction_static {self.static_fraction:g})")
+
+
+def _vision_params(vc: dict[str, Any]) -> int:
+    """Parameters of a Qwen2.5-VL or Qwen3-VL vision tower (norms aside): the patch embedding, the blocks' qkv/proj
+    and MLP (SwiGLU, or Qwen3-VL's two-matrix GELU one), the merger(s) over each merge block (Qwen3-VL: one per
+    deepstack block too) and Qwen3-VL's learned position grid."""
+    h, i = vc["hidden_size"], vc["intermediate_size"]
+    qwen3 = vc.get("model_type") == "qwen3_vl_vision"
+    patch = vc.get("in_channels", 3) * vc.get("temporal_patch_size", 2) * vc.get("patch_size", 14) ** 2
+    merged = h * vc.get("spatial_merge_size", 2) ** 2
+    block = 4 * h * h + (2 if qwen3 else 3) * h * i
+    merger = merged * merged + merged * vc.get("out_hidden_size", h)
+    mergers = 1 + len(vc.get("deepstack_visual_indexes") or [])
+    return patch * h + vc["depth"] * block + mergers * merger + vc.get("num_position_embeddings", 0) * h
 
 
 def _mla_fields(hf: dict[str, Any], heads: int) -> dict[str, int]:
