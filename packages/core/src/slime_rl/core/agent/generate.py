@@ -106,8 +106,9 @@ class MultiTurnGenerate:
             if remaining <= 0:
                 return self._end(sample, stats, "context_limit", SampleStatus.TRUNCATED)
             stats.prompt_tokens += len(sample.tokens)
+            images = (sample.multimodal_inputs or {}).get("images")  # a vision-language prompt's (docs/vlm.md)
             out = await engine.generate(list(sample.tokens), self._turn_params(params, remaining),
-                                        request_id=f"{session}/{turn}")
+                                        request_id=f"{session}/{turn}", **({"images": list(images)} if images else {}))
             _count_cache(stats, out)
             if turn == 1:
                 sample.weight_version = out.weight_version
@@ -155,6 +156,7 @@ class MultiTurnGenerate:
         """The environment's first observation as the prompt: rendered by the chat template, its text plain."""
         messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
         sample.prompt = messages
+        sample.multimodal_inputs = sample.multimodal_train_inputs = None  # the data prompt's images went with it
         sample.tokens = plain_content_ids(
             self.tokenizer, lambda ms: render(self.tokenizer, ms, add_generation_prompt=True,
                                               **self.template.template_kwargs), messages)
