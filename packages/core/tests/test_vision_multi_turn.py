@@ -1,6 +1,6 @@
 """Multi-turn episodes of a vision-language prompt (docs/vlm.md): every turn's engine call carries the prompt's
-images (the ids it sends hold their pads), and an environment that replaces the prompt drops them. Observations
-that bring images of their own (a tool returning a picture) are not supported yet."""
+images (the ids it sends hold their pads), and an environment that replaces the prompt drops them. A tool that
+returns a picture: tests/unit/test_vlm_tool_pictures.py (it runs the hf engine too)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,4 @@ def test_an_environment_that_replaces_the_prompt_drops_its_images():
     sample = Sample(index=3, label="37", tokens=[1, 2], multimodal_inputs={"images": ["/data/a.png"]})
     out = asyncio.run(generate(sample, SamplingParams(max_new_tokens=200), engine))
     assert out.multimodal_inputs is None and engine.images == [None, None]
+

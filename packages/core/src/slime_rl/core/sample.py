@@ -58,8 +58,8 @@ class Sample:
     # response generated across in-flight weight updates holds several. Empty before generation.
     token_versions: list[int] = field(default_factory=list)
     # Vision-language samples (docs/vlm.md): {"images": [a file path or a data: URI, ...]}, the images in the
-    # order their placeholder runs appear in ``tokens``. JSON-safe: what a saved or resumed sample keeps.
-    # None: a text-only sample.
+    # order their placeholder runs appear in ``tokens``, and once observations brought more, "prompt_images":
+    # how many are the prompt's. JSON-safe: what a saved or resumed sample keeps. None: a text-only sample.
     multimodal_inputs: dict[str, Any] | None = None
     # What the trainer's vision tower takes, made by the model's processor from ``multimodal_inputs``:
     # {"pixel_values": [patches, C*T*P*P] float32 tensor, "image_grid_thw": [images, 3] int64 tensor}.
@@ -111,6 +111,10 @@ class Sample:
         self.old_log_probs, self.ref_log_probs, self.advantages, self.returns, self.values = [], [], [], [], []
         self.rollout_routed_experts = []
         self.token_versions = []
+        if self.multimodal_inputs and "prompt_images" in self.multimodal_inputs:  # observations' pictures go too
+            inputs = dict(self.multimodal_inputs)
+            inputs["images"] = inputs["images"][:inputs.pop("prompt_images")]
+            self.multimodal_inputs, self.multimodal_train_inputs = inputs, None
         self.metadata.pop("error", None)
         if version is not None:
             self.weight_version = version

@@ -32,6 +32,7 @@ from slime_rl.core.agent.tool_calls import TOOL_CALL_CLOSE, parse_tool_calls
 from slime_rl.core.agent.tools import Tool, ToolResult, call_tool, load_tools
 from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams
 from slime_rl.core.sample import Sample, SampleStatus
+from slime_rl.core.vision.observation import ObservationImages, image_message, message_images
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -64,7 +65,7 @@ class MultiTurnGenerate:
 
     def __init__(self, tokenizer: Any, tools: dict[str, Tool], *, max_turns: int = 4, tool_timeout: float = 30.0,
                  stop_on_tool_call: bool = True, environment: Callable[[], Environment] | None = None,
-                 **template_kwargs: Any):
+                 images: ObservationImages | None = None, **template_kwargs: Any):
         self.tokenizer = tokenizer
         self.template = TurnTemplate.from_tokenizer(tokenizer, **template_kwargs)
         self.tools = tools
@@ -72,6 +73,7 @@ class MultiTurnGenerate:
         self.tool_timeout = tool_timeout
         self.stop_on_tool_call = stop_on_tool_call and environment is None
         self.environment = environment  # a maker of fresh environments, one per episode
+        self.images = images  # observations with pictures (vision-language models; core/vision/observation.py)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any) -> MultiTurnGenerate:
@@ -79,8 +81,10 @@ class MultiTurnGenerate:
         if r.generate_fn == "environment":
             from slime_rl.core.agent.environment import environment_factory
 
-            return cls(tokenizer, {}, max_turns=r.max_turns, environment=environment_factory(r.environment or "", cfg))
-        return cls(tokenizer, load_tools(list(r.tools), cfg), max_turns=r.max_turns, tool_timeout=r.tool_timeout)
+            return cls(tokenizer, {}, max_turns=r.max_turns, environment=environment_factory(r.environment or "", cfg),
+                       images=ObservationImages.from_config(cfg))
+        return cls(tokenizer, load_tools(list(r.tools), cfg), max_turns=r.max_turns, tool_timeout=r.tool_timeout,
+                   images=ObservationImages.from_config(cfg))
 
     def _turn_params(self, params: SamplingParams, remaining: int) -> SamplingParams:
         stop = list(params.stop) + ([TOOL_CALL_CLOSE] if self.stop_on_tool_call else [])
@@ -131,10 +135,10 @@ class MultiTurnGenerate:
                 messages = ([{"role": env.observation_role, "content": result.observation or ""}]
                             if not isinstance(result.observation, list) else result.observation)
                 stats.tool_calls += sum(m.get("role") == "tool" for m in messages)
-                observation = self.template.observation_ids(messages, ended_on_end_of_turn=ended_on_eot)
+                observation, refs = self._observation(messages, ended_on_eot)
                 if sample.response_length + len(observation) >= budget:
                     return self._end(sample, stats, "context_limit", SampleStatus.TRUNCATED)
-                sample.append_response(observation, None, trained=False)
+                self._append(sample, observation, refs)
                 continue
             calls = parse_tool_calls(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
             if not calls:
@@ -145,12 +149,28 @@ class MultiTurnGenerate:
                 *(call_tool(self.tools, call, self.tool_timeout) for call in calls))
             stats.tool_calls += len(results)
             stats.tool_errors += sum(r.error for r in results)
-            observation = self.template.observation_ids([tool_message(r.name, r.text) for r in results],
-                                                        ended_on_end_of_turn=ended_on_eot)
+            observation, refs = self._observation(
+                [image_message(r.name, r.text, r.images) if r.images else tool_message(r.name, r.text) for r in results],
+                ended_on_eot)
             if sample.response_length + len(observation) >= budget:  # no room left for the model to answer
                 return self._end(sample, stats, "context_limit", SampleStatus.TRUNCATED)
-            sample.append_response(observation, None, trained=False)
+            self._append(sample, observation, refs)
         raise AssertionError("unreachable: the last turn always ends the episode")
+
+    def _observation(self, messages: list[dict[str, Any]], ended_on_eot: bool) -> tuple[list[int], list[str]]:
+        """The observation's ids (each picture's placeholder expanded to its pads) and its pictures."""
+        ids = self.template.observation_ids(messages, ended_on_end_of_turn=ended_on_eot)
+        refs = message_images(messages)
+        if refs and self.images is None:
+            raise ValueError("an observation brought images, and the run serves no vision-language data: set "
+                             "data.image_key and serve a vision-language model (docs/vlm.md)")
+        return (self.images.expand(ids, refs) if refs else ids), refs
+
+    @staticmethod
+    def _append(sample: Sample, observation: list[int], refs: list[str]) -> None:
+        sample.append_response(observation, None, trained=False)
+        if refs:
+            ObservationImages.record(sample, refs)
 
     def _set_prompt(self, sample: Sample, first: str | list[dict[str, Any]]) -> None:
         """The environment's first observation as the prompt: rendered by the chat template, its text plain."""

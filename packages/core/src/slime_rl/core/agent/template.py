@@ -183,11 +183,10 @@ def plain_content_ids(tokenizer: Any, render_messages: Any, messages: list[dict[
     ``shapes`` (with ``shape_key`` naming what else the rendering depends on): where the marked rendering
     of this shape is known, the whole text's ids are checked against its special ids and returned after a
     single rendering when they agree (no special token came from the messages' texts)."""
-    slots = [(m, key) for m, message in enumerate(messages) for key in ("content", "name")
-             if isinstance(message.get(key), str)]
-    masked = [dict(message) for message in messages]
-    for k, (m, key) in enumerate(slots):
-        masked[m][key] = _SLOT.format(k)
+    slots = _text_slots(messages)
+    masked = list(messages)
+    for k, slot in enumerate(slots):
+        _set_text(masked, slot, _SLOT.format(k))
     specials = special_ids(tokenizer)
     if shapes is not None:
         key = shape_key + json.dumps(masked, sort_keys=True, default=str)
@@ -198,12 +197,12 @@ def plain_content_ids(tokenizer: Any, render_messages: Any, messages: list[dict[
     else:
         masked_text = render_messages(masked)
     rendered: dict[str, str] = {}  # slot marker -> the slot's text as the template renders it
-    for k, (m, key) in enumerate(slots):
+    for k, slot in enumerate(slots):
         marker = _SLOT.format(k)
         if marker not in masked_text:
             continue  # the template does not show it (a tool's name, often)
-        one_real = [dict(message) for message in masked]
-        one_real[m][key] = messages[m][key]
+        one_real = list(masked)
+        _set_text(one_real, slot, _get_text(messages, slot))
         rendered[marker] = _slot_text(masked_text, marker, render_messages(one_real))
     pieces = re.split("(" + "|".join(map(re.escape, rendered)) + ")", masked_text) if rendered else [masked_text]
     text = "".join(rendered.get(piece, piece) for piece in pieces)
@@ -217,6 +216,38 @@ def plain_content_ids(tokenizer: Any, render_messages: Any, messages: list[dict[
     if [i for i in whole if i in specials] == [i for i in ids if i in specials]:
         return whole
     return ids
+
+
+def _text_slots(messages: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Where the messages hold supplied text: ``(m, "content")``, ``(m, "name")``, and ``(m, "content", k)``
+    for the text parts of a list content (a vision-language message: image parts beside text parts)."""
+    slots: list[tuple[Any, ...]] = []
+    for m, message in enumerate(messages):
+        for key in ("content", "name"):
+            value = message.get(key)
+            if isinstance(value, str):
+                slots.append((m, key))
+            elif key == "content" and isinstance(value, list):
+                slots += [(m, key, k) for k, part in enumerate(value)
+                          if isinstance(part, dict) and isinstance(part.get("text"), str)]
+    return slots
+
+
+def _get_text(messages: list[dict[str, Any]], slot: tuple[Any, ...]) -> str:
+    m, key, *part = slot
+    return messages[m][key][part[0]]["text"] if part else messages[m][key]
+
+
+def _set_text(messages: list[dict[str, Any]], slot: tuple[Any, ...], text: str) -> None:
+    """``text`` into ``slot`` of ``messages`` (a list), copying the message (and its parts) it changes."""
+    m, key, *part = slot
+    messages[m] = dict(messages[m])
+    if part:
+        parts = list(messages[m][key])
+        parts[part[0]] = {**parts[part[0]], "text": text}
+        messages[m][key] = parts
+    else:
+        messages[m][key] = text
 
 
 def _marked(tokenizer: Any, render_messages: Any, masked: list[dict[str, Any]], specials: set[int]

@@ -2,7 +2,8 @@
 built-in sandboxed ``python`` tool.
 
 A tool takes the call's arguments as keyword arguments and returns the observation (a ``str``;
-anything else is ``str()``-ed). ``async def`` tools run on the rollout's event loop; plain ones in a
+anything else is ``str()``-ed), or ``{"text": ..., "images": [...]}`` for pictures too (a vision-language
+model's observation: core/vision/observation.py). ``async def`` tools run on the rollout's event loop; plain ones in a
 thread pool of the agent's own, so a slow tool never holds up the loop or the pool the rollout
 itself uses. Every call has a timeout (``rollout.tool_timeout``): a tool that raises, hangs or gets
 bad arguments gives an ``error: ...`` observation and the episode goes on. A plain function that
@@ -17,11 +18,12 @@ import functools
 import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from slime_rl.core.agent.tool_calls import ToolCall
 from slime_rl.core.infra.plugins import PluginError, load_attr
+from slime_rl.core.vision.observation import tool_images
 
 if TYPE_CHECKING:
     from slime_rl.core.config import Config
@@ -43,6 +45,7 @@ class ToolResult:
     name: str
     text: str  # the observation
     error: bool = False  # raised, timed out, unknown tool or a malformed call
+    images: list[str] = field(default_factory=list)  # pictures it returned (paths or data URIs)
 
 
 def load_tools(specs: list[str], cfg: Config | None = None) -> dict[str, Tool]:
@@ -98,10 +101,17 @@ async def call_tool(tools: dict[str, Tool], call: ToolCall, timeout: float) -> T
         return ToolResult(tool.name, f"error: {tool.name} timed out after {timeout:g} s", error=True)
     except Exception as err:  # the tool's own failure, or arguments it does not take
         return ToolResult(tool.name, f"error: {type(err).__name__}: {err}"[:MAX_OBSERVATION_CHARS], error=True)
+    try:
+        pictures = tool_images(result)
+    except ValueError as err:
+        return ToolResult(tool.name, f"error: {err}", error=True)
+    images: list[str] = []
+    if pictures is not None:
+        result, images = pictures
     text = result if isinstance(result, str) else str(result)
     if len(text) > MAX_OBSERVATION_CHARS:
         text = text[:MAX_OBSERVATION_CHARS] + f"\n[... {len(text) - MAX_OBSERVATION_CHARS} more characters cut]"
-    return ToolResult(tool.name, text)
+    return ToolResult(tool.name, text, images=images)
 
 
 async def _invoke(fn: Callable[..., Any], arguments: dict[str, Any]) -> Any:
