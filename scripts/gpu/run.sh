@@ -64,7 +64,8 @@
 # experts still returned; ~4 min), bench-fp8-gemm (the --fp8-gemm-backend choices tried on the 7B projections;
 # ~2 min), bench-fp8-rollout-bf16, -fp8, -fp8kv (7B-shape rollout tokens/s, 256 in flight, 1k + 1k tokens,
 # CUDA graphs on; one call each, ~4 min), bench-fp8-sync (the 7B sync, bf16 vs FP8 quantised at each sync;
-# ~4 min), bench-fp8-table (the table and ratios over the bench-fp8 calls made on this machine).
+# ~4 min), bench-fp8-table (the table and ratios over the bench-fp8 rows of this call; of several calls: run
+# benchmarks/fp8_rollout.py table over their $OUT/bench-fp8-*.json, on any machine).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -87,16 +88,14 @@ for stage in "$@"; do
               -k "not moe" -p no:cacheprovider) ;;
     fp8-moe) cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_fp8_gpu.py
                   -k moe -p no:cacheprovider) ;;
-    # the bench-fp8 rows gather on the machine (one call each fits the 10 minutes) and bench-fp8-table prints them
-    bench-fp8-gemm) cmd=(timeout 300 python3 benchmarks/fp8_rollout.py gemm --json "${TMPDIR:-/tmp}/fp8-bench.json") ;;
+    # one call each fits the 10 minutes; each writes $OUT/<stage>.json, and the table of them all is made anywhere:
+    # python3 benchmarks/fp8_rollout.py table bench-fp8-*.json (bench-fp8-table: of those of this call)
+    bench-fp8-gemm) cmd=(timeout 300 python3 benchmarks/fp8_rollout.py gemm --json "$logs/$stage.json") ;;
     bench-fp8-rollout-bf16|bench-fp8-rollout-fp8|bench-fp8-rollout-fp8kv)
       v=${stage#bench-fp8-rollout-}; [ "$v" = fp8kv ] && v=fp8-kv
-      cmd=(timeout 580 python3 benchmarks/fp8_rollout.py rollout --variants "$v" --json "${TMPDIR:-/tmp}/fp8-bench.json"
-           --work-dir "${TMPDIR:-/tmp}/fp8-bench") ;;
-    bench-fp8-sync) cmd=(timeout 580 python3 benchmarks/fp8_rollout.py sync --json "${TMPDIR:-/tmp}/fp8-bench.json"
-                         --work-dir "${TMPDIR:-/tmp}/fp8-bench") ;;
-    bench-fp8-table) cmd=(bash -c 'python3 benchmarks/fp8_rollout.py table "${TMPDIR:-/tmp}/fp8-bench.json" &&
-                                   cp "${TMPDIR:-/tmp}/fp8-bench.json" "$0/"' "$logs") ;;
+      cmd=(timeout 580 python3 benchmarks/fp8_rollout.py rollout --variants "$v" --json "$logs/$stage.json") ;;
+    bench-fp8-sync) cmd=(timeout 580 python3 benchmarks/fp8_rollout.py sync --json "$logs/$stage.json") ;;
+    bench-fp8-table) cmd=(bash -c 'python3 benchmarks/fp8_rollout.py table "$0"/bench-fp8-*.json' "$logs") ;;
     gateway) cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_gateway.py -p no:cacheprovider) ;;
     lora-smoke) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -k smoke
                      -p no:cacheprovider) ;;
