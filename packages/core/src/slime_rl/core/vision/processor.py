@@ -71,7 +71,7 @@ def load_processor(folder: str | Path) -> Any:
     folder = Path(folder)
     try:
         return AutoProcessor.from_pretrained(folder)
-    except (ImportError, AttributeError, ValueError) as err:
+    except (ImportError, AttributeError, ValueError, OSError, TypeError) as err:  # transformers' ways to say it
         base_name = processor_class_name(folder)
         if base_name not in IMAGE_ONLY_BASES:
             raise ValueError(f"{folder}: no processor loads ({err}); a vision-language model folder needs "
