@@ -98,11 +98,15 @@ def test_deepstack_and_interleaved_mrope_matter(qwen3_vl):
     assert _gap(trainer, samples, hf) > 100 * PARITY
 
 
-def test_tensor_parallel_equals_one_rank(qwen3_vl, tmp_path):
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_equals_one_rank(qwen3_vl, tmp_path, sequence_parallel):
+    """TP=2, and with sequence parallelism (the deepstack features added to each rank's chunk of the sequence),
+    against one rank."""
     spec = {"scenario": "vlm", "model": str(qwen3_vl), "num_samples": 6, "steps": 2,
             "overrides": ["trainer.max_tokens_per_gpu=4096"]}  # the default lr, 1e-3
     one = launch(1, spec, tmp_path)
-    two = launch(2, {**spec, "overrides": [*spec["overrides"], "parallel.tensor_model_parallel_size=2"]}, tmp_path)
+    two = launch(2, {**spec, "overrides": [*spec["overrides"], "parallel.tensor_model_parallel_size=2",
+                                           f"parallel.sequence_parallel={str(sequence_parallel).lower()}"]}, tmp_path)
     assert one["round_trip"] and two["round_trip"] and two["peers_agree"]
     for key in ("log_probs", "trained_log_probs"):
         gap = max(abs(a - b) for x, y in zip(one[key], two[key], strict=True) for a, b in zip(x, y, strict=True))

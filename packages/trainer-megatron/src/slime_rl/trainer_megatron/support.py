@@ -89,8 +89,8 @@ def model_support(path: str | Path) -> tuple[bool, list[tuple[str, str]]]:
         lines.append(("vision", f"vision tower of {v.depth} blocks (width {v.hidden_size}, full attention at"
                                 f" {list(v.fullatt_block_indexes)}{deepstack}), merged {v.spatial_merge_size}x"
                                 f"{v.spatial_merge_size}; mRoPE sections {list(v.mrope_section)}"
-                                f"{' interleaved' if v.mrope_interleaved else ''}; TP and PP, CP=1, no sequence"
-                                " parallelism"))
+                                f"{' interleaved' if v.mrope_interleaved else ''}; TP (with sequence parallelism)"
+                                " and PP, CP=1, no LoRA"))
     if shape.mtp_layers:
         lines.append(("mtp", f"{shape.mtp_layers} multi-token-prediction layer(s): not loaded (neither trained nor"
                              " synced to engines), copied unchanged into saved checkpoints"))

@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from megatron.core import parallel_state
 from torch import Tensor
 
 from slime_rl.trainer_megatron.model import PolicyGPT
@@ -130,6 +131,8 @@ def micro_batch_positions(input_ids: Tensor, seq_lens: list[int] | None, images:
     """The ``[3, b, s]`` positions of a micro-batch: padded rows (``seq_lens`` None; padding at 0) or one packed row
     of ``seq_lens`` sequences, each from 0. ``images``: each sequence's, in row order."""
     grids = [im.grid_thw if im is not None else None for im in images]
+    if seq_lens is not None:  # sequence parallelism's padding sequence (sequence_parallel.pad_micro_batch) has none
+        grids += [None] * (len(seq_lens) - len(grids))
     if seq_lens is None:
         out = torch.zeros(3, *input_ids.shape, dtype=torch.long)
         for row, grid in enumerate(grids):
@@ -168,15 +171,27 @@ class PolicyVLM(PolicyGPT):
                 embeds, deepstack = self.vision(images.pixel_values, images.grid_thw)
                 rows = image_rows(input_ids, self.vision_shape.image_token_id, embeds.shape[0])
                 flat = decoder_input.reshape(-1, decoder_input.shape[-1])
-                decoder_input = flat.index_copy(0, rows, embeds.to(flat.dtype)).view_as(decoder_input)
+                rows, mine = self._local_rows(rows, flat.shape[0])
+                decoder_input = flat.index_copy(0, rows, embeds[mine].to(flat.dtype)).view_as(decoder_input)
                 # Qwen3-VL: feature map i joins the image tokens' hidden states after layer i (the first stage's)
-                hooks = [self.decoder.layers[i].register_forward_hook(_DeepstackAdd(rows, feature))
+                hooks = [self.decoder.layers[i].register_forward_hook(_DeepstackAdd(rows, feature[mine]))
                          for i, feature in enumerate(deepstack)]
         try:
             return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
         finally:
             for hook in hooks:
                 hook.remove()
+
+    def _local_rows(self, rows: Tensor, local: int) -> tuple[Tensor, Tensor]:
+        """The image rows this rank's hidden states hold (of ``local`` rows) and which images' rows they are: all of
+        them, or under sequence parallelism the TP rank's part of the ``[s, b]`` rows (its sequence chunk). The
+        tower's gradients are then this rank's share, summed over TP by finalize_model_grads (``configure`` tags
+        them ``sequence_parallel``)."""
+        if not self.config.sequence_parallel:
+            return rows, torch.arange(len(rows), device=rows.device)
+        first = parallel_state.get_tensor_model_parallel_rank() * local
+        mine = ((rows >= first) & (rows < first + local)).nonzero().squeeze(1)
+        return rows[mine] - first, mine
 
 
 def image_rows(input_ids: Tensor, image_token_id: int, count: int) -> Tensor:
@@ -234,8 +249,7 @@ def configure(model, shape, cfg) -> None:
     first_stage_layers = shape.num_layers // p.pipeline_model_parallel_size
     deepstack = len(shape.vision.deepstack_visual_indexes)
     recompute = megatron_settings(cfg).recompute
-    unsupported = {"parallel.sequence_parallel": p.sequence_parallel and p.tensor_model_parallel_size > 1,
-                   "parallel.context_parallel_size > 1": p.context_parallel_size > 1,
+    unsupported = {"parallel.context_parallel_size > 1": p.context_parallel_size > 1,
                    "trainer.lora": cfg.trainer.lora.rank > 0,
                    # deepstack's additions are hooks on the first layers' forward, which a recomputed forward
                    # would run without, and whose features come from the first stage's vision tower
@@ -246,6 +260,8 @@ def configure(model, shape, cfg) -> None:
             raise ValueError(f"{name}: not supported with a vision-language model ({shape.architecture}) yet")
     if model.vision is not None:
         model.vision.recompute = recompute is True  # full recompute: the tower's blocks too
+        for param in model.vision.parameters():  # SP: each TP rank's gradient covers its sequence chunk's images
+            param.sequence_parallel = model.config.sequence_parallel
         if cfg.trainer.freeze_vision_tower:
             model.vision.requires_grad_(False)
 
