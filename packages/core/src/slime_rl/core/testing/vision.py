@@ -118,12 +118,9 @@ def tiny_vl_model_folder(out_dir: Path, *, seed: int = 0, dtype: torch.dtype = t
     """A complete HF folder of a tiny random Qwen2.5-VL model, its tokenizer (`vl_tokenizer` by default) and
     image processor (images resized to ``min_pixels``..``max_pixels``); ``shape`` as `tiny_vl_config` takes
     it. Returns ``out_dir``."""
-    try:  # transformers 5.25: the PIL backend by name (no torchvision); older 5.x: the plain class is PIL's
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    except ImportError:
-        from transformers import Qwen2VLImageProcessor as Qwen2VLImageProcessorPil
+    from slime_rl.core.vision.processor import image_only_processor, pil_image_processor_class
 
-    from slime_rl.core.vision.processor import image_only_processor
+    Qwen2VLImageProcessorPil = pil_image_processor_class()  # noqa: N806 (a class)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -77,5 +77,20 @@ def load_processor(folder: str | Path) -> Any:
             raise ValueError(f"{folder}: no processor loads ({err}); a vision-language model folder needs "
                              f"a processor_class among {', '.join(IMAGE_ONLY_BASES)}") from err
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    image_processor = AutoImageProcessor.from_pretrained(folder)
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(folder)
+    except ImportError:  # transformers 5.12's auto class asks for torchvision too: Qwen2-VL's PIL class by name
+        image_processor = pil_image_processor_class().from_pretrained(folder)
     return image_only_processor(image_processor, tokenizer, base_name=base_name)
+
+
+def pil_image_processor_class() -> type:
+    """Qwen2-VL's image processor on PIL and numpy (no torchvision): 5.25 names it ``...Pil``, 5.12 has it as
+    the plain class."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    except ImportError:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
+            Qwen2VLImageProcessor as Qwen2VLImageProcessorPil,
+        )
+    return Qwen2VLImageProcessorPil
