@@ -147,6 +147,9 @@ def test_server_flags_follow_the_models_blocks_and_the_kv_cache_option(model_64,
     assert "kv_cache_dtype" not in engine_args(cfg) and "fp8_gemm_backend" not in engine_args(cfg)
     with pytest.raises(ConfigError, match="rollout.precision: no FP8 block edge .* divides"):
         fp8.fp8_format(tiny_model, 1)  # hidden size 8
+    served = fp8.write_served_folder(model_64, tmp_path / "fp8-model", FP8Format("block", 32))
+    with pytest.raises(ConfigError, match="rollout.precision: .*config.json is already quantised"):
+        fp8.fp8_format(served, 1)  # an FP8 folder given as the model
 
 
 def test_the_served_copy_is_made_once_and_again_when_the_model_changes(model_64, tmp_path):

@@ -124,7 +124,14 @@ def _hf_config(model_path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError("rollout.precision", f"{path} does not exist: the FP8 engines need an HF model folder")
     hf = json.loads(path.read_text())
-    return {k: v for k, v in hf.items() if k != "quantization_config"} if isinstance(hf, dict) else {}
+    if not isinstance(hf, dict):
+        raise ConfigError("model.path", f"{path} holds a {type(hf).__name__}, not an HF config mapping")
+    if "quantization_config" in hf:
+        raise ConfigError("rollout.precision", f"{path} is already quantised ({hf['quantization_config']}):"
+                                               " rollout.precision=fp8 serves FP8 copies of a model the trainer"
+                                               " holds in bf16 or fp32; give that model, or set"
+                                               " rollout.precision=model")
+    return hf
 
 
 # ---------------------------------------------------------------------- the GPUs
