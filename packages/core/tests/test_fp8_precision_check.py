@@ -52,3 +52,20 @@ def test_the_engine_memory_estimate_counts_fp8_weights_and_kv_cache_at_a_byte():
     assert fp8.weights == embeddings * 2 + (size.total_params - embeddings)
     assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token == 2 * kv.kv_bytes_per_token
     assert fp8.kv_cache(80 * 2**30) > bf16.kv_cache(80 * 2**30)  # the bytes FP8 saves go to the KV cache
+
+
+def test_a_model_no_fp8_block_divides_or_already_quantised_is_refused_at_plan(tmp_path):
+    import json
+
+    shape = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+    (tmp_path / "config.json").write_text(json.dumps(shape))  # SmolLM2-135M: 64x64 blocks
+    check_precision(Config.model_validate({"model": {"path": str(tmp_path)}, "cluster": {"device": "cuda"},
+                                           "rollout": {"engine": "sglang", "precision": "fp8"}}), "cuda")
+    (tmp_path / "config.json").write_text(json.dumps({**shape, "hidden_size": 584}))
+    fp8 = Config.model_validate({"model": {"path": str(tmp_path)}, "rollout": {"engine": "sglang", "precision": "fp8"}})
+    with pytest.raises(ConfigError, match=r"rollout.precision: no FP8 block edge of 128, 64, 32, 16 divides the"
+                                          r" model's partitions \[584, "):
+        check_precision(fp8, "cuda")
+    (tmp_path / "config.json").write_text(json.dumps({**shape, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ConfigError, match="config.json is already quantised"):
+        check_precision(fp8, "cuda")

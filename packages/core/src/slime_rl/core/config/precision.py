@@ -5,6 +5,9 @@ the GPUs it will get)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from slime_rl.core.config.backends import BACKEND_SECTIONS, settings_model
 from slime_rl.core.config.schema import Config, ConfigError
 from slime_rl.core.infra.plugins import PluginError
@@ -39,3 +42,32 @@ def check_precision(cfg: Config, device: str) -> None:
         raise ConfigError("rollout.update_weight_mode", "delta syncs send changes of the trainer's dtype, and FP8"
                                                         " engines load whole (weight, scale) pairs; set"
                                                         " rollout.update_weight_mode=full with rollout.precision=fp8")
+    if r.precision == "fp8":
+        _check_blocks(cfg)
+
+
+def _check_blocks(cfg: Config) -> None:
+    """The model's FP8 blocks, when its config.json is here (a ``builtin:`` model is checked once resolved, at
+    the engine's start like any other): an already quantised model, or one no block edge divides, is refused."""
+    from slime_rl.core.weights.fp8 import BLOCK_EDGES, block_edge, model_partitions
+
+    path = Path(cfg.model.path) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # no such folder yet, or not JSON: check_model says which
+    if not isinstance(hf, dict):
+        return
+    if "quantization_config" in hf:
+        raise ConfigError("rollout.precision", f"{path} is already quantised: rollout.precision=fp8 serves FP8"
+                                               " copies of a model the trainer holds in bf16 or fp32; give that"
+                                               " model, or set rollout.precision=model")
+    tp = cfg.cluster.rollout_num_gpus_per_engine
+    try:
+        partitions = model_partitions(hf, tp)
+    except (KeyError, TypeError, ZeroDivisionError):
+        return  # not a decoder config this knows (a VL model's text_config): the engine's start says so
+    if block_edge(partitions) is None:
+        raise ConfigError("rollout.precision", f"no FP8 block edge of {', '.join(map(str, BLOCK_EDGES))} divides"
+                                               f" the model's partitions {partitions} at engine TP {tp}; set"
+                                               " rollout.precision=model")
