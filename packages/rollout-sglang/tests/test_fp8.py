@@ -103,6 +103,11 @@ def test_syncs_land_as_fp8_pairs_bit_for_bit(model_64, standin_python, tmp_path,
         assert torch.equal(held(engine, norm), dict(new)[norm].double())
         after = asyncio.run(engine.generate([5, 6, 7], GREEDY))
         assert after.weight_version == 1 and after.token_ids != before.token_ids
+        if path == "engine":  # its own host copy of the sync, what a restarted server is restored from: FP8 too
+            restore = engine.weights.restore_folder()
+            with safe_open(str(next(restore.glob("*.safetensors"))), framework="pt") as f:
+                assert f.get_tensor(Q_PROJ).dtype == FP8_DTYPE and f.get_tensor(norm).dtype == torch.bfloat16
+            assert "quantization_config" in json.loads((restore / "config.json").read_text())
     finally:
         sender.restore.writes.wait()
         sender.pusher.drop_group(sender.pusher.group_targets)
