@@ -169,10 +169,13 @@ def patch_positions(grid_thw: Tensor, m: int) -> Tensor:
     return torch.cat(positions)
 
 
-def rotary_tables(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+def rotary_tables(positions: Tensor, v: VisionShape) -> tuple[Tensor, Tensor]:
     """cos and sin ``[patches, head_dim]`` of the 2D rotary: half the frequencies turn with the row, half with the
-    column, the whole head rotated."""
-    freqs = positions[..., None].float() * inv_freq.float()  # [n, 2, d / 4]
+    column, the whole head rotated. The frequencies are made here in float32, never held as a buffer: a bf16 model's
+    cast (Float16Module) would round them, where transformers and SGLang keep them in float32."""
+    spatial = v.head_dim // 2
+    inv_freq = 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device=positions.device) / spatial))
+    freqs = positions[..., None].float() * inv_freq  # [n, 2, d / 4]
     freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -331,9 +334,6 @@ class VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(v)
         self.blocks = nn.ModuleList([VisionBlock(v) for _ in range(v.depth)])
         self.merger = PatchMerger(v)
-        spatial = v.head_dim // 2  # half the head dim rotates by h, half by w
-        inv_freq = 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
         v = self.shape
@@ -345,7 +345,7 @@ class VisionTower(nn.Module):
         n = x.shape[0]
         x = x.reshape(n // unit, unit, -1)[window_index].reshape(n, -1)
         positions = layout.positions.to(device).reshape(n // unit, unit, 2)[window_index].reshape(n, 2)
-        cos, sin = rotary_tables(positions, self.inv_freq)
+        cos, sin = rotary_tables(positions, v)
         for i, block in enumerate(self.blocks):
             segments = layout.images if i in v.fullatt_block_indexes else layout.windows
             x = run_block(block, self.recompute, x, cos, sin, segments)

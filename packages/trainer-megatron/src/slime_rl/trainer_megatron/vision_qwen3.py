@@ -91,9 +91,6 @@ class Qwen3VisionTower(nn.Module):
         self.merger = Qwen3PatchMerger(v, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             [Qwen3PatchMerger(v, postshuffle=True) for _ in v.deepstack_visual_indexes])
-        spatial = v.head_dim // 2
-        inv_freq = 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> tuple[Tensor, list[Tensor]]:
         v = self.shape
@@ -103,7 +100,7 @@ class Qwen3VisionTower(nn.Module):
         index, weight = position_taps(grid, int(v.num_position_embeddings ** 0.5), v.spatial_merge_size)
         pos = (self.pos_embed(index.to(device)) * weight.to(device)[..., None]).sum(1)
         x = x + pos.to(x.dtype)
-        cos, sin = rotary_tables(patch_positions(grid, v.spatial_merge_size).to(device), self.inv_freq)
+        cos, sin = rotary_tables(patch_positions(grid, v.spatial_merge_size).to(device), v)
         segments = [h * w for t, h, w in grid.tolist() for _ in range(t)]
         deepstack = []
         for i, block in enumerate(self.blocks):
