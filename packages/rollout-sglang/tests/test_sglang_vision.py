@@ -98,3 +98,21 @@ def test_a_server_that_sizes_images_otherwise_is_caught(vl_model, images, standi
             asyncio.run(engine.generate(ours, PARAMS, images=images))
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_a_response_ends_before_a_sampled_vision_token(vl_model):
+    """sglang-router drops logit_bias, so SGLang may sample a vision token; the engine ends the response
+    before it (stop), its log-probs and routed experts cut to match, and leaves other responses alone."""
+    from slime_rl.core.contracts import GenerateOutput
+    from slime_rl.rollout_sglang.vision import end_before_vision_tokens, vision_token_ids
+
+    ids = vision_token_ids(vl_model)
+    processor = load_processor(vl_model)
+    pad = processor.image_token_id
+    assert pad in ids and len(ids) == 4
+    out = GenerateOutput([5, 6, pad, 7], [-0.1, -0.2, -0.3, -0.4], "length", 2,
+                         routed_experts=[[[0]]] * 13, token_versions=[2, 2, 2, 2])  # 10 prompt + 4 new - 1
+    cut = end_before_vision_tokens(out, ids)
+    assert (cut.token_ids, cut.log_probs, cut.finish_reason) == ([5, 6], [-0.1, -0.2], "stop")
+    assert len(cut.routed_experts) == 11 and cut.token_versions == [2, 2]
+    assert end_before_vision_tokens(GenerateOutput([5, 6], [-0.1, -0.2], "length", 2), ids).finish_reason == "length"

@@ -114,6 +114,7 @@ class SGLangEngine(RolloutEngine):
                                      recovering=self.recovery.restarting)
         self._engine_clients: dict[str, GenerateClient] = {}  # url -> a client straight to that engine
         self.accepts_images = vision.serves_images(model_path)  # a vision-language model (docs/vlm.md)
+        self._vision_ids = vision.vision_token_ids(model_path) if self.accepts_images else frozenset()
 
     # ------------------------------------------------------------------ construction
 
@@ -302,6 +303,7 @@ class SGLangEngine(RolloutEngine):
                     self.weights.release_adapter(lora)
                 if lora is not None:  # the server's own version is the base's; the adapter is the policy
                     out = replace(out, weight_version=version)
+                out = vision.end_before_vision_tokens(out, self._vision_ids)  # a sampled pad claims no image
                 req.wire_rid = None  # back from the server: nothing there to abort
                 cached = out.cached_tokens if not tokens and cached is None else cached
                 tokens += out.token_ids

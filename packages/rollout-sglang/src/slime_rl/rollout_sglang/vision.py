@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from slime_rl.core.contracts import GenerateOutput
 from slime_rl.core.vision.contract import ContractProblem, engine_request
 
 #: SGLang's default vision attention on Hopper is FA3, which the GPU bundle drops (docs/gpu-results.md);
@@ -37,6 +39,27 @@ def serves_images(model_path: str | Path) -> bool:
         return image_token_id(model_path) is not None
     except (OSError, ValueError, KeyError):
         return False
+
+
+def vision_token_ids(model_path: str | Path) -> frozenset[int]:
+    """The ids only the processor may place: image and video pads, vision start and end."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return frozenset(int(config[n]) for n in names if config.get(n) is not None)
+
+
+def end_before_vision_tokens(out: GenerateOutput, vision_ids: frozenset[int]) -> GenerateOutput:
+    """``out`` ended (``stop``) before the first vision token it sampled, if any. A pad in a response claims an
+    image that is not there (the trainer refuses the sample; a continuation would miscount the images), and
+    sglang-router 0.3.x drops the ``logit_bias`` that could forbid them (the hf engine never samples them)."""
+    k = next((i for i, t in enumerate(out.token_ids) if t in vision_ids), None)
+    if k is None:
+        return out
+    dropped = len(out.token_ids) - k
+    routed = out.routed_experts[:len(out.routed_experts) - dropped] if out.routed_experts is not None else None
+    versions = out.token_versions[:k] if out.token_versions is not None else None
+    return replace(out, token_ids=out.token_ids[:k], log_probs=out.log_probs[:k], finish_reason="stop",
+                   routed_experts=routed, token_versions=versions)
 
 
 def launch_flags(model_path: str | Path) -> dict[str, Any]:
