@@ -23,17 +23,18 @@ On the GPU the engine compares SGLang's ``meta_info.prompt_tokens`` with our cou
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
 from typing import Any
 
 from slime_rl.core.vision.images import DATA_URI_PREFIX, bytes_to_data_uri, read_bytes
 
 
-@dataclass(frozen=True)
 class ContractProblem(Exception):
-    """Why an engine would not see a prompt's ids as ours."""
+    """Why an engine would not see a prompt's ids as ours. A plain exception, not a frozen dataclass: it must survive the pickle round trip that carries it
+    across Ray (tests/unit/test_errors_pickle.py)."""
 
-    reason: str
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def placeholder_runs(ids: list[int], pad_id: int) -> list[tuple[int, int]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,13 @@ DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 DATA_URI_PREFIX = "data:"
 
 
-@dataclass(frozen=True)
 class ImageProblem(Exception):
-    """Why one image is unusable (the caller adds where it is)."""
+    """Why one image is unusable (the caller adds where it is). A plain exception, not a frozen dataclass: it must survive the pickle round trip that carries it
+    across Ray (tests/unit/test_errors_pickle.py)."""
 
-    reason: str
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def image_refs(value: Any, where: str, *, base_dir: Path, key: str) -> list[str]:
