@@ -3,7 +3,7 @@
 SGLang's tokenizer manager hands a request with images to the model's multimodal processor
 (srt/multimodal/processors/qwen_vl.py, base_processor.py): it decodes ``input_ids`` to text
 (``tokenizer.decode``, special tokens kept), runs the HF processor on that text with the loaded images
-(a ValueError there fails the request: what pre-expanded placeholders cause, strands-sglang#31), and then,
+(an error there fails the request: what pre-expanded placeholders cause, strands-sglang#31), and then,
 with SGLANG_MM_AVOID_RETOKENIZE (on by default), keeps the request's ids and puts each image's token count
 of pads in place of its one pad (``_expand_input_ids``); when that raises (not one pad per image) it keeps
 the processor's re-tokenisation instead. The stand-in does the same with the model folder's processor, so
@@ -61,8 +61,10 @@ def request_ids(server: Any, body: dict[str, Any]) -> Any:
     text = processor.tokenizer.decode(ids)
     try:
         retokenized = processor(text=[text], images=images, padding=True, return_tensors="pt")["input_ids"][0].tolist()
-    except ValueError as err:  # the HF processor's own check of placeholders against images
-        raise _refuse(f"An exception occurred while processing the multimodal data: {err}") from None
+    except Exception as err:  # the HF processor's check of placeholders against images (5.25: ValueError;
+        # 5.12.1 runs out of images instead: StopIteration)
+        raise _refuse(f"An exception occurred while processing the multimodal data: {type(err).__name__}: "
+                      f"{err}") from None
     server.record("image_request", images=len(images), sent=len(ids))
     try:
         return expand(list(ids), image_token_counts(images, processor), processor.image_token_id)
