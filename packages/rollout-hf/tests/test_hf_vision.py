@@ -18,9 +18,9 @@ from slime_rl.core.vision.prompt import encode_prompt, prompt_text  # noqa: E402
 from slime_rl.rollout_hf.engine import HFEngine  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_vl_model_folder(tmp_path_factory.mktemp("tiny-vl"))
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def folder(request, tmp_path_factory):
+    return tiny_vl_model_folder(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +104,15 @@ def test_a_text_model_takes_no_images(tmp_path):
 
 
 def test_weight_sync_takes_the_checkpoint_names(folder):
-    """The trainer syncs the checkpoint's names (``visual.*``, ``model.layers.*``, ``lm_head``): every one lands
-    in transformers 5's module (``model.visual.*``, ``model.language_model.*``)."""
+    """The trainer syncs the checkpoint's names (Qwen2.5-VL: ``visual.*``, ``model.layers.*``, ``lm_head``;
+    Qwen3-VL's are the module's own): every one lands in transformers 5's module (``model.visual.*``,
+    ``model.language_model.*``)."""
     from safetensors.torch import load_file
 
     engine = HFEngine.from_pretrained(folder, dtype="float32", device="cpu")
     named = sorted(load_file(str(folder / "model.safetensors")).items())
-    assert any(n.startswith("visual.") for n, _ in named) and any(n.startswith("model.layers.") for n, _ in named)
+    if engine.model.config.model_type == "qwen2_5_vl":
+        assert any(n.startswith("visual.") for n, _ in named) and any(n.startswith("model.layers.") for n, _ in named)
     bumped = [(n, t + 0.5) for n, t in named]
     asyncio.run(engine.update_weights(bumped, version=1, last=True))
     for name, tensor in bumped:

@@ -29,9 +29,9 @@ from slime_rl.rollout_sglang.launch import engine_args  # noqa: E402
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def vl_model(tmp_path_factory):
-    return tiny_vl_model_folder(tmp_path_factory.mktemp("tiny-vl"))
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl_model(request, tmp_path_factory):
+    return tiny_vl_model_folder(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.fixture(scope="module")
