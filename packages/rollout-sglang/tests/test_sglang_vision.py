@@ -112,7 +112,12 @@ def test_a_response_ends_before_a_sampled_vision_token(vl_model):
     assert pad in ids and len(ids) == 4
     out = GenerateOutput([5, 6, pad, 7], [-0.1, -0.2, -0.3, -0.4], "length", 2,
                          routed_experts=[[[0]]] * 13, token_versions=[2, 2, 2, 2])  # 10 prompt + 4 new - 1
-    cut = end_before_vision_tokens(out, ids)
+    cut = end_before_vision_tokens(out, ids, first=True)
     assert (cut.token_ids, cut.log_probs, cut.finish_reason) == ([5, 6], [-0.1, -0.2], "stop")
     assert len(cut.routed_experts) == 11 and cut.token_versions == [2, 2]
-    assert end_before_vision_tokens(GenerateOutput([5, 6], [-0.1, -0.2], "length", 2), ids).finish_reason == "length"
+    assert end_before_vision_tokens(GenerateOutput([5, 6], [-0.1, -0.2], "length", 2), ids,
+                                    first=True).finish_reason == "length"
+    starts_with_pad = GenerateOutput([pad, 5], [-0.1, -0.2], "length", 2)
+    with pytest.raises(ValueError, match=f"first response token was the vision token {pad}"):
+        end_before_vision_tokens(starts_with_pad, ids, first=True)  # the trainer takes no empty response
+    assert end_before_vision_tokens(starts_with_pad, ids, first=False).token_ids == []  # a later part: ends there

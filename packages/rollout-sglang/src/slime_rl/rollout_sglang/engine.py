@@ -303,7 +303,7 @@ class SGLangEngine(RolloutEngine):
                     self.weights.release_adapter(lora)
                 if lora is not None:  # the server's own version is the base's; the adapter is the policy
                     out = replace(out, weight_version=version)
-                out = vision.end_before_vision_tokens(out, self._vision_ids)  # a sampled pad claims no image
+                out = vision.end_before_vision_tokens(out, self._vision_ids, first=not tokens)  # no image pads out
                 req.wire_rid = None  # back from the server: nothing there to abort
                 cached = out.cached_tokens if not tokens and cached is None else cached
                 tokens += out.token_ids

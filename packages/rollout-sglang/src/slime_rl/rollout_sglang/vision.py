@@ -48,13 +48,18 @@ def vision_token_ids(model_path: str | Path) -> frozenset[int]:
     return frozenset(int(config[n]) for n in names if config.get(n) is not None)
 
 
-def end_before_vision_tokens(out: GenerateOutput, vision_ids: frozenset[int]) -> GenerateOutput:
+def end_before_vision_tokens(out: GenerateOutput, vision_ids: frozenset[int], *, first: bool) -> GenerateOutput:
     """``out`` ended (``stop``) before the first vision token it sampled, if any. A pad in a response claims an
     image that is not there (the trainer refuses the sample; a continuation would miscount the images), and
-    sglang-router 0.3.x drops the ``logit_bias`` that could forbid them (the hf engine never samples them)."""
+    sglang-router 0.3.x drops the ``logit_bias`` that could forbid them (the hf engine never samples them).
+    ``first``: ``out`` starts the response; a response that would be empty fails (ValueError: the trainer takes
+    no empty response), which fails its sample alone and drops its group."""
     k = next((i for i, t in enumerate(out.token_ids) if t in vision_ids), None)
     if k is None:
         return out
+    if k == 0 and first:
+        raise ValueError(f"the model's first response token was the vision token {out.token_ids[0]} (SGLang "
+                         f"cannot be told to avoid them through sglang-router: docs/vlm.md)")
     dropped = len(out.token_ids) - k
     routed = out.routed_experts[:len(out.routed_experts) - dropped] if out.routed_experts is not None else None
     versions = out.token_versions[:k] if out.token_versions is not None else None
