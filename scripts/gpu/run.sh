@@ -41,7 +41,8 @@
 # images of 448 x 448 on the Qwen2.5-VL-3B shape with 12 LM layers, trainer vs transformers' Qwen2.5-VL: tokens/s,
 # peak memory, the log-prob gap; ~3 min), vlm-sglang (issue 41: a tiny Qwen2.5-VL served by real SGLang with
 # --mm-attention-backend sdpa: its prompt token count per request equals ours for 1 and 2 images of several sizes,
-# pre-expanded pads fail, the log-prob gap to transformers printed; ~2 min).
+# pre-expanded pads fail, the log-prob gap to transformers printed; ~2 min), vlm-e2e (issue 41: the shapes task
+# through SGLang and Megatron via slime-cli, bf16: held-out accuracy and the SGLang-Megatron log-prob gap per step; ~6 min).
 # real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
 # pack it first with scripts/gpu/pack_smollm2.sh; ~11 min, more than one device call holds),
 # real-model-addition, real-model-chain-sum (one task each, ~5.5 min on one H200).
@@ -178,6 +179,7 @@ for stage in "$@"; do
     real-model) cmd=(bash scripts/gpu/real_model.sh "$logs" addition chain_sum) ;;
     real-model-addition) cmd=(bash scripts/gpu/real_model.sh "$logs" addition) ;;
     real-model-chain-sum) cmd=(bash scripts/gpu/real_model.sh "$logs" chain_sum) ;;
+    vlm-e2e) cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_vlm_e2e.py -p no:cacheprovider) ;;
     vlm-sglang) cmd=(timeout 500 python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_vision_gpu.py
                      -p no:cacheprovider) ;;
     roles-sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_roles_gpu.py
