@@ -363,3 +363,24 @@ def test_a_checkpoint_in_transformers_4_52_layout_round_trips_under_its_own_name
     assert _max_gap(samples, _log_probs(trainer, samples), load_hf_vl(nested)) <= PARITY
     trainer.save_hf(str(tmp_path / "out"))
     assert sorted(SafetensorsFolder(tmp_path / "out").weight_map) == sorted(renamed)
+
+
+def test_reference_and_critic_of_a_vl_model(vl_model):
+    """The KL reference (a host copy of the loaded weights, vision tower included) still scores the samples as the
+    untrained policy did after the policy trained; a PPO critic on the VL model (value head on the same trunk, its
+    forward through the vision tower) computes values of samples with images and lowers its loss."""
+    batch = to_batch(make_vl_samples(6))
+    actor = trainer_for(vl_model, ["trainer.max_tokens_per_gpu=4096", "trainer.lr=0.01", "algorithm.use_kl_loss=true",
+                                   "algorithm.kl_loss_coef=0.1"])
+    start = actor.compute_log_probs(batch)
+    assert torch.equal(actor.compute_log_probs(batch, model="ref"), start)
+    batch.old_log_probs, batch.ref_log_probs = start, start
+    actor.train_step(batch)
+    assert float((actor.compute_log_probs(batch) - start).abs().max()) > 1e-2
+    assert torch.equal(actor.compute_log_probs(batch, model="ref"), start)
+    critic = MegatronTrainer.from_config(make_config(vl_model, ["trainer.max_tokens_per_gpu=4096"]), role="critic")
+    batch.values = critic.compute_values(batch)
+    batch.returns = torch.linspace(-1.0, 1.0, batch.num_response_tokens)
+    first = critic.train_step(batch)["loss"]
+    batch.values = critic.compute_values(batch)
+    assert critic.train_step(batch)["loss"] < first
