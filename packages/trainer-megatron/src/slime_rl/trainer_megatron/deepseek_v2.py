@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from slime_rl.trainer_megatron.moe import MoEShape
+from slime_rl.trainer_megatron.moe import MoEShape, check_groups, deepseek_layers
 
 # True while one of a V2 model's routers runs: megatron-core's group-limited top-k then scores groups as V2 does
 _BEST_EXPERT_GROUPS = contextvars.ContextVar("slime_rl_best_expert_groups", default=False)
@@ -35,20 +35,14 @@ def deepseek_v2_moe_shape(hf_config) -> MoEShape:
                          " ignores it, DeepSeek's code and SGLang renormalise the top-k)")
     groups = (getattr(hf_config, "n_group", None) or 1) if method == "group_limited_greedy" else 1
     group_topk = (getattr(hf_config, "topk_group", None) or 1) if groups > 1 else 1
-    if experts % groups or group_topk > groups:
-        raise ValueError(f"model.path: n_group={groups} must divide the {experts} experts and be >= topk_group"
-                         f" ({group_topk})")
+    check_groups(experts, groups, group_topk)
     if groups > 1 and group_topk * (experts // groups) < topk:
         raise ValueError(f"model.path: topk_group={group_topk} groups of {experts // groups} experts hold fewer than"
                          f" num_experts_per_tok={topk}")
     if (getattr(hf_config, "moe_layer_freq", 1) or 1) != 1:
         raise ValueError(f"model.path: moe_layer_freq={hf_config.moe_layer_freq} is not supported (transformers"
                          " makes every layer after first_k_dense_replace an MoE layer)")
-    dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
-    if dense >= hf_config.num_hidden_layers:
-        raise ValueError(f"model.path: first_k_dense_replace={dense} leaves no MoE layer")
-    shared = (getattr(hf_config, "n_shared_experts", 0) or 0) * hf_config.moe_intermediate_size
-    scaling = float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0)
+    dense, shared, scaling = deepseek_layers(hf_config)
     return MoEShape(
         num_experts=experts,
         topk=topk,

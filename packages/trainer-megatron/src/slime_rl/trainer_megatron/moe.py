@@ -81,6 +81,23 @@ def moe_shape(hf_config, family: str) -> MoEShape:
     )
 
 
+def check_groups(experts: int, groups: int, group_topk: int) -> None:
+    """Expert groups a DeepSeek-style router can search: ``groups`` divides the experts, ``group_topk`` <= it."""
+    if experts % groups or group_topk > groups:
+        raise ValueError(f"model.path: n_group={groups} must divide the {experts} experts and be >= topk_group"
+                         f" ({group_topk})")
+
+
+def deepseek_layers(hf_config) -> tuple[int, int, float]:
+    """(dense first layers, shared experts' intermediate size, routed scaling factor) of a DeepSeek-style MoE
+    config (DeepSeek-V2/V3, GLM-4.5); refuses one whose dense layers leave no MoE layer."""
+    dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
+    if dense >= hf_config.num_hidden_layers:
+        raise ValueError(f"model.path: first_k_dense_replace={dense} leaves no MoE layer")
+    shared = (getattr(hf_config, "n_shared_experts", 0) or 0) * hf_config.moe_intermediate_size
+    return dense, shared, float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0)
+
+
 def _noaux_tc_shape(hf_config) -> MoEShape:
     """GLM-4.5's (and DeepSeek-V3's) MoE fields, refusing what megatron-core's router would compute
     differently from the HF model."""
@@ -94,19 +111,13 @@ def _noaux_tc_shape(hf_config) -> MoEShape:
     if not getattr(hf_config, "norm_topk_prob", True) and topk > 1:
         # megatron-core's sigmoid router always renormalises the top-k weights
         raise ValueError("model.path: norm_topk_prob=false with sigmoid routing is not supported")
-    if experts % groups or group_topk > groups:
-        raise ValueError(f"model.path: n_group={groups} must divide the {experts} experts and be >= topk_group"
-                         f" ({group_topk})")
+    check_groups(experts, groups, group_topk)
     if groups > 1 and (topk % group_topk or topk // group_topk != 2):
         # HF (and SGLang) score a group by the sum of its 2 best biased scores; megatron-core by the sum
         # of its best num_experts_per_tok / topk_group (2 for GLM-4.5 and DeepSeek-V3: 8 / 4)
         raise ValueError(f"model.path: group-limited routing with num_experts_per_tok={topk} and"
                          f" topk_group={group_topk} is not supported; their ratio must be 2")
-    dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
-    if dense >= hf_config.num_hidden_layers:
-        raise ValueError(f"model.path: first_k_dense_replace={dense} leaves no MoE layer")
-    shared = (getattr(hf_config, "n_shared_experts", 0) or 0) * hf_config.moe_intermediate_size
-    scaling = float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0)
+    dense, shared, scaling = deepseek_layers(hf_config)
     return MoEShape(
         num_experts=experts,
         topk=topk,
