@@ -8,36 +8,14 @@ import asyncio
 import pytest
 
 from slime_rl.core.agent import MultiTurnGenerate
-from slime_rl.core.agent.template import encode
 from slime_rl.core.agent.tools import Tool
-from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams
+from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.sample import Sample
+from slime_rl.core.testing.standins import ScriptedImageEngine
 
 pytest.importorskip("PIL")
 
 
-class RecordingEngine(RolloutEngine):
-    """Scripted replies; records the images each call carried."""
-
-    accepts_images = True
-
-    def __init__(self, tokenizer, replies):
-        self.tokenizer, self.replies, self.images = tokenizer, list(replies), []
-
-    async def generate(self, input_ids, params, request_id=None, images=None):
-        self.images.append(images)
-        ids = encode(self.tokenizer, self.replies.pop(0)) + [self.tokenizer.eos_token_id]
-        return GenerateOutput(ids, [-0.5] * len(ids), "stop", 0)
-
-    async def abort(self, request_id=None):
-        pass
-
-    async def update_weights(self, named_tensors, *, version, last):
-        pass
-
-    @property
-    def weight_version(self):
-        return 0
 
 
 def test_a_tool_that_returns_a_picture(tmp_path):
@@ -69,7 +47,7 @@ def test_a_tool_that_returns_a_picture(tmp_path):
     tok = processor.tokenizer
     generate = MultiTurnGenerate(tok, {"look": Tool("look", look, "look")}, max_turns=3,
                                  images=ObservationImages(processor))
-    engine = RecordingEngine(tok, ['<tool_call>{"name": "look", "arguments": {}}</tool_call>', "2"])
+    engine = ScriptedImageEngine(tok, ['<tool_call>{"name": "look", "arguments": {}}</tool_call>', "2"])
     sample = Sample(index=1, tokens=list(tokens), multimodal_inputs={"images": list(prompt_refs)})
     out = asyncio.run(generate(sample, SamplingParams(max_new_tokens=300), engine))
 

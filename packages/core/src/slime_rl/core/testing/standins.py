@@ -44,6 +44,33 @@ class InstantEngine(RolloutEngine):
         return self.version
 
 
+class ScriptedImageEngine(RolloutEngine):
+    """Answers each request with the next of ``replies`` (its ids, then eos; log-prob -0.5 each) and records the
+    images each request carried (the multi-turn VLM tests)."""
+
+    accepts_images = True
+
+    def __init__(self, tokenizer, replies: list[str]):
+        self.tokenizer, self.replies, self.images = tokenizer, list(replies), []
+
+    async def generate(self, input_ids, params, request_id=None, images=None):
+        from slime_rl.core.agent.template import encode
+
+        self.images.append(images)
+        ids = encode(self.tokenizer, self.replies.pop(0)) + [self.tokenizer.eos_token_id]
+        return GenerateOutput(ids, [-0.5] * len(ids), "stop", 0)
+
+    async def abort(self, request_id=None):
+        pass
+
+    async def update_weights(self, named_tensors, *, version, last):
+        pass
+
+    @property
+    def weight_version(self):
+        return 0
+
+
 class NoMathTrainer(PolicyTrainer):
     """A trainer rank without a model: zeros for log-probs, a real gloo group for the DP sums, and
     the shard tensor bytes each rank received, reported by rank 0 for all ranks."""
