@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 import yaml
@@ -209,16 +208,6 @@ MISTAKES = [
      "rollout.sglang.chunked_prefill_size", "or -1 to turn chunked prefill off (got 0)"),
 
 ]
-
-
-@pytest.fixture
-def loop_never_entered(monkeypatch):
-    """Stands in for slime_rl.core.run.loop, which starts Ray: a refused config never gets there."""
-    module = types.ModuleType("slime_rl.core.run.loop")
-    module.calls = []
-    module.train = lambda cfg, callback=None: module.calls.append(cfg)
-    monkeypatch.setitem(sys.modules, "slime_rl.core.run.loop", module)
-    return module
 
 
 def assert_one_line_error(result, field, words):

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -19,16 +17,6 @@ from typer.testing import CliRunner
 from slime_rl.cli.app import app
 
 runner = CliRunner()
-
-
-@pytest.fixture
-def loop_never_entered(monkeypatch):
-    """Stands in for slime_rl.core.run.loop, which starts Ray: a refused config never gets there."""
-    module = types.ModuleType("slime_rl.core.run.loop")
-    module.calls = []
-    module.train = lambda cfg, callback=None: module.calls.append(cfg)
-    monkeypatch.setitem(sys.modules, "slime_rl.core.run.loop", module)
-    return module
 
 
 @pytest.fixture
