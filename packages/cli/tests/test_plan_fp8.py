@@ -3,26 +3,16 @@ FP8 from the hf engine or on the CPU is refused in one line with the reason."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from plan_inputs import qwen_7b_and_prompts
 from typer.testing import CliRunner
 
 from slime_rl.cli.app import app
 
-QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-           "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
-           "max_position_embeddings": 32768}
-
 
 @pytest.fixture
 def plan(tmp_path):
-    model = tmp_path / "qwen7b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(QWEN_7B))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"input": "1 + 1 =", "label": "2"}\n')
+    model, prompts = qwen_7b_and_prompts(tmp_path, max_position_embeddings=32768)
     config = tmp_path / "fp8.yaml"
     config.write_text(f"model: {{path: {model}}}\ndata: {{prompt_data: {prompts}, rollout_batch_size: 8}}\n"
                       "rollout: {engine: sglang, precision: fp8}\ncluster: {device: cuda, actor_num_gpus_per_node: 8}\n")

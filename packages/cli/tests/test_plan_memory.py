@@ -4,28 +4,18 @@ that names the change that makes it fit (issue 36, item 3)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from plan_inputs import qwen_7b_and_prompts
 from typer.testing import CliRunner
 
 from slime_rl.cli.app import app
 
-# Qwen2.5-7B's shape; no weights: the estimate needs config.json only
-QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-           "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
-           "max_position_embeddings": 131072}
 H200 = "139.8"
 
 
 @pytest.fixture
 def plan(tmp_path):
-    model = tmp_path / "qwen7b"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(QWEN_7B))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"input": "1 + 1 =", "label": "2"}\n')
+    model, prompts = qwen_7b_and_prompts(tmp_path, max_position_embeddings=131072)
     config = tmp_path / "long.yaml"
     config.write_text(
         f"model: {{path: {model}}}\ndata: {{prompt_data: {prompts}, rollout_batch_size: 8, n_samples_per_prompt: 8}}\n"
