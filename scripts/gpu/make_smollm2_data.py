@@ -4,6 +4,9 @@ The GPU machine has no reasoning-gym and no network, so the data is generated he
 (scripts/gpu/pack_smollm2.sh). Two tasks, each a train file and a held-out eval file (no prompt in both):
 
 - addition: the CPU default's task (slime_rl.cli.default_run.addition_problems: a + b for a, b in 1..50);
+- addition256: the same pairs with 256 held out, for issue 38's FP8 comparison (scripts/gpu/fp8_real_model.sh):
+  at an accuracy near 0.6, a 0.1 difference between two runs is ~1.2 standard errors over 64 prompts, ~2.3
+  over 256;
 - chain_sum: reasoning-gym's ``chain_sum`` (two terms of 1-2 digits joined by + or -, so half the answers are
   differences and some negative): a task the 135M model learns. The CPU default's run (rollout-hf, Megatron
   over gloo, 4 prompts x 8 samples, lr 2e-5, bf16) on this data, 2026-12-02, 2-core Xeon: held-out greedy pass@1
@@ -27,6 +30,7 @@ from slime_rl.cli.default_run import addition_problems
 CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
 PROMPT = "Question: {question}\nAnswer:"  # the addition task's form (default_run.PROMPT)
 TASKS = ("addition", "chain_sum")
+FP8_EVAL_PROMPTS = 256
 
 
 def chain_sum_problems(num_train: int = 2000, num_eval: int = 64, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -55,7 +59,9 @@ def write_task_data(out: Path) -> dict[str, Path]:
     """Write ``<task>_train.jsonl`` and ``<task>_eval.jsonl`` for every task into ``out``; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     written = {}
-    for task, (train, held_out) in (("addition", addition_problems()), ("chain_sum", chain_sum_problems())):
+    splits = {"addition": addition_problems(), "addition256": addition_problems(num_eval=FP8_EVAL_PROMPTS),
+              "chain_sum": chain_sum_problems()}
+    for task, (train, held_out) in splits.items():
         for split, rows in (("train", train), ("eval", held_out)):
             path = out / f"{task}_{split}.jsonl"
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))

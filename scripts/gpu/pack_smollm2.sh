@@ -41,3 +41,4 @@ done
 echo "  $((n + 2)). carry [\".gpu/rest\", \".gpu/smol-data\"]: source scripts/gpu/setup.sh && bash scripts/gpu/run.sh real-model-addition"
 echo "  $((n + 3)). carry [\".gpu/rest\", \".gpu/smol-data\"]: source scripts/gpu/setup.sh && bash scripts/gpu/run.sh real-model-chain-sum"
 echo "     (the model converted in the first stays in /tmp for the second; \`real-model\` runs both in one call)"
+echo "  (issue 38: the same carry runs \`bash scripts/gpu/run.sh fp8-real-model\`, its three runs side by side)"

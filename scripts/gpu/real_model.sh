@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16's real-model run on the GPU machine: the `real-model` stages of scripts/gpu/run.sh.
 #   bash scripts/gpu/real_model.sh LOGDIR TASK...       (TASK: addition, chain_sum)
+#   bash scripts/gpu/real_model.sh LOGDIR               (no task: only make the model ready, for fp8-real-model)
 # Joins the SmolLM2-135M-Instruct GGUF from the pieces carried by earlier calls (/tmp/smol-pieces, or .gpu/smol-N
 # in this one) and checks its sha256 against .gpu/smol-data/smollm2.manifest.json (scripts/gpu/pack_smollm2.sh
 # wrote both), converts it the way the CPU default does (builtin_models.install_from_gguf, into the cache that
@@ -9,7 +10,7 @@
 # and after, the train/rollout log-prob gap at every step. Each run's logs and metrics.jsonl go to
 # LOGDIR/real-model/TASK; last, benchmarks/plot_logprob_gap.py prints every step's gap, its trend and the evals.
 set -uo pipefail
-[ $# -ge 2 ] || { echo "usage: real_model.sh LOGDIR TASK... (TASK: addition, chain_sum)" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: real_model.sh LOGDIR [TASK...] (TASK: addition, chain_sum)" >&2; exit 2; }
 logs=$1; shift
 manifest=.gpu/smol-data/smollm2.manifest.json
 [ -f "$manifest" ] || { echo "error: $manifest is missing: carry .gpu/smol-data (bash scripts/gpu/pack_smollm2.sh)" >&2; exit 2; }

@@ -66,7 +66,10 @@
 # ~2 min), bench-fp8-rollout-bf16, -fp8, -fp8kv (7B-shape rollout tokens/s, 256 in flight, 1k + 1k tokens,
 # CUDA graphs on; one call each, ~4 min), bench-fp8-sync (the 7B sync, bf16 vs FP8 quantised at each sync;
 # ~4 min), bench-fp8-table (the table and ratios over the bench-fp8 rows of this call; of several calls: run
-# benchmarks/fp8_rollout.py table over their $OUT/bench-fp8-*.json, on any machine).
+# benchmarks/fp8_rollout.py table over their $OUT/bench-fp8-*.json, on any machine), fp8-real-model (the
+# real-model addition run as bf16, FP8 + token TIS and FP8 + sequence-level MIS side by side on the one GPU, 256
+# held-out prompts: pass@1 per eval, the FP8 runs within 0.1 of bf16 at steps 20 and 30, masked shares; pack the
+# real-model data first; ~8 min; the PNG: benchmarks/fp8_real_model.py compare $OUT/fp8-real-model --png ...).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
 source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
@@ -185,6 +188,9 @@ for stage in "$@"; do
     roles-sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_roles_gpu.py
                   -p no:cacheprovider) ;;
     ppo-real-model) cmd=(bash scripts/gpu/multi_model.sh "$logs" ppo) ;;
+    # the model made ready first (real_model.sh with no task); FP8_REAL_MODEL_DEADLINE_S: when the runs are stopped
+    fp8-real-model) cmd=(bash -c 'bash scripts/gpu/real_model.sh "$0" && python3 benchmarks/fp8_real_model.py run \
+                         --logs "$0" --deadline "${FP8_REAL_MODEL_DEADLINE_S:-480}"' "$logs") ;;
     opd-teacher) cmd=(bash scripts/gpu/multi_model.sh "$logs" teacher) ;;
     opd-student) cmd=(bash scripts/gpu/multi_model.sh "$logs" student) ;;
     *) echo "unknown stage $stage"; exit 2 ;;

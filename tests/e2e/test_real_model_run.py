@@ -110,8 +110,8 @@ def test_the_stage_names_what_was_not_carried_before_it_trains(tmp_path):
 
 
 def test_run_sh_trains_the_tasks_that_have_configs():
-    stages = [line for line in (GPU_SCRIPTS / "run.sh").read_text().splitlines() if "real_model.sh" in line]
-    assert len(stages) == 3
+    stages = [line for line in (GPU_SCRIPTS / "run.sh").read_text().splitlines() if 'real_model.sh "$logs"' in line]
+    assert len(stages) == 3  # real-model, real-model-addition, real-model-chain-sum
     tasks = {task for line in stages for task in line.split('"$logs"')[1].split(")")[0].split()}
     assert tasks == set(TASKS) and all((ROOT / "examples" / f"smollm2_gpu_{t}.yaml").is_file() for t in tasks)
 

@@ -232,6 +232,7 @@ def test_eval_reports_mean_reward_and_pass_at_k():
     metrics = run(runner.evaluate(sets))
     assert metrics["eval/toy/reward_mean"] == 0.5
     assert metrics["eval/toy/pass@2"] == 0.5
+    assert metrics["eval/toy/prompts"] == 2  # what the accuracy is read against
 
 
 @pytest.mark.parametrize("failure,expected", [("zero", 1), ("drop", 0)])

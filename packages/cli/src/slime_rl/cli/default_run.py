@@ -32,12 +32,12 @@ MARKER = ".slime-example.json"  # this folder is the built-in example's: what it
 PREPARED_FILES = ("train.jsonl", "eval.jsonl", "config.yaml")  # what prepare_default (over)writes
 
 
-def addition_problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """All pairs a, b in 1..50, shuffled; the first 64 are the held-out eval set."""
+def addition_problems(seed: int = 0, num_eval: int = NUM_EVAL) -> tuple[list[dict], list[dict]]:
+    """All pairs a, b in 1..50, shuffled; the first ``num_eval`` are the held-out eval set."""
     pairs = [(a, b) for a in range(1, 51) for b in range(1, 51)]
     random.Random(seed).shuffle(pairs)
     rows = [{"input": PROMPT.format(a=a, b=b), "label": str(a + b)} for a, b in pairs]
-    return rows[NUM_EVAL:], rows[:NUM_EVAL]
+    return rows[num_eval:], rows[:num_eval]
 
 
 async def addition_reward(sample: Sample) -> float:

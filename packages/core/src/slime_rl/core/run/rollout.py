@@ -323,6 +323,7 @@ class RolloutRunner:
             metrics[f"eval/{name}/pass@{k}"] = statistics.fmean(float(max(g) > 0) for g in rewards) if rewards else 0.0
             metrics[f"eval/{name}/response_len_mean"] = statistics.fmean(
                 s.response_length for g in done for s in g) if done else 0.0
+            metrics[f"eval/{name}/prompts"] = float(len(done))  # what a pass@k difference can be read against
         return metrics
 
 
