@@ -21,10 +21,11 @@ from slime_rl.core.agent.environment import (
 )
 from slime_rl.core.agent.template import TurnTemplate, encode, render
 from slime_rl.core.agent.tools import Tool
-from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams
+from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.sample import Sample, SampleStatus
 from slime_rl.core.testing import chat_tokenizer
 from slime_rl.core.testing.environments import check_environment
+from slime_rl.core.testing.standins import ScriptedEngine
 
 
 def bisect(observations) -> str:
@@ -102,27 +103,6 @@ def test_environment_names_load_and_refuse_what_is_not_one():
         environment_factory("chess")
     with pytest.raises(PluginError, match="not an Environment subclass"):
         environment_factory("json:dumps")
-
-
-class ScriptedEngine(RolloutEngine):
-    def __init__(self, tokenizer, replies):
-        self.tokenizer, self.replies, self.calls = tokenizer, list(replies), []
-
-    async def generate(self, input_ids, params, request_id=None):
-        ids = encode(self.tokenizer, self.replies.pop(0)) + [self.tokenizer.eos_token_id]
-        log_probs = [-0.25] * len(ids)
-        self.calls.append((list(input_ids), ids))
-        return GenerateOutput(ids, log_probs, "stop", 0)
-
-    async def abort(self, request_id=None):
-        pass
-
-    async def update_weights(self, named_tensors, *, version, last):
-        pass
-
-    @property
-    def weight_version(self):
-        return 0
 
 
 def test_the_multi_turn_loop_drives_an_environment_token_exactly():

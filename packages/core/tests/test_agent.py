@@ -11,10 +11,11 @@ import pytest
 
 from slime_rl.core.agent import MultiTurnGenerate, TurnTemplate, call_tool, load_tools, parse_tool_calls
 from slime_rl.core.agent.tool_calls import ToolCall
-from slime_rl.core.contracts import GenerateOutput, RolloutEngine, SamplingParams
+from slime_rl.core.contracts import GenerateOutput, SamplingParams
 from slime_rl.core.infra.plugins import PluginError
 from slime_rl.core.sample import Sample, SampleStatus
 from slime_rl.core.testing import chat_tokenizer
+from slime_rl.core.testing.standins import FixedWeightsEngine
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -139,9 +140,11 @@ def test_turn_template_learns_chatml_closing(tok):
 # ---------------------------------------------------------------- the episode
 
 
-class TextEngine(RolloutEngine):
+class TextEngine(FixedWeightsEngine):
     """Answers turn k of every episode with ``turns[k]`` (text, tokenised here as the model's ids) followed by
     the end-of-turn id; records every request."""
+
+    served_version = 3
 
     def __init__(self, tok, turns: list[str], *, end_with_eot: bool = True):
         self.tok, self.turns, self.end_with_eot = tok, turns, end_with_eot
@@ -159,16 +162,6 @@ class TextEngine(RolloutEngine):
             ids, reason = ids[:params.max_new_tokens], "length"
         self.sampled.append(ids)
         return GenerateOutput(ids, [-0.25] * len(ids), reason, 3, cached_tokens=len(input_ids) // 2)
-
-    async def abort(self, request_id=None):
-        pass
-
-    async def update_weights(self, named_tensors, *, version, last):
-        pass
-
-    @property
-    def weight_version(self):
-        return 3
 
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'

@@ -1,5 +1,6 @@
 """Backends that do no work, to measure and test the loop's own data path (benchmarks/driver_overhead.py,
-tests/e2e/test_loop_data_path.py): an engine that answers at once and a trainer without a model.
+tests/e2e/test_loop_data_path.py): an engine that answers at once and a trainer without a model; and engines that
+answer from a script, for the multi-turn tests.
 
 Load them by ``module:attr`` like any backend: ``rollout.engine=slime_rl.core.testing.standins:InstantEngine``,
 ``trainer.backend=slime_rl.core.testing.standins:NoMathTrainer``.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -44,31 +46,51 @@ class InstantEngine(RolloutEngine):
         return self.version
 
 
-class ScriptedImageEngine(RolloutEngine):
-    """Answers each request with the next of ``replies`` (its ids, then eos; log-prob -0.5 each) and records the
-    images each request carried (the multi-turn VLM tests)."""
+class FixedWeightsEngine(RolloutEngine):
+    """What a scripted test engine has besides its answers: nothing to abort, weight updates ignored, and the
+    weight version a constant (``served_version``)."""
+
+    served_version: ClassVar[int] = 0
+
+    async def abort(self, request_id: str | None = None) -> None:
+        return None
+
+    async def update_weights(self, named_tensors: NamedTensors, *, version: int, last: bool) -> None:
+        return None
+
+    @property
+    def weight_version(self) -> int:
+        return self.served_version
+
+
+class ScriptedEngine(FixedWeightsEngine):
+    """Answers each request with the next of ``replies`` (its ids, then eos; log-prob -0.5 each) and records each
+    request's input ids with the ids it answered (``calls``)."""
+
+    def __init__(self, tokenizer, replies: list[str]):
+        self.tokenizer, self.replies = tokenizer, list(replies)
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    async def generate(self, input_ids, params, request_id=None):
+        from slime_rl.core.agent.template import encode
+
+        ids = encode(self.tokenizer, self.replies.pop(0)) + [self.tokenizer.eos_token_id]
+        self.calls.append((list(input_ids), ids))
+        return GenerateOutput(ids, [-0.5] * len(ids), "stop", 0)
+
+
+class ScriptedImageEngine(ScriptedEngine):
+    """A `ScriptedEngine` that takes images and records those each request carried (the multi-turn VLM tests)."""
 
     accepts_images = True
 
     def __init__(self, tokenizer, replies: list[str]):
-        self.tokenizer, self.replies, self.images = tokenizer, list(replies), []
+        super().__init__(tokenizer, replies)
+        self.images: list = []
 
     async def generate(self, input_ids, params, request_id=None, images=None):
-        from slime_rl.core.agent.template import encode
-
         self.images.append(images)
-        ids = encode(self.tokenizer, self.replies.pop(0)) + [self.tokenizer.eos_token_id]
-        return GenerateOutput(ids, [-0.5] * len(ids), "stop", 0)
-
-    async def abort(self, request_id=None):
-        pass
-
-    async def update_weights(self, named_tensors, *, version, last):
-        pass
-
-    @property
-    def weight_version(self):
-        return 0
+        return await super().generate(input_ids, params, request_id)
 
 
 class NoMathTrainer(PolicyTrainer):
