@@ -23,22 +23,14 @@ STEPS = 30
 def agent_model(tmp_path_factory) -> Path:
     """A tiny random Qwen2 with the chat tokenizer, warm-started on the tool-call format."""
     from agent_e2e import warm_start
+    from agent_runs import warm_started_chat_model
 
-    from slime_rl.core.testing import chat_tokenizer, save_model, tiny_config, tiny_model
-
-    tok = chat_tokenizer()
-    model = tiny_model(tiny_config("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                                   bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-    warm_start(model, tok)
-    return save_model(tmp_path_factory.mktemp("agent-model"), model, tok)
-
-
-def _rows(folder: Path, kind: str) -> list[dict]:
-    return [json.loads(line) for f in sorted(folder.glob(f"{kind}-*.jsonl")) for line in f.read_text().splitlines()]
+    return warm_started_chat_model(tmp_path_factory.mktemp("agent-model"), warm_start)
 
 
 @pytest.mark.slow
 def test_agent_learns_toy_tool_task_through_slime_cli(agent_model, tmp_path):
+    from agent_runs import rebuilds, recorded_rows
     from agent_task import PROMPT, SECRET
 
     prompts = tmp_path / "prompts.jsonl"
@@ -77,23 +69,22 @@ def test_agent_learns_toy_tool_task_through_slime_cli(agent_model, tmp_path):
 
     # Every trained sample, against what the engine sampled for it, token by token.
     engine_turns: dict[str, list[dict]] = {}
-    for row in _rows(records, "engine"):
+    for row in recorded_rows(records, "engine"):
         session, turn = row["request_id"].split("/")
         engine_turns.setdefault(session, []).append({**row, "turn": int(turn)})
     sessions_of: dict[int, list[str]] = {}
     for session in engine_turns:
         sessions_of.setdefault(int(session[1:].split("-")[0]), []).append(session)
-    trained = _rows(records, "trainer")
+    trained = recorded_rows(records, "trainer")
     assert len(trained) == STEPS * 32
     rollouts = {s["index"]: s for f in sorted((run_dir / "rollouts").glob("step_*.jsonl"))
                 for s in map(json.loads, f.read_text().splitlines())}
     turn_counts = []
     for row in trained:
         tokens, mask = row["tokens"], row["loss_mask"]
-        prompt_len = len(tokens) - len(mask)
         # the engine session whose turns build exactly this trajectory (a sample aborted and redone has others)
         matches = [s for s in sessions_of[row["sample_id"]]
-                   if _rebuilds(sorted(engine_turns[s], key=lambda t: t["turn"]), row, prompt_len)]
+                   if rebuilds(sorted(engine_turns[s], key=lambda t: t["turn"]), row, first_call_is_prompt=False)]
         assert len(matches) == 1, (row["sample_id"], sessions_of[row["sample_id"]])
         turns = sorted(engine_turns[matches[0]], key=lambda t: t["turn"])
         turn_counts.append(len(turns))
@@ -104,20 +95,3 @@ def test_agent_learns_toy_tool_task_through_slime_cli(agent_model, tmp_path):
     assert sum(2 <= n <= 4 for n in late) >= 0.6 * len(late), late  # the task takes two turns or more
     assert max(turn_counts) <= 4
 
-
-def _rebuilds(turns: list[dict], row: dict, prompt_len: int) -> bool:
-    """True when the trainer's ``row`` is the engine's turns: each turn's input is the trajectory so far, its
-    sampled ids follow with mask 1 and the engine's log-probs, and every other response token (observations)
-    has mask 0 and log-prob 0."""
-    tokens, mask = row["tokens"], row["loss_mask"]
-    sampled, log_probs = [0] * len(mask), [0.0] * len(mask)
-    for turn in turns:
-        start = len(turn["input_ids"])
-        if tokens[:start] != turn["input_ids"] or tokens[start:start + len(turn["token_ids"])] != turn["token_ids"]:
-            return False
-        for k, lp in enumerate(turn["log_probs"]):
-            sampled[start + k - prompt_len], log_probs[start + k - prompt_len] = 1, lp
-    end = len(turns[-1]["input_ids"]) + len(turns[-1]["token_ids"])
-    return (end == len(tokens) and sampled == mask
-            and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(log_probs, row["rollout_log_probs"],
-                                                                           strict=True)))

@@ -27,23 +27,15 @@ EPISODES = 4 * 16  # rollout_batch_size * n_samples_per_prompt
 def react_model(tmp_path_factory) -> Path:
     """A tiny random Qwen2 with the chat tokenizer, warm-started on the agent's ReAct lines."""
     sys.path[:0] = [str(SUPPORT), str(AGENT)]
+    from agent_runs import warm_started_chat_model
     from react_e2e import warm_start
 
-    from slime_rl.core.testing import chat_tokenizer, save_model, tiny_config, tiny_model
-
-    tok = chat_tokenizer()
-    model = tiny_model(tiny_config("qwen2", vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                                   bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-    warm_start(model, tok)
-    return save_model(tmp_path_factory.mktemp("react-model"), model, tok)
-
-
-def _rows(folder: Path, kind: str) -> list[dict]:
-    return [json.loads(line) for f in sorted(folder.glob(f"{kind}-*.jsonl")) for line in f.read_text().splitlines()]
+    return warm_started_chat_model(tmp_path_factory.mktemp("react-model"), warm_start)
 
 
 @pytest.mark.slow
 def test_react_agent_trains_through_the_gateway(react_model, tmp_path):
+    from agent_runs import rebuilds, recorded_rows
     from react_e2e import LABEL, QUESTION
 
     prompts = tmp_path / "prompts.jsonl"
@@ -72,10 +64,10 @@ def test_react_agent_trains_through_the_gateway(react_model, tmp_path):
 
     # every trained sample against the engine's log: the episode whose calls build it, token by token
     calls_of: dict[str, list[dict]] = {}
-    for row in _rows(records, "engine"):
+    for row in recorded_rows(records, "engine"):
         episode, call = row["request_id"].split("/")
         calls_of.setdefault(episode, []).append({**row, "call": int(call)})
-    trained = _rows(records, "trainer")
+    trained = recorded_rows(records, "trainer")
     assert len(trained) == STEPS * EPISODES  # one trajectory per episode: no history here branches
     from slime_rl.core.testing import chat_tokenizer
     tok = chat_tokenizer()
@@ -84,7 +76,8 @@ def test_react_agent_trains_through_the_gateway(react_model, tmp_path):
         # an episode of the engine's log not yet given to another row that builds exactly this one (two episodes
         # can sample the same trajectory: then either will do, but each serves one row)
         match = next((e for e, calls in calls_of.items()
-                      if e not in used and _rebuilds(sorted(calls, key=lambda c: c["call"]), row)), None)
+                      if e not in used and rebuilds(sorted(calls, key=lambda c: c["call"]), row, first_call_is_prompt=True)),
+                     None)
         assert match is not None, f"trained sample {row['sample_id']} is no episode the engine sampled"
         used.add(match)
         # the tool turns: observation segments (loss mask 0) between sampled turns, each the agent's Observation
@@ -109,21 +102,3 @@ def test_react_agent_trains_through_the_gateway(react_model, tmp_path):
     print(f"reward per step: {' '.join(f'{r:.2f}' for r in rewards)}; first 3 steps {start:.2f}, last third {last:.2f}")
     assert last >= start + 0.15, rewards
 
-
-def _rebuilds(calls: list[dict], row: dict) -> bool:
-    """True when the trainer's ``row`` is exactly these engine calls chained: each call's input is the trajectory so
-    far, its sampled ids follow with mask 1 and the engine's log-probs; every other response token has mask 0 and
-    log-prob 0, and the trajectory ends with the last call's sampled ids."""
-    tokens, mask = row["tokens"], row["loss_mask"]
-    prompt_len = len(tokens) - len(mask)
-    sampled, log_probs = [0] * len(mask), [0.0] * len(mask)
-    for call in calls:
-        start = len(call["input_ids"])
-        if tokens[:start] != call["input_ids"] or tokens[start:start + len(call["token_ids"])] != call["token_ids"]:
-            return False
-        for k, lp in enumerate(call["log_probs"]):
-            sampled[start + k - prompt_len], log_probs[start + k - prompt_len] = 1, lp
-    end = len(calls[-1]["input_ids"]) + len(calls[-1]["token_ids"])
-    return (len(calls[0]["input_ids"]) == prompt_len and end == len(tokens) and sampled == mask
-            and all(abs(a - b) <= 1e-6 * max(1.0, abs(a)) for a, b in zip(log_probs, row["rollout_log_probs"],
-                                                                           strict=True)))

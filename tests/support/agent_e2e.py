@@ -10,6 +10,7 @@ import os
 import random
 from pathlib import Path
 
+from agent_runs import train_on_episodes
 from agent_task import ANSWER, CALL, PROMPT, SECRET
 
 from slime_rl.rollout_hf.engine import HFEngine
@@ -71,17 +72,4 @@ def warm_start(model, tokenizer, *, steps: int = 60, seed: int = 0) -> None:
             ids, mask = ids + observation, mask + [0] * len(observation)
         return ids, mask
 
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        rows = [episode() for _ in range(16)]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.tensor([r[0] + [0] * (width - len(r[0])) for r in rows])
-        mask = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in rows], dtype=torch.float32)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    train_on_episodes(model, episode, steps=steps)

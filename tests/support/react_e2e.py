@@ -19,6 +19,7 @@ def warm_start(model, tokenizer, *, steps: int = 80, seed: int = 0) -> None:
     """Supervised steps on episodes tokenised as the gateway tokenises them (the agent's messages rendered by the
     chat template; each later turn appended as the template's user turn)."""
     import torch
+    from agent_runs import train_on_episodes
     from react_agent import SYSTEM
 
     from slime_rl.core.agent.template import TurnTemplate, encode, render
@@ -42,20 +43,7 @@ def warm_start(model, tokenizer, *, steps: int = 80, seed: int = 0) -> None:
             ids, mask = ids + observation_ids[kind], mask + [0] * len(observation_ids[kind])
         return ids, mask
 
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(steps):
-        rows = [episode() for _ in range(16)]
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.tensor([r[0] + [0] * (width - len(r[0])) for r in rows])
-        mask = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in rows], dtype=torch.float32)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
+    train_on_episodes(model, episode, steps=steps)
 
 
 def calculator_then_answer(sample) -> float:
