@@ -102,7 +102,7 @@ for stage in "$@"; do
            --engine-args "${FP8_ENGINE_ARGS:-null}") ;;
     bench-fp8-sync) cmd=(timeout 580 python3 benchmarks/fp8_rollout.py sync --json "$logs/$stage.json") ;;
     bench-fp8-table) cmd=(bash -c 'python3 benchmarks/fp8_rollout.py table "$0"/bench-fp8-*.json' "$logs") ;;
-    gateway) cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_gateway.py -p no:cacheprovider) ;;
+    gateway) cmd=(timeout 580 python3 -m pytest -q -s -m gpu tests/e2e/test_gpu_gateway.py -p no:cacheprovider) ;;
     lora-smoke) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -k smoke
                      -p no:cacheprovider) ;;
     lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -p no:cacheprovider) ;;
