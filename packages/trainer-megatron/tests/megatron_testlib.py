@@ -107,6 +107,19 @@ def make_config(model_path: Path, overrides: list[str] | None = None):
     return load_config(None, base + list(overrides or []), check=False)
 
 
+def megatron_on_cpu_single_rank() -> None:
+    """Megatron's parallel state (TP = PP = 1) on the CPU in this process, for tests that call its pieces directly."""
+    from megatron.core import parallel_state
+
+    from slime_rl.trainer_megatron import device
+
+    ensure_single_rank_group()
+    device.redirect_megatron_to_cpu()
+    device.init_distributed("cpu")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
 def launch(world_size: int, spec: dict, tmp_path: Path, timeout: float = 300.0) -> dict:
     """Run megatron_worker.py on ``world_size`` ranks (one process each); rank 0's result."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{free_port()}.json"

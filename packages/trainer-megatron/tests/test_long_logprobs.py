@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_testlib import ensure_single_rank_group
+from megatron_testlib import megatron_on_cpu_single_rank
 
 from slime_rl.core.algorithms.losses import LossBatch, compute_loss, pad_sequences
 from slime_rl.core.config import AlgorithmConfig
@@ -22,15 +22,7 @@ ALGO = AlgorithmConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01, ep
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_single_rank():
-    ensure_single_rank_group()
-    from megatron.core import parallel_state
-
-    from slime_rl.trainer_megatron import device
-
-    device.redirect_megatron_to_cpu()
-    device.init_distributed("cpu")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+    megatron_on_cpu_single_rank()
 
 
 def full_logits_float64(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):

@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_testlib import ensure_single_rank_group
+from megatron_testlib import megatron_on_cpu_single_rank
 
 from slime_rl.trainer_megatron import logprobs
 
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_single_rank():
-    ensure_single_rank_group()
-    from megatron.core import parallel_state
-
-    from slime_rl.trainer_megatron import device
-
-    device.redirect_megatron_to_cpu()
-    device.init_distributed("cpu")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+    megatron_on_cpu_single_rank()
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
