@@ -12,7 +12,7 @@ from slime_rl.core.weights.delta import DeltaChainBroken, bits, header
 from slime_rl.rollout_sglang.server import start_server, wait_healthy
 from slime_rl.rollout_sglang.weights import verify
 from slime_rl.rollout_sglang.weights.delta_loader import FULL, LOADER, _Kept, rebuild
-from slime_rl.rollout_sglang.weights.delta_push import DeltaPusher
+from slime_rl.rollout_sglang.weights.delta_push import DeltaPusher, full_chunks
 from slime_rl.rollout_sglang.weights.server_api import Target
 
 
@@ -26,6 +26,25 @@ def test_the_loader_builds_only_on_the_version_it_loaded():
     assert new[0][1][2] == 1 and kept.version == 5
     with pytest.raises(DeltaChainBroken, match="version 5"):
         rebuild([header(4, 6), ("w#idx", torch.tensor([2], dtype=torch.int32)), ("w#val", w[:1])], kept)
+
+
+def test_a_full_push_keeps_each_mla_q_a_proj_with_its_kv_a_proj():
+    """A server behind the delta's base gets the kept copy re-cut into buckets; SGLang drops an MLA layer's
+    q_a_proj and kv_a_proj_with_mqa unless both come in one load call, so no bucket ends between them, even where
+    the size bound falls right on the q_a_proj (here: every tensor is 64 bytes, the bound 128)."""
+    names = [f"model.layers.{i}.self_attn.{part}.weight" for i in range(3)
+             for part in ("q_a_layernorm", "q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")]
+    tensors = [(name, torch.zeros(16)) for name in names]
+    chunks = full_chunks(tensors, bucket_bytes=128)
+    assert [name for chunk in chunks for name, _ in chunk] == names  # every tensor once, in order
+    assert all(sum(t.numel() * t.element_size() for _, t in chunk) >= 128 for chunk in chunks[:-1])
+    for chunk in chunks:
+        held = [name for name, _ in chunk]
+        for name in held:
+            if name.endswith("q_a_proj.weight"):
+                assert name.replace("q_a_proj", "kv_a_proj_with_mqa") in held, held
+    # other names are cut at the bound as before
+    assert [len(c) for c in full_chunks([(f"w{i}", torch.zeros(16)) for i in range(5)], bucket_bytes=128)] == [2, 2, 1]
 
 
 def _server(index, tiny_model, tmp_path, standin_python):

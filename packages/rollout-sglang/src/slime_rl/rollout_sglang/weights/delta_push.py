@@ -19,8 +19,10 @@ import base64
 import logging
 import pickle
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import torch
 
 from slime_rl.core.contracts import NamedTensors
 from slime_rl.core.weights.delta import DeltaEncoder, SyncStats, header, is_delta_bucket
@@ -29,6 +31,7 @@ from slime_rl.rollout_sglang.weights.server_api import Target, get_all, post_all
 
 logger = logging.getLogger(__name__)
 DELTA_TRANSPORTS = ("tensor", "disk")
+MLA_FUSED_FIRST_HALF = ".self_attn.q_a_proj.weight"  # SGLang fuses it with the kv_a_proj_with_mqa after it
 
 
 class DeltaPusher:
@@ -74,15 +77,7 @@ class DeltaPusher:
 
     def _push_full(self, targets: list[Target], *, version: int, transport: str) -> None:
         """The kept version (this sync's full tensors) into ``targets``, in buckets, through the loader."""
-        chunks, chunk, size = [], [], 0
-        for name, tensor in self.encoder.kept.items():
-            chunk.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-            if size >= self.bucket_bytes:
-                chunks.append(chunk)
-                chunk, size = [], 0
-        if chunk:
-            chunks.append(chunk)
+        chunks = full_chunks(self.encoder.kept.items(), self.bucket_bytes)
         for i, part in enumerate(chunks):
             self._push_all(targets, [header(FULL, version), *part], version=version, index=i,
                            last=i == len(chunks) - 1, transport=transport)
@@ -104,6 +99,26 @@ class DeltaPusher:
             return {**out, "weight_version": str(version)} if last else out
 
         post_all(targets, "/update_weights_from_tensor", body, timeout=self.timeout, step=step)
+
+
+def full_chunks(tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[NamedTensors]:
+    """``tensors`` (in the trainer's order) cut into buckets of at least ``bucket_bytes``, the last one smaller. A
+    bucket never ends on an MLA layer's ``q_a_proj``: SGLang 0.5.17 loads it fused with the ``kv_a_proj_with_mqa``
+    that follows it only when both come in one load call and silently drops a half that comes alone (its
+    deepseek_weight_loader.py caches the halves for one call). The trainer's own buckets keep the same rule
+    (trainer_megatron.convert.bucketed); these are the kept copy re-cut for a server behind the delta's base."""
+    chunks: list[NamedTensors] = []
+    chunk: NamedTensors = []
+    size = 0
+    for name, tensor in tensors:
+        chunk.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes and not name.endswith(MLA_FUSED_FIRST_HALF):
+            chunks.append(chunk)
+            chunk, size = [], 0
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 def held_versions(targets: list[Target], *, timeout: float, version: int) -> list[int | None]:
