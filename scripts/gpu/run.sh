@@ -71,7 +71,9 @@
 # held-out prompts: pass@1 per eval, the FP8 runs within 0.1 of bf16 at steps 20 and 30, masked shares; pack the
 # real-model data first; ~8 min; the PNG: benchmarks/fp8_real_model.py compare $OUT/fp8-real-model --png ...).
 # Logs go to $OUT/<stage>.log (or /tmp/gpu-logs).
-source "$(dirname "$0")/setup.sh"
+# GPU_STAGES_DRY=1: no setup and nothing run; each stage's command is printed (stage, a tab, the command
+# shell-quoted), so that tests/unit/test_gpu_stages.py checks on the CPU what a device call would run.
+[ -n "${GPU_STAGES_DRY:-}" ] || source "$(dirname "$0")/setup.sh"
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
 status=0
 for stage in "$@"; do
@@ -195,6 +197,7 @@ for stage in "$@"; do
     opd-student) cmd=(bash scripts/gpu/multi_model.sh "$logs" student) ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
+  if [ -n "${GPU_STAGES_DRY:-}" ]; then printf '%s\t' "$stage"; printf '%q ' "${cmd[@]}"; echo; continue; fi
   stamp=$(mktemp); "${cmd[@]}" > "$logs/$stage.log" 2>&1; rc=$?
   grep -E "PASS|FAIL|Error|error|\[|passed|failed|\|" "$logs/$stage.log" | tail -n 60
   # the SGLang servers' own logs of this stage (timestamped: where a server's ~90 s start goes), at most 40
