@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from refused_runs import assert_one_line, forbid_the_loop, run_config
 from typer.testing import CliRunner
 
 from slime_rl.cli.app import app
@@ -31,35 +32,7 @@ def write_lines(path: Path, lines: list) -> Path:
 @pytest.fixture
 def no_loop(monkeypatch):
     """The training loop stands in as a module that fails the test if a run starts."""
-    module = types.ModuleType("slime_rl.core.run.loop")
-
-    def train(cfg, callback=None):
-        raise AssertionError("the run started despite bad data")
-
-    module.train = train
-    monkeypatch.setitem(sys.modules, "slime_rl.core.run.loop", module)
-
-
-def config(tmp_path: Path, prompts: Path, **data) -> Path:
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"path": str(model)},
-        "data": {"prompt_data": str(prompts), "rollout_batch_size": 2, "n_samples_per_prompt": 2, **data},
-        "cluster": {"device": "cpu"},
-        "logging": {"dir": str(tmp_path / "logs")},
-    }))
-    return path
-
-
-def assert_one_line(result, where: str) -> str:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith(f"error: {where}: "), lines[0]
-    assert "Traceback" not in result.output
-    return lines[0]
+    forbid_the_loop(monkeypatch, "the run started despite bad data")
 
 
 def deep(levels: int) -> str:
@@ -90,7 +63,7 @@ CASES = {
 def test_bad_prompt_data_is_one_line_before_anything_starts(case, command, tmp_path, no_loop):
     lines, data, bad_line, words = CASES[case]
     prompts = write_lines(tmp_path / "prompts.jsonl", lines)
-    result = runner.invoke(app, [command, str(config(tmp_path, prompts, **data))])
+    result = runner.invoke(app, [command, str(run_config(tmp_path, prompts, **data))])
     line = assert_one_line(result, f"{prompts}:{bad_line}" if bad_line else str(prompts))
     assert words in line
     assert result.stdout == ""
@@ -99,7 +72,7 @@ def test_bad_prompt_data_is_one_line_before_anything_starts(case, command, tmp_p
 def test_a_bad_eval_file_is_named(tmp_path, no_loop):
     prompts = write_lines(tmp_path / "prompts.jsonl", GOOD)
     evals = write_lines(tmp_path / "eval.jsonl", [*GOOD[:5], {"input": "x", "answer": "1"}])
-    cfg = config(tmp_path, prompts)
+    cfg = run_config(tmp_path, prompts)
     for command in ("train", "plan"):
         line = assert_one_line(runner.invoke(app, [command, str(cfg), f"eval.prompt_data={{math: {evals}}}"]),
                                f"{evals}:6")
@@ -112,7 +85,7 @@ def test_good_data_with_some_bad_lines_skipped_goes_on(tmp_path, monkeypatch):
     module = types.ModuleType("slime_rl.core.run.loop")
     module.train = lambda cfg, callback=None: started.append(cfg) or {}
     monkeypatch.setitem(sys.modules, "slime_rl.core.run.loop", module)
-    result = runner.invoke(app, ["train", str(config(tmp_path, prompts, skip_bad_lines=True))])
+    result = runner.invoke(app, ["train", str(run_config(tmp_path, prompts, skip_bad_lines=True))])
     assert result.exit_code == 0, result.output
     assert len(started) == 1
 

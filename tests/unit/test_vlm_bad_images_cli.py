@@ -4,12 +4,9 @@ and the fix>``, exit 2, before anything starts, as bad text lines are (tests/e2e
 from __future__ import annotations
 
 import json
-import sys
-import types
-from pathlib import Path
 
 import pytest
-import yaml
+from refused_runs import assert_one_line, forbid_the_loop, run_config
 from typer.testing import CliRunner
 
 from slime_rl.cli.app import app
@@ -20,25 +17,7 @@ runner = CliRunner()
 
 @pytest.fixture
 def no_loop(monkeypatch):
-    module = types.ModuleType("slime_rl.core.run.loop")
-
-    def train(cfg, callback=None):
-        raise AssertionError("the run started despite bad images")
-
-    module.train = train
-    monkeypatch.setitem(sys.modules, "slime_rl.core.run.loop", module)
-
-
-def _config(tmp_path: Path, prompts: Path, **data) -> Path:
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": {"path": str(model)},
-        "data": {"prompt_data": str(prompts), "image_key": "images", "apply_chat_template": True,
-                 "rollout_batch_size": 2, "n_samples_per_prompt": 2, **data},
-        "cluster": {"device": "cpu"}, "logging": {"dir": str(tmp_path / "logs")}}))
-    return path
+    forbid_the_loop(monkeypatch, "the run started despite bad images")
 
 
 @pytest.mark.parametrize("command", ["train", "plan"])
@@ -57,8 +36,6 @@ def test_a_bad_image_is_one_line_before_anything_starts(tmp_path, no_loop, comma
     lines = [{"input": "q", "images": ["ok.png"], "label": "1"}] * 3 + [{"input": "q", "images": bad, "label": "1"}]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in lines))
-    result = runner.invoke(app, [command, str(_config(tmp_path, prompts, max_image_pixels=50_000))])
-    assert result.exit_code == 2, result.output
-    (line,) = result.stderr.splitlines()
+    config = run_config(tmp_path, prompts, image_key="images", apply_chat_template=True, max_image_pixels=50_000)
+    line = assert_one_line(runner.invoke(app, [command, str(config)]), f"{prompts}:4")
     assert line.startswith(f"error: {prompts}:4: {words.format(dir=tmp_path)}"), line
-    assert "Traceback" not in result.output
