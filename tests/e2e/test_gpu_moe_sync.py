@@ -3,8 +3,40 @@ expert) reach a real SGLang server through the loop's own sync path (`MegatronTr
 `SGLangWeightSender` -> `SGLangEngine`), by CUDA IPC and by disk (NCCL needs a second GPU), and the server then
 scores tokens as the trainer does. Checked by log-probs, not by names: SGLang fuses the experts into stacked
 tensors its checksums do not cover, so a missed or misplaced expert shows only in what the model computes.
+Issue 37 adds GLM-4.5, DeepSeek-V3 and a DeepSeek-V2-Lite-style model (no q down-projection).
 
-    python -m pytest tests/e2e/test_gpu_moe_sync.py -m gpu -s
+    python -m pytest tests/e2e/test_gpu_moe_sync.py -m gpu -s          # stage moe-sync
+    python -m pytest tests/e2e/test_gpu_moe_sync.py -m gpu -s -k deepseek
+
+What SGLang 0.5.17 does with DeepSeek's multi-head latent attention (MLA) on a sync, read in its source
+(srt/models/deepseek_v2.py, srt/models/deepseek_common/):
+- ``DeepseekV3ForCausalLM`` and ``DeepseekV2ForCausalLM`` are one class; its ``load_weights`` runs once per load
+  call: ``/update_weights_from_tensor`` (load_format flattened_bucket) calls it once per bucket,
+  ``/update_weights_from_disk`` once over the whole folder. Each call ends in ``post_load_weights(weight_names=``
+  the names of that call ``)``, which derives ``w_kc``/``w_vc`` (kv_b_proj split per head into its k-nope and v
+  parts: the "absorbed" copies the MLA decode path multiplies by) for exactly the layers whose ``kv_b_proj`` came in
+  that call, copying into the existing tensors (``bind_or_assign``: CUDA graphs keep their addresses). So no bucket
+  split leaves them stale: a layer is re-derived in the call that brings its kv_b_proj, whatever else that bucket
+  holds; the sender needs no ordering for them. What a split can break is the other derived weight: with
+  ``q_lora_rank`` set, ``q_a_proj`` and ``kv_a_proj_with_mqa`` load into one ``fused_qkv_a_proj_with_mqa`` only when
+  both come in one call, and a half that comes alone is dropped without a word; the trainer's buckets keep each pair
+  together (trainer_megatron.convert.bucketed), and so does a delta sync's full push (delta_push.full_chunks).
+- Why log-probs catch stale derived copies where a checksum would not: /weights_checker hashes the model's parameters
+  and buffers (kv_b_proj among them); w_kc/w_vc are plain attributes, so a sync that left them behind passes it. With
+  ``--attention-backend triton`` (it serves MLA: deepseek_common/attention_backend_handler.py), a prefill with no
+  cached prefix runs plain multi-head attention through kv_b_proj, and every decode step runs the absorbed path
+  through w_kc/w_vc: of the 32 tokens sampled after each prompt, the first is scored through kv_b_proj and the
+  other 31 through the derived copies, and the engine flushes its prefix cache after each sync, so nothing old is
+  reused. A stale w_kc/w_vc or a dropped q/kv down-projection keeps the gap after the sync near the gap before it.
+- The tiny DeepSeek shapes use DeepSeek-V3's own head dims (q/k 128 + 64 rotary, v 128) and kv_lora_rank 512, so the
+  triton decode kernel takes the path real checkpoints take (a 576-wide latent + rotary key).
+- SGLang reads ``topk_method``, ``scoring_func`` and ``moe_layer_freq``, which DeepSeek's own config.json files
+  carry and transformers' DeepseekV3Config/DeepseekV2Config do not: the tiny folders carry them. SGLang routes every
+  DeepSeek MoE layer with its grouped top-k, so V2-Lite's greedy routing is n_group = topk_group = 1 with softmax
+  scores, as V2-Lite's own config says. Its shared experts are fused into the routed ones only for 256 or 384
+  experts (DeepSeek-V3/R1, Kimi): not here.
+- ``--enable-return-routed-experts`` works for DeepSeek (srt/state_capturer/routed_experts.py captures each TopK
+  layer's choice; the dense first layer's row stays zero): benchmarks/moe_replay_gap.py --shape deepseek-v3-reduced.
 """
 
 from __future__ import annotations
@@ -59,9 +91,20 @@ def new_weights(trainer, seed: int) -> None:
 # num_experts_per_tok / topk_group = 2 experts, as SGLang does), the shared expert and the correction bias. SGLang
 # 0.5.17's Glm4MoeGate keeps a float32 copy of its gate weight from the first forward: a synced router reaches its
 # routing only if that copy follows, which the log-probs after the sync show.
+# DeepSeek-V3 (issue 37): MLA with both low-rank projections (q 384, kv 512) and V3's head dims, a dense first layer,
+# 16 experts in 4 groups of which 2 are searched (top-4: 2 a group, the ratio V3's 8 / 4 has), a shared expert, the
+# correction bias (random: core.testing.tiny_model) and routed scaling. DeepSeek-V2-Lite-style: no q down-projection
+# (SGLang's q_proj, nothing fused), softmax greedy routing, two shared experts.
+MLA_SHAPE = {"hidden_size": 256, "num_heads": 4, "num_layers": 3, "moe_intermediate_size": 128, "n_routed_experts": 16,
+             "num_experts_per_tok": 4, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+             "v_head_dim": 128, "moe_layer_freq": 1}
 SHAPES = {"qwen3_moe": MOE_SHAPE, "qwen2_moe": dict(MOE_SHAPE, shared_expert_intermediate_size=256),
           "glm4_moe": {"hidden_size": 256, "num_heads": 4, "moe_intermediate_size": 128, "n_routed_experts": 16,
-                       "num_experts_per_tok": 4, "n_group": 2, "topk_group": 2, "num_layers": 3}}
+                       "num_experts_per_tok": 4, "n_group": 2, "topk_group": 2, "num_layers": 3},
+          "deepseek_v3": dict(MLA_SHAPE, q_lora_rank=384, n_group=4, topk_group=2, n_shared_experts=1,
+                              topk_method="noaux_tc", scoring_func="sigmoid"),
+          "deepseek_v2": dict(MLA_SHAPE, q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2,
+                              topk_method="greedy", scoring_func="softmax")}
 
 
 @pytest.mark.parametrize("family", sorted(SHAPES))
