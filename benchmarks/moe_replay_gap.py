@@ -4,10 +4,16 @@ with the trainer routing on its own and with it replaying the engine's experts.
     python benchmarks/moe_replay_gap.py                                   # the H200 run: SGLang, bf16, 16 x 64 tokens
     python benchmarks/moe_replay_gap.py --engine hf --device cpu --shape tiny-moe --prompts 4 --new-tokens 8
                                                                           # the CPU smoke test (fp32)
+    python benchmarks/moe_replay_gap.py --shape deepseek-v3-reduced       # issue 37's H200 run (stage deepseek-replay)
+    python benchmarks/moe_replay_gap.py --engine hf --device cpu --shape tiny-deepseek-v3 --prompts 4 --new-tokens 8
 
-The model: a random Qwen3-MoE of ``--shape`` (benchmarks/trainer_throughput.py's shape table and model maker;
-``qwen3-30b-a3b-reduced`` is Qwen3-30B-A3B's hidden size, heads, 128 experts, top-8 and expert size with 4 layers),
-saved in ``--dtype`` under ``--work-dir``. The engine (``--engine sglang``: a real SGLang server started by
+The model: a random Qwen3-MoE or DeepSeek-V3 of ``--shape`` (benchmarks/trainer_throughput.py's shape table and
+model maker; ``qwen3-30b-a3b-reduced`` is Qwen3-30B-A3B's hidden size, heads, 128 experts, top-8 and expert size with
+4 layers; ``deepseek-v3-reduced`` a dense first layer and 3 MoE layers of 64 experts, top-6 of 3 of 8 groups, with
+MLA: benchmarks/deepseek_shapes.py, whose routers get a random correction bias as a trained checkpoint has one),
+saved in ``--dtype`` under ``--work-dir``. DeepSeek's dense first layer routes nothing: SGLang (its capture buffers
+start as zeros and no router writes that layer's row) and the HF engine report zeros there, and the trainer replays
+only its MoE layers' rows. The engine (``--engine sglang``: a real SGLang server started by
 `SGLangEngine` with ``--enable-return-routed-experts``; ``hf``: the in-process transformers engine) samples
 ``--new-tokens`` tokens (eos ignored, temperature 1) after each of ``--prompts`` random prompts, through the loop's
 own `generate_single_turn` with ``algorithm.routing_replay: rollout``: each sample carries the engine's log-probs

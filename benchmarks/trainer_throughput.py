@@ -35,6 +35,10 @@ p50/p90/p99/max: prompts uniform in ``--mix-prompt-len``, responses log-normal (
 ``--mix-response-len``: by default p50 512, p90 ~2.4k, p99 ~7.8k, max 8192 tokens of 128 samples.
 MoE (``--shape tiny-moe``, ``--shape qwen3-30b-a3b-reduced``): the trainer's MoE layers next to
 transformers' own Qwen3-MoE; params in the FLOPs below are the active ones (router + top-k experts).
+DeepSeek-V3 (``--shape tiny-deepseek-v3``, ``--shape deepseek-v3-reduced``: deepseek_shapes.py; GPU stage
+bench-deepseek): the trainer's MLA, dense first layer and grouped sigmoid routing next to transformers'
+DeepseekV3ForCausalLM; the FLOPs count MLA's projections and its two head dims (deepseek_shapes.py), and the
+header gives the GiB the two contenders' weights, gradients and Adam states take together.
 Tokens/s counts every token of the batch per train step; MFU counts, for both contenders, the standard
 6 * params FLOPs per token plus each sample's attention, 12 * layers * heads * head_dim * L_i per
 token of a sample of L_i tokens (summed per sample: sum of L_i^2, not from the mean length), against
@@ -65,8 +69,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import deepseek_shapes  # sibling scripts (with step_figures, transformers_baseline)
 import torch
-from step_figures import balance, launches, percentiles  # sibling scripts
+from deepseek_shapes import DEEPSEEK
+from step_figures import balance, launches, percentiles
 from transformers_baseline import SortedBudgetBaseline, TransformersBaseline
 
 SHAPES = {
@@ -78,10 +84,16 @@ SHAPES = {
     # Qwen3-MoE shapes (the MOE table below adds experts); intermediate is unused (every layer is MoE)
     "tiny-moe": ("qwen3_moe", 32768, 128, 352, 4, 4, 2, True, 10000.0),
     "qwen3-30b-a3b-reduced": ("qwen3_moe", 151936, 2048, 6144, 4, 32, 4, False, 1000000.0),
+    # DeepSeek-V3 shapes (deepseek_shapes.py: MLA, dense first layer, groups, shared expert); intermediate is
+    # the dense first layer's
+    "tiny-deepseek-v3": ("deepseek_v3", 32768, 128, 352, 4, 4, 4, False, 10000.0),
+    "deepseek-v3-reduced": ("deepseek_v3", 32768, 2048, 10944, 4, 16, 16, False, 10000.0),
 }
 # MoE shapes: (experts, top-k, expert intermediate size, head_dim). qwen3-30b-a3b-reduced is
 # Qwen3-30B-A3B's hidden size, heads, 128 experts, top-8 and expert size with 4 of its 48 layers.
-MOE = {"tiny-moe": (8, 2, 96, 32), "qwen3-30b-a3b-reduced": (128, 8, 768, 128)}
+# DeepSeek-V3 shapes have no one head_dim (MLA's q/k and v head dims differ: deepseek_shapes.DEEPSEEK).
+MOE = {"tiny-moe": (8, 2, 96, 32), "qwen3-30b-a3b-reduced": (128, 8, 768, 128),
+       "tiny-deepseek-v3": (8, 2, 96, None), "deepseek-v3-reduced": (64, 6, 1408, None)}
 
 
 def make_model(shape: str, folder: Path, dtype: torch.dtype = torch.float32, positions: int = 32768) -> Path:
@@ -89,13 +101,30 @@ def make_model(shape: str, folder: Path, dtype: torch.dtype = torch.float32, pos
     ``positions`` its max_position_embeddings."""
     import transformers
 
-    family, vocab, hidden, inter, layers, heads, kv, tied, theta = SHAPES[shape]
     if (folder / "config.json").is_file():
         return folder
+    config = hf_config(shape, positions)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1.5B is slow on a CPU
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if shape in DEEPSEEK:
+        deepseek_shapes.randomize_correction_bias(model)
+    model.save_pretrained(folder)
+    del model
+    return folder
+
+
+def hf_config(shape: str, positions: int = 32768):
+    """The transformers config of ``shape`` (``positions`` its max_position_embeddings)."""
+    import transformers
+
+    family, vocab, hidden, inter, layers, heads, kv, tied, theta = SHAPES[shape]
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+               "qwen3_moe": transformers.Qwen3MoeConfig, "deepseek_v3": transformers.DeepseekV3Config}[family]
     extra = {}
-    if shape in MOE:
+    if shape in DEEPSEEK:
+        extra = deepseek_shapes.config_fields(shape, *MOE[shape][:3])
+    elif shape in MOE:
         experts, topk, moe_inter, head_dim = MOE[shape]
         extra = dict(num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=moe_inter,
                      head_dim=head_dim, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
@@ -103,18 +132,16 @@ def make_model(shape: str, folder: Path, dtype: torch.dtype = torch.float32, pos
                      num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied,
                      max_position_embeddings=positions, rms_norm_eps=1e-6, **extra)
     config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1.5B is slow on a CPU
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(folder)
-    del model
-    return folder
+    return config
 
 
 def model_flops_per_token(shape: str, seq_len: int) -> float:
     """Training FLOPs of one token of a ``seq_len``-token sample: 6 x the (active) parameters plus
     its attention scores and values, 12 x layers x (heads x head_dim) x seq_len."""
     family, vocab, hidden, inter, layers, heads, kv, tied, _ = SHAPES[shape]
+    if shape in DEEPSEEK:  # MLA's projections and head dims, dense first layers, shared experts
+        params = deepseek_shapes.active_params_per_token(shape, vocab, hidden, inter, layers, heads, *MOE[shape][:3])
+        return 6 * params + deepseek_shapes.attention_flops_per_token(shape, layers, heads, seq_len)
     head_dim = hidden // heads
     mlp = 3 * hidden * inter
     if shape in MOE:  # active parameters: the router and top-k experts of each token
@@ -487,6 +514,12 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], dict]:
         print(json.dumps({"peak": memory_probe(args, model_dir, args.probe)}))
         return [], {}
     make_model(args.shape, model_dir)
+    if args.shape in DEEPSEEK:  # before the run: what an out-of-memory had to hold
+        params = deepseek_shapes.hf_param_count(hf_config(args.shape))
+        memory = deepseek_shapes.memory_estimate(params)
+        print(f"{args.shape}: {params / 1e9:.2f}B parameters; weights, gradients and Adam states"
+              f" {memory['trainer_gib']:.1f} GiB (ours) + {memory['baseline_gib']:.1f} GiB (transformers)"
+              f" = {memory['total_gib']:.1f} GiB before activations", flush=True)
 
     samples = bench_samples(args)
     rows, figures = step_table(args, model_dir, samples)

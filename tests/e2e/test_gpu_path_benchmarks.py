@@ -138,12 +138,14 @@ def test_async_speedup_kill_option_on_the_stand_in_server(tmp_path, capsys):
     assert "engine kill: PASS" in capsys.readouterr().out
 
 
-def test_moe_replay_gap_benchmark_replays_the_engines_experts(tmp_path, capsys):
-    """Issue 19's replay measurement end to end on the CPU (HF engine, tiny Qwen3-MoE, fp32, the Megatron trainer;
-    ~10 s): every sample brings the engine's routed experts, the trainer's log-probs follow the experts the batch
-    carries (the shifted-experts control moves them), and in fp32 both passes match the engine's."""
+@pytest.mark.parametrize("shape", ["tiny-moe", "tiny-deepseek-v3"])
+def test_moe_replay_gap_benchmark_replays_the_engines_experts(shape, tmp_path, capsys):
+    """Issue 19's replay measurement end to end on the CPU (HF engine, tiny Qwen3-MoE or DeepSeek-V3, fp32, the
+    Megatron trainer; ~10 s each): every sample brings the engine's routed experts (DeepSeek's: chosen by biased
+    sigmoid scores within groups, its dense first layer's row zeros), the trainer's log-probs follow the experts the
+    batch carries (the shifted-experts control moves them), and in fp32 both passes match the engine's."""
     moe_replay_gap = bench("moe_replay_gap")
-    result = moe_replay_gap.main(["--engine", "hf", "--device", "cpu", "--shape", "tiny-moe", "--prompts", "4",
+    result = moe_replay_gap.main(["--engine", "hf", "--device", "cpu", "--shape", shape, "--prompts", "4",
                                   "--prompt-len", "8", "--new-tokens", "8", "--work-dir", str(tmp_path)])
     assert result.tokens == 4 * 8
     assert result.mean_off < 1e-4 and result.mean_on < 1e-4  # fp32, same weights: replaying the engine's own

@@ -34,6 +34,26 @@ def test_the_mix_row_runs_both_contenders_and_prints_their_figures(tmp_path, cap
     assert "megatron / transformers tokens/s (1 thread(s)):" in out
 
 
+def test_the_deepseek_row_trains_mla_models_against_transformers_deepseek_v3(tmp_path, capsys):
+    """The bench-deepseek stage's code at CPU size (~20 s): the trainer's MLA, dense first layer and grouped routing
+    next to transformers' DeepseekV3ForCausalLM, with the parameters and the two contenders' memory printed first."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("trainer_throughput")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    rows, figures = bench.main(["--device", "cpu", "--shape", "tiny-deepseek-v3", "--samples", "4",
+                                "--prompt-len", "12", "--response-len", "8", "--micro-batch-size", "2",
+                                "--threads", "1", "--steps", "1", "--warmup", "0", "--skip-memory",
+                                "--peak-tflops", "1", "--model-dir", str(tmp_path / "model")])
+    assert [r["contender"] for r in rows] == ["megatron", "transformers"]
+    assert all(r["train_step_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert all(balance.micro_batches == 2 for _, _, balance in figures.values())
+    out = capsys.readouterr().out
+    assert "tiny-deepseek-v3: 0.01B parameters;" in out and "GiB before activations" in out
+    assert "## tiny-deepseek-v3 on cpu (float32)" in out
+
+
 def test_the_long_sample_benchmark_trains_on_samples_as_long_as_the_models_positions(tmp_path, capsys):
     """benchmarks/long_sample_train.py (issue 36's 32k/64k rows on the GPU stage long-train) at CPU size: a model
     whose positions are exactly the longest sample passes the positions check and trains with full recompute."""

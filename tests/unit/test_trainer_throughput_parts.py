@@ -137,3 +137,72 @@ def test_launches_count_the_operators_of_each_call():
     once, what = figures.launches(lambda: torch.ones(3) + 1, "cpu")
     five, _ = figures.launches(lambda: [torch.ones(3) + 1 for _ in range(5)], "cpu")
     assert what == "CPU leaf ops" and once >= 2 and five == 5 * once
+
+
+def _matrix_params_per_token(model, topk: int) -> int:
+    """The weights one token multiplies through in ``model`` (a transformers DeepSeek-V3, any device), read from
+    its tensors: every matrix of attention and dense MLPs, the router, top-k routed experts and the shared experts
+    of MoE layers (the fused experts' tensors hold every expert: a token uses top-k of them), and the LM head."""
+    total = model.lm_head.weight.numel()
+    for layer in model.model.layers:
+        total += sum(p.numel() for p in layer.self_attn.parameters() if p.dim() == 2)
+        experts = getattr(layer.mlp, "experts", None)
+        for name, p in layer.mlp.named_parameters():
+            if p.dim() == 2:  # dense MLP, shared experts, router
+                total += p.numel()
+            elif name.startswith("experts."):  # [experts, ...]: one expert's share, top-k times
+                total += p.numel() // experts.num_experts * topk
+    return total
+
+
+@pytest.mark.parametrize("shape", ["tiny-deepseek-v3", "deepseek-v3-reduced"])
+def test_deepseek_flops_count_the_weights_a_token_goes_through(shape):
+    """The MLA FLOPs formula (deepseek_shapes.py) against the transformers model's own tensors, built on the meta
+    device: 6 x the weights a token multiplies through, plus its attention over q/k (nope + rope) and v head dims."""
+    transformers = pytest.importorskip("transformers")
+    tt, ds = bench("trainer_throughput"), bench("deepseek_shapes")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tt.hf_config(shape))
+    _, _, _, _, layers, heads, _, _, _ = tt.SHAPES[shape]
+    mla = ds.DEEPSEEK[shape]
+    active = _matrix_params_per_token(model, topk=tt.MOE[shape][1])
+    attention = 6 * layers * heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+    assert tt.model_flops_per_token(shape, 1) == 6 * active + attention
+    assert tt.model_flops_per_token(shape, 101) - tt.model_flops_per_token(shape, 1) == 100 * attention
+
+
+def test_deepseek_v3_reduced_is_v3s_layer_structure_and_fits_one_80gb_gpu_twice():
+    """Issue 37's reduced shape: 1 dense + 3 MoE layers, MLA with V3's ranks and head dims, 64 experts of 1408,
+    ~0.6B parameters a MoE layer; ours and transformers' weights, gradients and Adam states together leave an
+    80 GB H100 (79.2 GiB as torch counts it) at least 12 GiB for activations."""
+    transformers = pytest.importorskip("transformers")
+    tt, ds = bench("trainer_throughput"), bench("deepseek_shapes")
+    config = tt.hf_config("deepseek-v3-reduced")
+    assert (config.num_hidden_layers, config.first_k_dense_replace) == (4, 1)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert (config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok) == (64, 1408, 6)
+    # what SGLang reads and transformers' config lacks
+    assert (config.topk_method, config.scoring_func, config.moe_layer_freq) == ("noaux_tc", "sigmoid", 1)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    moe_layer = sum(p.numel() for p in model.model.layers[1].parameters())
+    assert 0.55e9 < moe_layer < 0.65e9
+    params = ds.hf_param_count(config)
+    assert params == sum(p.numel() for p in model.parameters())
+    memory = ds.memory_estimate(params)
+    assert memory["total_gib"] == pytest.approx(params * 36 / 2**30)
+    assert memory["total_gib"] <= 79.2 - 12
+
+
+def test_deepseek_models_get_a_random_correction_bias(tmp_path):
+    """A fresh DeepSeek model's correction bias is zeros; the benchmark's is random, as a trained one is not zero."""
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+
+    tt = bench("trainer_throughput")
+    folder = tt.make_model("tiny-deepseek-v3", tmp_path / "model")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        biases = [f.get_tensor(name) for name in f.keys() if name.endswith("e_score_correction_bias")]
+    assert len(biases) == 3  # the MoE layers; the dense first layer has no router
+    assert all(bias.abs().min() > 0 for bias in biases) and not torch.equal(biases[0], biases[1])
