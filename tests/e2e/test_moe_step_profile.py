@@ -4,19 +4,11 @@ stage profile-moe (docs/gpu-results.md)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+from script_imports import benchmark
 
 
 def test_the_profile_counts_each_variants_ops_and_moe_pieces(tmp_path, capsys):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        bench = importlib.import_module("moe_step_profile")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench = benchmark("moe_step_profile")
     results = bench.main(["--device", "cpu", "--shape", "tiny-moe", "--samples", "4", "--prompt-len", "12",
                           "--response-len", "6", "--micro-batch-size", "2", "--steps", "1", "--warmup", "0",
                           "--top", "5", "--variants", "as-is", "megatron-dispatch", "--model-dir", str(tmp_path / "m")])

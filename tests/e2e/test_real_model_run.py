@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_imports import import_script
 
 from slime_rl.core.config import load_config
 
@@ -24,17 +24,9 @@ GPU_SCRIPTS = ROOT / "scripts" / "gpu"
 TASKS = ("addition", "chain_sum")
 
 
-def script_module(folder: Path, name: str):
-    sys.path.insert(0, str(folder))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(folder))
-
-
 @pytest.fixture(scope="module")
 def task_data(tmp_path_factory) -> dict[str, Path]:
-    return script_module(GPU_SCRIPTS, "make_smollm2_data").write_task_data(tmp_path_factory.mktemp("smol-data"))
+    return import_script(GPU_SCRIPTS, "make_smollm2_data").write_task_data(tmp_path_factory.mktemp("smol-data"))
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -194,7 +186,7 @@ def test_the_gap_plot_reads_a_real_run(tiny_model_dir, tmp_path, monkeypatch, ca
         f"logging.dir={run}", "logging.tensorboard=false", "logging.progress_bar=false",
     ])
     train(cfg)
-    plot_logprob_gap = script_module(ROOT / "benchmarks", "plot_logprob_gap")
+    plot_logprob_gap = import_script(ROOT / "benchmarks", "plot_logprob_gap")
     metrics = run / "metrics.jsonl"
     gaps = [r[plot_logprob_gap.GAP_KEY] for r in rows_of(metrics) if plot_logprob_gap.GAP_KEY in r]
     assert len(gaps) == 4 and all(g >= 0 for g in gaps) and any(g > 0 for g in gaps)
@@ -211,7 +203,7 @@ def test_the_gap_plot_reads_a_real_run(tiny_model_dir, tmp_path, monkeypatch, ca
 
 
 def test_the_gap_trend_is_a_rise_or_fall_only_outside_noise():
-    plot_logprob_gap = script_module(ROOT / "benchmarks", "plot_logprob_gap")
+    plot_logprob_gap = import_script(ROOT / "benchmarks", "plot_logprob_gap")
     steps = list(range(1, 11))
     rising = plot_logprob_gap.fit_trend(steps, [0.01 + 0.002 * s for s in steps])
     assert rising.slope == pytest.approx(0.002) and rising.half_width == pytest.approx(0, abs=1e-12)
@@ -223,7 +215,7 @@ def test_the_gap_trend_is_a_rise_or_fall_only_outside_noise():
 
 
 def test_the_gap_plot_names_a_file_without_the_gap(tmp_path, capsys):
-    plot_logprob_gap = script_module(ROOT / "benchmarks", "plot_logprob_gap")
+    plot_logprob_gap = import_script(ROOT / "benchmarks", "plot_logprob_gap")
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text(json.dumps({"step": 1, "rollout/reward_mean": 0.5}) + "\n")
     assert plot_logprob_gap.main([str(metrics), "--no-plot"]) == 1

@@ -4,19 +4,11 @@ agree (the trainer's packed micro-batches against transformers' padded ones with
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+from script_imports import benchmark
 
 
 def test_the_vlm_benchmark_runs_both_contenders_on_the_same_batch(tmp_path, capsys):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        bench = importlib.import_module("vlm_trainer_throughput")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench = benchmark("vlm_trainer_throughput")
     rows, gap = bench.main(["--device", "cpu", "--shape", "tiny-vl", "--samples", "4", "--images", "2", "--grid", "8",
                             "8", "--prompt-len", "8", "--response-len", "16", "--max-tokens-per-gpu", "1024",
                             "--baseline-micro-batch-size", "2", "--warmup", "0", "--steps", "1",

@@ -4,13 +4,12 @@ runs started side by side and interrupted at the deadline, and the verdicts read
 
 from __future__ import annotations
 
-import importlib
 import json
 import stat
-import sys
 from pathlib import Path
 
 import pytest
+from script_imports import import_script
 from typer.testing import CliRunner
 
 from slime_rl.cli.app import app
@@ -18,21 +17,13 @@ from slime_rl.cli.app import app
 ROOT = Path(__file__).parents[2]
 
 
-def script_module(folder: Path, name: str):
-    sys.path.insert(0, str(folder))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(folder))
-
-
-fp8_real_model = script_module(ROOT / "benchmarks", "fp8_real_model")
+fp8_real_model = import_script(ROOT / "benchmarks", "fp8_real_model")
 
 
 @pytest.fixture(scope="module")
 def smol_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smol-data")
-    script_module(ROOT / "scripts" / "gpu", "make_smollm2_data").write_task_data(out)
+    import_script(ROOT / "scripts" / "gpu", "make_smollm2_data").write_task_data(out)
     return out
 
 
