@@ -25,6 +25,10 @@
 # sp-megatron019 (issue 36, item 2: TP=2 with sequence parallelism against TP=1, dense and MoE, over gloo on the
 # CPU, by megatron-core 0.19.2's local spec (the CPU machine has 0.16.1); ~2 min),
 # moe-replay (issue 19: SGLang vs Megatron log-prob gap on 1,024 sampled tokens, routing replay off and on),
+# bench-deepseek (issue 37: one GRPO update of 16 x 1,024 tokens on deepseek-v3-reduced, 1 dense + 3 MoE layers of
+# 64 experts with MLA, 1.95B parameters, ours against transformers' DeepseekV3ForCausalLM in the same process:
+# tokens/s, MFU, top ops; ~4 min), deepseek-replay (issue 37: moe-replay's gap on deepseek-v3-reduced, SGLang with
+# --enable-return-routed-experts; ~5 min),
 # lora-smoke (issue 20: SGLang's LoRA kernels load and run), lora (issue 20: adapter syncs through
 # SGLangEngine), bench-sync-lora, e2e-lora (issue 20: GRPO with LoRA through SGLang's adapters, tiny and
 # 1.5B shapes; e2e-lora-1.5b: the 1.5B one), bench-async (off / one_step / fully on one shared GPU, issue 17),
@@ -33,7 +37,9 @@
 # servers on one GPU), sglang-pause (issue 17: a weight update while requests run, paused in place),
 # restore-copy (the restore copy of CUDA buckets holds the pushed values; adapter folders keep dtypes),
 # moe-sync (issue 19: Qwen3-MoE and Qwen2-MoE weights from the Megatron trainer into SGLang by IPC and disk; issue 37:
-# GLM-4.5 too), mla-varlen (issue 37: DeepSeek-V3's MLA tests and DeepSeek-V2's on megatron-core 0.19.2 and
+# GLM-4.5 too; ~8 min), moe-sync-deepseek (issue 37: the same for DeepSeek-V3 and a V2-Lite-style model, MLA's
+# derived w_kc/w_vc and fused q/kv down-projection checked by log-probs before and after each sync; ~6 min),
+# mla-varlen (issue 37: DeepSeek-V3's MLA tests and DeepSeek-V2's on megatron-core 0.19.2 and
 # transformers 5.12.1, the GPU one on the flash varlen kernel with V padded to the q/k head dim).
 # vlm (issue 41: Qwen2.5-VL and Qwen3-VL in the Megatron trainer: the CPU tests on megatron-core 0.19.2 and transformers 5.12.1,
 # TP=2/PP=2 over gloo included, then bf16 and fp32 log-probs of samples with images against transformers on CUDA,
@@ -112,7 +118,10 @@ for stage in "$@"; do
     megatron-lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py -k lora -p no:cacheprovider) ;;
     e2e) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_e2e.py -p no:cacheprovider) ;;
     conformance) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_gpu_conformance.py -p no:cacheprovider) ;;
-    moe-sync) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_moe_sync.py -p no:cacheprovider) ;;
+    # ~2.6 min a family (an SGLang server each): the MLA families get a call of their own
+    moe-sync) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_moe_sync.py -k "not deepseek" -p no:cacheprovider) ;;
+    moe-sync-deepseek) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_moe_sync.py -k deepseek
+                            -p no:cacheprovider) ;;
     mla-varlen) cmd=(python3 -m pytest -x -q -s -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_mla.py
                      packages/trainer-megatron/tests/test_megatron_deepseek_v2.py) ;;
     # the CUDA parity first, and no -x: a CPU test that trips on the bundle's transformers 5.12.1 stops nothing
@@ -159,6 +168,13 @@ for stage in "$@"; do
                       --variants as-is rope-per-sequence rope-device-positions megatron-dispatch) ;;
     moe-replay) cmd=(timeout 400 python3 benchmarks/moe_replay_gap.py --shape qwen3-30b-a3b-reduced --prompts 16
                      --new-tokens 64 --work-dir /tmp/moe-replay) ;;
+    # 65.4 GiB of weights, gradients and Adam states for the two contenders (deepseek_shapes.py): micro-batches of
+    # 4 x 1,024 tokens keep the activations within the rest of an 80 GB card
+    bench-deepseek) cmd=(timeout 500 python3 benchmarks/trainer_throughput.py --device cuda --shape deepseek-v3-reduced
+                         --samples 16 --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 4
+                         --peak-tflops 989 --skip-memory --profile 15) ;;
+    deepseek-replay) cmd=(timeout 500 python3 benchmarks/moe_replay_gap.py --shape deepseek-v3-reduced --prompts 16
+                          --new-tokens 64 --work-dir /tmp/deepseek-replay) ;;
     bench-sync-1.5b) cmd=(timeout 200 python3 benchmarks/weight_sync.py --shape qwen2.5-1.5b --bucket-mb 2048
                           --mem-fraction 0.1 --json "$logs/bench-sync-1.5b.json") ;;
     bench-sync) cmd=(timeout 330 python3 benchmarks/weight_sync.py --shape qwen2.5-7b --bucket-mb 512 2048 4096
