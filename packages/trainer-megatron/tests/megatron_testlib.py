@@ -107,6 +107,33 @@ def make_config(model_path: Path, overrides: list[str] | None = None):
     return load_config(None, base + list(overrides or []), check=False)
 
 
+def trainer_for(model_dir: Path, overrides=(), role: str = "actor"):
+    """A MegatronTrainer of ``model_dir`` with config ``overrides`` in this process, as a world of one."""
+    from slime_rl.trainer_megatron.trainer import MegatronTrainer
+
+    ensure_single_rank_group()
+    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)), role=role)
+
+
+def sample_log_probs(trainer, samples: list) -> list[list[float]]:
+    """The trainer's log-probs of ``samples``' response tokens, one list per sample."""
+    batch = to_batch(samples)
+    return per_sample(batch, trainer.compute_log_probs(batch))
+
+
+def max_gap_to_hf(samples: list, ours: list[list[float]], hf_model, temperature: float = 1.0) -> float:
+    """The largest difference between ``ours`` (per-sample log-probs) and transformers' over every response token."""
+    return max(float((torch.tensor(lp) - hf_response_log_probs(hf_model, s.tokens, s.response_length, temperature))
+                     .abs().max()) for s, lp in zip(samples, ours, strict=True))
+
+
+def wide_model(path: Path, family: str, *, vocab: int = 256, **fields) -> Path:
+    """A tiny random ``family`` folder (norms perturbed), its weights drawn wider than transformers' 0.02 so that
+    routing and attention are far from uniform and every query and key part shows in the outputs."""
+    config = tiny_config(family, vocab_size=vocab, max_position_embeddings=512, **{"initializer_range": 0.1, **fields})
+    return save_model(path, tiny_model(config, perturb_norms=True))
+
+
 def megatron_on_cpu_single_rank() -> None:
     """Megatron's parallel state (TP = PP = 1) on the CPU in this process, for tests that call its pieces directly."""
     from megatron.core import parallel_state

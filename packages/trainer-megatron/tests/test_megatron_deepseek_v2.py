@@ -9,17 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron_testlib import (
-    ensure_single_rank_group,
-    hf_response_log_probs,
     load_hf,
-    make_config,
     make_samples,
-    per_sample,
+    max_gap_to_hf,
+    sample_log_probs,
     to_batch,
+    trainer_for,
+    wide_model,
 )
 
 from slime_rl.trainer_megatron.convert import SafetensorsFolder
-from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
 VOCAB = 256
 # V2's group-limited greedy at a tiny scale: 16 experts in 4 groups, the top-4 of the best 2 groups (V2: 160 in 8,
@@ -29,32 +28,12 @@ GROUP_LIMITED = {"topk_method": "group_limited_greedy", "n_routed_experts": 16, 
 
 
 def v2_model(path, **fields):
-    """A tiny random DeepSeek-V2 folder (norms perturbed; weights wider than transformers' 0.02 so that routing and
-    attention are far from uniform)."""
-    from slime_rl.core.testing import save_model, tiny_config, tiny_model
-
-    config = tiny_config("deepseek_v2", vocab_size=VOCAB, max_position_embeddings=512,
-                         **{"initializer_range": 0.1, **fields})
-    return save_model(path, tiny_model(config, perturb_norms=True))
+    """A tiny random DeepSeek-V2 folder, its weights drawn wide (megatron_testlib.wide_model)."""
+    return wide_model(path, "deepseek_v2", vocab=VOCAB, **fields)
 
 
 def _samples():
     return make_samples(5, VOCAB, prompt=(4, 12), response=(4, 20))
-
-
-def _log_probs(trainer, samples) -> list:
-    batch = to_batch(samples)
-    return per_sample(batch, trainer.compute_log_probs(batch))
-
-
-def _max_gap(samples, ours, hf) -> float:
-    return max(float((torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length)).abs().max())
-               for s, lp in zip(samples, ours, strict=True))
-
-
-def _trainer(model_dir, overrides=()):
-    ensure_single_rank_group()
-    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
 
 
 CASES = {"v2": {}, "v2-lite": {"q_lora_rank": None}, "group-limited": GROUP_LIMITED}
@@ -63,7 +42,7 @@ CASES = {"v2": {}, "v2-lite": {"q_lora_rank": None}, "group-limited": GROUP_LIMI
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_round_trip_is_bit_exact_and_log_probs_match_transformers(case, tmp_path):
     model_dir = v2_model(tmp_path / "m", **CASES[case])
-    trainer = _trainer(model_dir)
+    trainer = trainer_for(model_dir)
     assert trainer.shape.family == "deepseek_v2" and trainer.shape.mla is not None
     assert (trainer.shape.moe.score_function, trainer.shape.moe.expert_bias, trainer.shape.moe.norm_topk_prob) == (
         "softmax", False, False)
@@ -74,16 +53,16 @@ def test_round_trip_is_bit_exact_and_log_probs_match_transformers(case, tmp_path
     q = "q_proj" if case == "v2-lite" else "q_a_proj"
     assert f"model.layers.1.self_attn.{q}.weight" in exported and "model.layers.1.mlp.gate.weight" in exported
     samples = _samples()
-    assert _max_gap(samples, _log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
+    assert max_gap_to_hf(samples, sample_log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
 
 
 def test_a_trained_v2_saves_every_tensor_under_its_hf_name(tmp_path):
     """Packed micro-batches match transformers too; after a GRPO step save_hf writes the checkpoint's names, the
     router and kv_b_proj trained."""
     model_dir = v2_model(tmp_path / "m")
-    trainer = _trainer(model_dir, ["trainer.max_tokens_per_gpu=64"])
+    trainer = trainer_for(model_dir, ["trainer.max_tokens_per_gpu=64"])
     samples = _samples()
-    assert _max_gap(samples, _log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
+    assert max_gap_to_hf(samples, sample_log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
     batch = to_batch(samples)
     batch.old_log_probs = trainer.compute_log_probs(batch)
     trainer.train_step(batch)
@@ -101,8 +80,8 @@ def test_each_routing_part_shows_in_the_log_probs(tmp_path):
     scored by its best expert (megatron-core's rule, the sum of its best topk / topk_group, moves them too)."""
     model_dir = v2_model(tmp_path / "m", **GROUP_LIMITED)
     samples = _samples()
-    ours = _log_probs(_trainer(model_dir), samples)
-    assert _max_gap(samples, ours, load_hf(model_dir)) <= 1e-4
+    ours = sample_log_probs(trainer_for(model_dir), samples)
+    assert max_gap_to_hf(samples, ours, load_hf(model_dir)) <= 1e-4
 
     def changed(edit) -> torch.nn.Module:
         hf = load_hf(model_dir)
@@ -141,7 +120,7 @@ def test_each_routing_part_shows_in_the_log_probs(tmp_path):
         "groups scored by their best 2 (megatron-core's rule)": changed(groups_by_best_two),
     }
     for name, variant in variants.items():
-        assert _max_gap(samples, ours, variant) > 1e-3, name
+        assert max_gap_to_hf(samples, ours, variant) > 1e-3, name
 
 
 def test_v2_routing_megatron_cannot_match_is_refused(tmp_path):

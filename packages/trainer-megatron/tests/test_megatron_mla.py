@@ -12,17 +12,16 @@ import shutil
 import pytest
 import torch
 from megatron_testlib import (
-    ensure_single_rank_group,
-    hf_response_log_probs,
     load_hf,
-    make_config,
     make_samples,
-    per_sample,
+    max_gap_to_hf,
+    sample_log_probs,
     to_batch,
+    trainer_for,
+    wide_model,
 )
 
 from slime_rl.trainer_megatron.convert import SafetensorsFolder
-from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
 VOCAB = 256
 MLA_TENSORS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
@@ -32,32 +31,12 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 
 def deepseek_model(path, **fields):
-    """A tiny random DeepSeek-V3 folder (norms perturbed), its weights drawn wider than transformers' 0.02 so that
-    attention is far from uniform and every query and key part shows in the outputs."""
-    from slime_rl.core.testing import save_model, tiny_config, tiny_model
-
-    fields = {"initializer_range": 0.1, **fields}
-    config = tiny_config("deepseek_v3", vocab_size=VOCAB, max_position_embeddings=512, **fields)
-    return save_model(path, tiny_model(config, perturb_norms=True))
-
-
-def trainer_for(model_dir, overrides=()):
-    ensure_single_rank_group()
-    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
+    """A tiny random DeepSeek-V3 folder, its weights drawn wide (megatron_testlib.wide_model)."""
+    return wide_model(path, "deepseek_v3", vocab=VOCAB, **fields)
 
 
 def _samples():
     return make_samples(5, VOCAB, prompt=(4, 12), response=(4, 20))
-
-
-def _max_gap(samples, ours, hf) -> float:
-    return max(float((torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length)).abs().max())
-               for s, lp in zip(samples, ours, strict=True))
-
-
-def _log_probs(trainer, samples) -> list:
-    batch = to_batch(samples)
-    return per_sample(batch, trainer.compute_log_probs(batch))
 
 
 def test_deepseek_round_trip_is_bit_exact_and_log_probs_match_transformers(tmp_path):
@@ -72,7 +51,7 @@ def test_deepseek_round_trip_is_bit_exact_and_log_probs_match_transformers(tmp_p
     assert all(torch.equal(t, reader.get(n)) for n, t in exported.items())
 
     samples = _samples()
-    assert _max_gap(samples, _log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
+    assert max_gap_to_hf(samples, sample_log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
     batch = to_batch(samples)
     batch.old_log_probs = trainer.compute_log_probs(batch)
     trainer.train_step(batch)
@@ -101,7 +80,7 @@ def test_packed_micro_batches_match_transformers(kernel, tmp_path):
     trainer = trainer_for(model_dir, ["trainer.max_tokens_per_gpu=64",
                                       f"trainer.megatron.packed_attention={kernel}"])
     samples = _samples()
-    assert _max_gap(samples, _log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
+    assert max_gap_to_hf(samples, sample_log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
 
 
 def _hf_folder_with(model_dir, tmp_path, name: str, **config_fields):
@@ -119,8 +98,8 @@ def test_each_mla_part_shows_in_the_log_probs(tmp_path):
     the full q/k head dim."""
     model_dir = deepseek_model(tmp_path / "m")
     samples = _samples()
-    ours = _log_probs(trainer_for(model_dir), samples)
-    assert _max_gap(samples, ours, load_hf(model_dir)) <= 1e-4
+    ours = sample_log_probs(trainer_for(model_dir), samples)
+    assert max_gap_to_hf(samples, ours, load_hf(model_dir)) <= 1e-4
 
     def changed(edit) -> torch.nn.Module:
         hf = load_hf(model_dir)
@@ -138,7 +117,7 @@ def test_each_mla_part_shows_in_the_log_probs(tmp_path):
         "softmax scale of the nope dims": changed(lambda a: setattr(a, "scaling", 12 ** -0.5)),
     }
     for name, variant in variants.items():
-        assert _max_gap(samples, ours, variant) > 1e-3, name
+        assert max_gap_to_hf(samples, ours, variant) > 1e-3, name
 
 
 def test_without_q_down_projection_as_v2_lite(tmp_path):
@@ -151,7 +130,7 @@ def test_without_q_down_projection_as_v2_lite(tmp_path):
     assert sorted(exported) == sorted(reader.weight_map)
     assert all(torch.equal(t, reader.get(n)) for n, t in exported.items())
     samples = _samples()
-    assert _max_gap(samples, _log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
+    assert max_gap_to_hf(samples, sample_log_probs(trainer, samples), load_hf(model_dir)) <= 1e-4
 
 
 @pytest.mark.parametrize("fields", [{"rope_interleave": False},
@@ -161,7 +140,7 @@ def test_other_rope_layouts_match_transformers(fields, tmp_path):
     """Rope dims stored half-split (rope_interleave: false) and linear RoPE scaling, as transformers computes them."""
     model_dir = deepseek_model(tmp_path / "m", **fields)
     samples = _samples()
-    assert _max_gap(samples, _log_probs(trainer_for(model_dir), samples), load_hf(model_dir)) <= 1e-4
+    assert max_gap_to_hf(samples, sample_log_probs(trainer_for(model_dir), samples), load_hf(model_dir)) <= 1e-4
 
 
 def test_yarn_rope_scaling_matches_transformers(tmp_path):
@@ -171,18 +150,18 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path):
     trainer = trainer_for(model_dir)
     assert trainer.shape.mla.rope_mscale != 1.0 and trainer.shape.mla.softmax_scale > 20 ** -0.5
     samples = _samples()
-    ours = _log_probs(trainer, samples)
-    assert _max_gap(samples, ours, load_hf(model_dir)) <= 1e-4
+    ours = sample_log_probs(trainer, samples)
+    assert max_gap_to_hf(samples, ours, load_hf(model_dir)) <= 1e-4
     config = json.loads((model_dir / "config.json").read_text())
     plain = {**config["rope_parameters"], "rope_type": "default"}
-    assert _max_gap(samples, ours, load_hf(_hf_folder_with(model_dir, tmp_path, "plain", rope_parameters=plain))) > 1e-3
+    assert max_gap_to_hf(samples, ours, load_hf(_hf_folder_with(model_dir, tmp_path, "plain", rope_parameters=plain))) > 1e-3
     hf = load_hf(model_dir)
     for layer in hf.model.layers:
         layer.self_attn.scaling = 20 ** -0.5  # the softmax scale without mscale(factor, mscale_all_dim)^2
-    assert _max_gap(samples, ours, hf) > 1e-3
+    assert max_gap_to_hf(samples, ours, hf) > 1e-3
     hf = load_hf(model_dir)
     hf.model.rotary_emb.attention_scaling = 1.0  # cos and sin without YaRN's factor
-    assert _max_gap(samples, ours, hf) > 1e-3
+    assert max_gap_to_hf(samples, ours, hf) > 1e-3
 
 
 def test_deepseek_checkpoint_carries_its_mtp_layer_through(tmp_path, caplog):
@@ -272,11 +251,11 @@ def test_compiled_rope_gives_the_same_log_probs_with_yarn(tmp_path, monkeypatch)
     samples = _samples()
     for batching, kernel in (([], fused_rope.rope_bshd), (["trainer.max_tokens_per_gpu=64"], fused_rope.rope_thd)):
         trainer = trainer_for(model_dir, batching)
-        plain = _log_probs(trainer, samples)
+        plain = sample_log_probs(trainer, samples)
         calls.clear()
         config = next(m.config for m in trainer.model.modules() if hasattr(m, "config"))
         config.apply_rope_fusion = True  # what transformer_config sets with compiled_fusions (CUDA)
-        fused = _log_probs(trainer, samples)
+        fused = sample_log_probs(trainer, samples)
         config.apply_rope_fusion = False
         assert trainer.shape.mla.rope_mscale != 1.0 and calls and set(calls) == {kernel}
         assert max(float((torch.tensor(a) - torch.tensor(b)).abs().max()) for a, b in zip(plain, fused, strict=True)

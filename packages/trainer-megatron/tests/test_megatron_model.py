@@ -9,34 +9,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 from megatron_testlib import (
-    ensure_single_rank_group,
-    hf_response_log_probs,
     load_hf,
-    make_config,
     make_hf_model,
     make_samples,
-    per_sample,
+    max_gap_to_hf,
+    sample_log_probs,
     to_batch,
+    trainer_for,
 )
 
 from slime_rl.trainer_megatron.convert import SafetensorsFolder
-from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
 VOCAB = 256
 
 
-def trainer_for(model_dir, overrides=()):
-    ensure_single_rank_group()
-    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
-
-
 def max_diff_to_hf(trainer, hf_dir, samples, temperature=1.0):
-    hf = load_hf(hf_dir)
-    batch = to_batch(samples)
-    ours = per_sample(batch, trainer.compute_log_probs(batch))
-    diffs = [(torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length, temperature)).abs().max()
-             for s, lp in zip(samples, ours, strict=True)]
-    return max(float(d) for d in diffs)
+    return max_gap_to_hf(samples, sample_log_probs(trainer, samples), load_hf(hf_dir), temperature)
 
 
 @pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True),

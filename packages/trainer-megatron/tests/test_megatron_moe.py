@@ -15,24 +15,19 @@ from megatron_testlib import (
     hf_response_log_probs,
     launch,
     load_hf,
-    make_config,
     make_hf_model,
     make_samples,
+    max_gap_to_hf,
     per_sample,
     to_batch,
+    trainer_for,
 )
 from megatron_worker import run_scenario
 
 from slime_rl.trainer_megatron.convert import SafetensorsFolder
-from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
 VOCAB = 256
 COMMON = ["algorithm.entropy_coef=0.01", "algorithm.eps_clip=0.1"]
-
-
-def trainer_for(model_dir, overrides=()):
-    ensure_single_rank_group()
-    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
 
 
 MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2"]
@@ -54,10 +49,7 @@ def test_round_trip_and_log_probs_match_transformers(family, tmp_path):
     samples = make_samples(5, VOCAB, prompt=(1, 12), response=(1, 20))
     batch = to_batch(samples)
     ours = per_sample(batch, trainer.compute_log_probs(batch))
-    hf = load_hf(model_dir)
-    diffs = [(torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length)).abs().max()
-             for s, lp in zip(samples, ours, strict=True)]
-    assert max(float(d) for d in diffs) <= 1e-4
+    assert max_gap_to_hf(samples, ours, load_hf(model_dir)) <= 1e-4
     metrics = trainer.train_step(_with_old(batch, trainer))
     assert metrics["moe_expert_load_max_over_mean"] >= 1.0
 
@@ -398,12 +390,8 @@ def test_each_glm_routing_and_attention_part_shows_in_the_log_probs(tmp_path):
     batch = to_batch(samples)
     ours = per_sample(batch, trainer_for(model_dir).compute_log_probs(batch))
 
-    def max_diff(hf) -> float:
-        return max(float((torch.tensor(lp) - hf_response_log_probs(hf, s.tokens, s.response_length)).abs().max())
-                   for s, lp in zip(samples, ours, strict=True))
-
     hf = load_hf(model_dir)
-    assert max_diff(hf) <= 1e-4
+    assert max_gap_to_hf(samples, ours, hf) <= 1e-4
     for gate in _hf_gates(hf).values():
         gate.e_score_correction_bias.zero_()
     variants = {"no correction bias": hf,
@@ -411,7 +399,7 @@ def test_each_glm_routing_and_attention_part_shows_in_the_log_probs(tmp_path):
                 "no routed scaling": _hf_variant(model_dir, tmp_path, "scaling", routed_scaling_factor=1.0),
                 "full RoPE": _hf_variant(model_dir, tmp_path, "rope", partial_rotary_factor=1.0)}
     for name, variant in variants.items():
-        assert max_diff(variant) > 1e-3, name
+        assert max_gap_to_hf(samples, ours, variant) > 1e-3, name
 
 
 def _glm_checkpoint_as_released(model_dir, tmp_path):

@@ -9,17 +9,16 @@ import json
 import pytest
 import torch
 from megatron_testlib import (
-    ensure_single_rank_group,
     launch,
-    make_config,
     make_hf_model,
     make_samples,
     to_batch,
+    trainer_for,
 )
 
 from slime_rl.trainer_megatron.checkpointing import InProcessTorchDistSave, sharded_state
 from slime_rl.trainer_megatron.optimizer import is_distributed, optimizer_tensors
-from slime_rl.trainer_megatron.trainer import MegatronTrainer, NonFiniteError
+from slime_rl.trainer_megatron.trainer import NonFiniteError
 
 VOCAB = 256
 
@@ -27,11 +26,6 @@ VOCAB = 256
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("policy") / "m", "qwen2", tie=True, vocab=VOCAB)
-
-
-def trainer_for(model_dir, overrides=()):
-    ensure_single_rank_group()
-    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
 
 
 def state_of(trainer) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from megatron_testlib import (
     make_samples,
     per_sample,
     to_batch,
+    trainer_for,
 )
 from megatron_worker import run_scenario
 
@@ -22,14 +23,8 @@ from slime_rl.core.algorithms import losses
 from slime_rl.core.algorithms.advantages import compute_advantages
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.sample import Sample
-from slime_rl.trainer_megatron.trainer import MegatronTrainer
 
 VOCAB = 256
-
-
-def trainer_for(model_dir, overrides=(), role="actor"):
-    ensure_single_rank_group()
-    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)), role=role)
 
 
 @pytest.fixture(scope="module")
