@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_testlib import ensure_single_rank_group, launch, make_config, per_sample, to_batch
+from megatron_testlib import launch, make_config, sample_log_probs, to_batch, trainer_for
 from vlm_scenario import (
     GRIDS,
+    assert_two_ranks_equal_one,
     hf_vision,
-    hf_vl_log_probs,
     load_hf_vl,
     make_vl_model,
     make_vl_samples,
     patch_dim,
+    vl_max_gap,
 )
 
 from slime_rl.trainer_megatron.convert import SafetensorsFolder
-from slime_rl.trainer_megatron.trainer import MegatronTrainer
 from slime_rl.trainer_megatron.vision import build_tower, vision_shape
 
 PARITY = 1e-4
@@ -29,17 +29,6 @@ PARITY = 1e-4
 @pytest.fixture(scope="module")
 def qwen3_vl(tmp_path_factory):
     return make_vl_model(tmp_path_factory.mktemp("q3vl") / "m", family="qwen3_vl")
-
-
-def trainer_for(model_dir, overrides=()):
-    ensure_single_rank_group()
-    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
-
-
-def _gap(trainer, samples, hf) -> float:
-    batch = to_batch(samples)
-    ours = per_sample(batch, trainer.compute_log_probs(batch))
-    return max(float((torch.tensor(lp) - hf_vl_log_probs(hf, s)).abs().max()) for s, lp in zip(samples, ours, strict=True))
 
 
 def test_vision_tower_and_deepstack_features_equal_transformers(qwen3_vl):
@@ -70,7 +59,7 @@ def test_round_trip_is_bit_exact_and_log_probs_match_transformers(qwen3_vl, tmp_
         assert any(n.startswith("model.language_model.layers.2.self_attn.q_norm") for n in exported)
         assert any(n.startswith("model.visual.deepstack_merger_list.1.") for n in exported)
         assert all(torch.equal(t, reader.get(n)) for n, t in exported.items())
-        assert _gap(trainer, samples, hf) <= PARITY
+        assert vl_max_gap(samples, sample_log_probs(trainer, samples), hf) <= PARITY
     trainer.save_hf(str(tmp_path / "out"))
     saved = SafetensorsFolder(tmp_path / "out")
     assert sorted(saved.weight_map) == sorted(reader.weight_map)
@@ -89,13 +78,13 @@ def test_deepstack_and_interleaved_mrope_matter(qwen3_vl):
     runs = MultimodalRotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_base=10000)
     try:
         trainer.model.rotary_pos_emb = runs
-        assert _gap(trainer, samples, hf) > 100 * PARITY
+        assert vl_max_gap(samples, sample_log_probs(trainer, samples), hf) > 100 * PARITY
     finally:
         trainer.model.rotary_pos_emb = interleaved
-    assert _gap(trainer, samples, hf) <= PARITY
+    assert vl_max_gap(samples, sample_log_probs(trainer, samples), hf) <= PARITY
     with torch.no_grad():
         trainer.model.vision.deepstack_merger_list[1].linear_fc2.bias.add_(0.5)  # added after LM layer 1
-    assert _gap(trainer, samples, hf) > 100 * PARITY
+    assert vl_max_gap(samples, sample_log_probs(trainer, samples), hf) > 100 * PARITY
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -107,16 +96,7 @@ def test_tensor_parallel_equals_one_rank(qwen3_vl, tmp_path, sequence_parallel):
     one = launch(1, spec, tmp_path)
     two = launch(2, {**spec, "overrides": [*spec["overrides"], "parallel.tensor_model_parallel_size=2",
                                            f"parallel.sequence_parallel={str(sequence_parallel).lower()}"]}, tmp_path)
-    assert one["round_trip"] and two["round_trip"] and two["peers_agree"]
-    for key in ("log_probs", "trained_log_probs"):
-        gap = max(abs(a - b) for x, y in zip(one[key], two[key], strict=True) for a, b in zip(x, y, strict=True))
-        assert gap <= 1e-4, key
-    moved = max(abs(a - b) for x, y in zip(one["log_probs"], one["trained_log_probs"], strict=True)
-                for a, b in zip(x, y, strict=True))
-    assert moved > 1e-2  # the steps changed the model (deepstack mergers included: they get gradients)
-    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
-        assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-5)
-        assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+    assert_two_ranks_equal_one(one, two)  # the steps moved the deepstack mergers too: they get gradients
 
 
 @pytest.mark.parametrize(("overrides", "match"), [

@@ -10,17 +10,18 @@ import json
 
 import pytest
 import torch
-from megatron_testlib import ensure_single_rank_group, launch, make_config, per_sample, to_batch
+from megatron_testlib import launch, make_config, sample_log_probs, to_batch, trainer_for
 from vlm_scenario import (
     GRIDS,
     IMAGE,
+    assert_two_ranks_equal_one,
     hf_rope_index,
     hf_vision,
-    hf_vl_log_probs,
     load_hf_vl,
     make_vl_model,
     make_vl_samples,
     patch_dim,
+    vl_max_gap,
 )
 
 from slime_rl.trainer_megatron.convert import SafetensorsFolder
@@ -34,21 +35,6 @@ PARITY = 1e-4
 @pytest.fixture(scope="module")
 def vl_model(tmp_path_factory):
     return make_vl_model(tmp_path_factory.mktemp("vl") / "m")
-
-
-def trainer_for(model_dir, overrides=()):
-    ensure_single_rank_group()
-    return MegatronTrainer.from_config(make_config(model_dir, list(overrides)))
-
-
-def _log_probs(trainer, samples) -> list:
-    batch = to_batch(samples)
-    return per_sample(batch, trainer.compute_log_probs(batch))
-
-
-def _max_gap(samples, ours, hf, **kwargs) -> float:
-    return max(float((torch.tensor(lp) - hf_vl_log_probs(hf, s, **kwargs)).abs().max())
-               for s, lp in zip(samples, ours, strict=True))
 
 
 def test_vision_tower_and_mrope_positions_equal_transformers(vl_model):
@@ -86,10 +72,10 @@ def test_round_trip_is_bit_exact_and_log_probs_match_transformers(vl_model, tmp_
         assert sorted(exported) == sorted(reader.weight_map)
         assert sum(n.startswith("visual.") for n in exported) == 1 + 3 * 12 + 5  # patch embed, 3 blocks, merger
         assert all(torch.equal(t, reader.get(n)) for n, t in exported.items())
-        ours = _log_probs(trainer, samples)
-        assert _max_gap(samples, ours, hf) <= PARITY
+        ours = sample_log_probs(trainer, samples)
+        assert vl_max_gap(samples, ours, hf) <= PARITY
         # the images count: transformers' log-probs with other pixels are far from ours
-        assert _max_gap(samples, ours, hf, pixel_scale=0.5) > 100 * PARITY
+        assert vl_max_gap(samples, ours, hf, pixel_scale=0.5) > 100 * PARITY
     trainer.save_hf(str(tmp_path / "out"))
     saved = SafetensorsFolder(tmp_path / "out")
     assert sorted(saved.weight_map) == sorted(reader.weight_map)
@@ -108,12 +94,12 @@ def test_positions_and_vision_weights_matter(vl_model, tmp_path):
     real = vlm.mrope_positions
     try:
         vlm.mrope_positions = lambda ids, grid, v: torch.arange(len(ids)).expand(3, -1)
-        assert _max_gap(samples, _log_probs(trainer, samples), hf) > 100 * PARITY
+        assert vl_max_gap(samples, sample_log_probs(trainer, samples), hf) > 100 * PARITY
     finally:
         vlm.mrope_positions = real
     with torch.no_grad():
         trainer.model.vision.blocks[2].mlp.down_proj.bias.add_(0.5)  # a window-attention block, the last one
-    assert _max_gap(samples, _log_probs(trainer, samples), hf) > 100 * PARITY
+    assert vl_max_gap(samples, sample_log_probs(trainer, samples), hf) > 100 * PARITY
 
 
 @pytest.mark.parametrize("freeze", [True, False])
@@ -153,16 +139,7 @@ def test_two_ranks_equal_one_rank(vl_model, one_rank, layout, tmp_path):
     the ranks holding a shard agreeing, the same losses and grad norms, and the HF export bit-exact."""
     two = launch(2, {**VLM_SPEC, "model": str(vl_model), "overrides": [*VLM_SPEC["overrides"], *layout.split()]},
                  tmp_path)
-    assert one_rank["round_trip"] and two["round_trip"] and two["peers_agree"]
-    for key in ("log_probs", "trained_log_probs"):
-        gap = max(abs(a - b) for x, y in zip(one_rank[key], two[key], strict=True) for a, b in zip(x, y, strict=True))
-        assert gap <= 1e-4, key
-    moved = max(abs(a - b) for x, y in zip(one_rank["log_probs"], one_rank["trained_log_probs"], strict=True)
-                for a, b in zip(x, y, strict=True))
-    assert moved > 1e-2  # the steps changed the model: the comparison after them is not of the start again
-    for m1, m2 in zip(one_rank["metrics"], two["metrics"], strict=True):
-        assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-5)
-        assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+    assert_two_ranks_equal_one(one_rank, two)
 
 
 def test_checkpoint_resumes_the_vision_tower(vl_model, tmp_path):
@@ -209,11 +186,11 @@ def test_compiled_rope_takes_the_per_token_mrope_table(vl_model, monkeypatch):
     for batching, kernel in ((["trainer.max_tokens_per_gpu=4096"], fused_rope.rope_thd),
                              (["trainer.micro_batch_size=1"], fused_rope.rope_bshd)):
         trainer = trainer_for(vl_model, batching)
-        plain = _log_probs(trainer, samples)
+        plain = sample_log_probs(trainer, samples)
         calls.clear()
         trainer.tconfig.apply_rope_fusion = True  # what transformer_config sets with compiled_fusions (CUDA)
         try:
-            fused = _log_probs(trainer, samples)
+            fused = sample_log_probs(trainer, samples)
         finally:
             trainer.tconfig.apply_rope_fusion = False
         assert calls and set(calls) == {kernel}
@@ -270,7 +247,7 @@ def test_processor_made_samples_through_the_trainer(tmp_path):
     hf = load_hf_vl(folder)
     image_id = hf.config.image_token_id
     trainer = trainer_for(folder, ["trainer.max_tokens_per_gpu=4096"])
-    ours = _log_probs(trainer, samples)
+    ours = sample_log_probs(trainer, samples)
     for sample, lp in zip(samples, ours, strict=True):
         ids = torch.tensor([sample.tokens])
         kwargs = {}
@@ -287,7 +264,7 @@ def test_processor_made_samples_through_the_trainer(tmp_path):
     prompt = encode_prompt(text, [str(tmp_path / "other.png")], processor, "sample 1")
     assert prompt.token_ids == samples[1].tokens[:-samples[1].response_length]
     samples[1].multimodal_train_inputs = prompt.train_inputs
-    moved = torch.tensor(_log_probs(trainer, samples[1:2])[0]) - torch.tensor(ours[1])
+    moved = torch.tensor(sample_log_probs(trainer, samples[1:2])[0]) - torch.tensor(ours[1])
     assert float(moved.abs().max()) > 100 * PARITY
 
 
@@ -360,7 +337,7 @@ def test_a_checkpoint_in_transformers_4_52_layout_round_trips_under_its_own_name
     exported = dict(item for bucket in trainer.named_weights(bucket_bytes=1 << 20) for item in bucket)
     assert sorted(exported) == sorted(renamed) and all(torch.equal(t, renamed[n]) for n, t in exported.items())
     samples = make_vl_samples(4)
-    assert _max_gap(samples, _log_probs(trainer, samples), load_hf_vl(nested)) <= PARITY
+    assert vl_max_gap(samples, sample_log_probs(trainer, samples), load_hf_vl(nested)) <= PARITY
     trainer.save_hf(str(tmp_path / "out"))
     assert sorted(SafetensorsFolder(tmp_path / "out").weight_map) == sorted(renamed)
 

@@ -144,6 +144,31 @@ def hf_vl_log_probs(hf, sample, *, pixel_scale: float = 1.0) -> torch.Tensor:
     return logp[-sample.response_length:].cpu()
 
 
+def vl_max_gap(samples: list, ours: list[list[float]], hf, **kwargs) -> float:
+    """The largest difference between ``ours`` (per-sample log-probs) and transformers' (`hf_vl_log_probs` with
+    ``kwargs``) over every response token."""
+    return max(float((torch.tensor(lp) - hf_vl_log_probs(hf, s, **kwargs)).abs().max())
+               for s, lp in zip(samples, ours, strict=True))
+
+
+def assert_two_ranks_equal_one(one: dict, two: dict) -> None:
+    """`run_vlm`'s results on one rank and on two: both exports bit-exact, the ranks holding a shard agreeing, the
+    same log-probs (<= 1e-4) before and after the steps, which moved them (> 1e-2), and the same losses and grad
+    norms."""
+    import pytest
+
+    assert one["round_trip"] and two["round_trip"] and two["peers_agree"]
+    for key in ("log_probs", "trained_log_probs"):
+        gap = max(abs(a - b) for x, y in zip(one[key], two[key], strict=True) for a, b in zip(x, y, strict=True))
+        assert gap <= 1e-4, key
+    moved = max(abs(a - b) for x, y in zip(one["log_probs"], one["trained_log_probs"], strict=True)
+                for a, b in zip(x, y, strict=True))
+    assert moved > 1e-2  # the steps changed the model: the comparison after them is not of the start again
+    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
+        assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-5)
+        assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+
+
 def run_vlm(spec: dict) -> dict:
     """One rank of a VL trainer: log-probs of the samples, the exported weights' agreement with the checkpoint,
     then ``steps`` training steps (their metrics and the log-probs after)."""
