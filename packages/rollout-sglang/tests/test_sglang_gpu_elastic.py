@@ -18,11 +18,11 @@ import time
 
 import pytest
 import torch
+from delta_versions import next_version
 from test_sglang_gpu import ENGINE_ARGS, gpu_config, hf_weights, make_tiny_llama  # noqa: E402
 
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.run.engine_pool import EnginePool
-from slime_rl.core.weights.delta import bits
 from slime_rl.rollout_sglang.engine import SGLangEngine
 from slime_rl.rollout_sglang.server import start_server, wait_healthy
 from slime_rl.rollout_sglang.weights import verify
@@ -55,10 +55,7 @@ def test_delta_syncs_into_real_sglang_are_bit_exact_through_a_restart_and_a_late
     gen = torch.Generator().manual_seed(0)
     try:
         for version in range(1, 21):
-            for name, w in weights.items():
-                flat = bits(w).clone()
-                flat[torch.rand(w.numel(), generator=gen) < 0.05] += 1
-                weights[name] = flat.view(w.dtype).reshape(w.shape)
+            next_version(weights, gen)
             if version == 8:
                 servers[1].process.stop()
                 servers[1] = _server(1, tiny_llama, tmp_path)
