@@ -39,11 +39,13 @@ def weight_target(name: str, params: dict[str, torch.Tensor]) -> torch.Tensor | 
 
 
 class RouterRecorder:
-    """Forward hooks on an MoE model's routers (``mlp.gate`` of each MoE layer) that keep the experts each one
-    chose while ``recording``: transformers 5's routers return ``(logits, weights, indices)``, and the indices
-    are the family's own choice (GLM-4.5: sigmoid scores plus the correction bias, within the best groups;
-    not the top-k of the logits). (transformers' ``output_router_logits`` also computes the load-balancing
-    loss, which fails on cached decode.)"""
+    """Hooks on an MoE model's routers (``mlp.gate`` of each MoE layer) that keep the experts each one chose while
+    ``recording``: transformers 5's routers return ``(logits, weights, indices)``, and the indices are the family's
+    own choice (GLM-4.5: sigmoid scores plus the correction bias, within the best groups; not the top-k of the
+    logits). Where the MoE block chooses instead (``route_tokens_to_experts``: GLM-4.5 and DeepSeek-V3 in
+    transformers 5.12, whose routers return their logits alone, and DeepSeek-V2, which never calls its gate
+    module), that method's indices are kept. (transformers' ``output_router_logits`` also computes the
+    load-balancing loss, which fails on cached decode.)"""
 
     def __init__(self, model: PreTrainedModel):
         self.chosen: dict[int, torch.Tensor] = {}  # by layer index: [tokens, k]
@@ -55,8 +57,22 @@ class RouterRecorder:
             layer = _LAYER_INDEX.search(name)
             if layer is not None and hasattr(getattr(module, "mlp", None), "gate") and hasattr(module.mlp, "experts"):
                 self.gates[int(layer.group(1))] = module.mlp.gate
-        for layer, gate in self.gates.items():
-            gate.register_forward_hook(self._keep(layer))
+                if hasattr(module.mlp, "route_tokens_to_experts"):
+                    module.mlp.route_tokens_to_experts = self._keep_route(int(layer.group(1)),
+                                                                          module.mlp.route_tokens_to_experts)
+                else:
+                    module.mlp.gate.register_forward_hook(self._keep(int(layer.group(1))))
+
+    def _keep_route(self, layer: int, route):
+        """``route`` (a block's ``route_tokens_to_experts``) keeping the indices it returns: its integer tensor
+        (GLM and DeepSeek return ``(indices, weights)``, DBRX ``(weights, indices)``)."""
+        def routed(*args, **kwargs):
+            out = route(*args, **kwargs)
+            if self._on:
+                self.chosen[layer] = next(t for t in out if not t.is_floating_point()).detach()
+            return out
+
+        return routed
 
     @classmethod
     def for_model(cls, model: PreTrainedModel) -> RouterRecorder | None:
