@@ -166,53 +166,54 @@ def test_weight_update_group_store_listens_on_loopback_only(engine, tiny_model):
         engine.weights.pusher.drop_group(engine.targets())
 
 
-def test_attached_servers_take_their_keys_from_the_environment(tiny_model, standin_python, tmp_path, monkeypatch):
+@pytest.fixture
+def keyed_server(tiny_model, standin_python, tmp_path, monkeypatch):
+    """A stand-in server started with its own keys, healthy, and neither key in this process's environment:
+    (the server, its keys)."""
     keys = EngineKeys.generate()
     server = start_server(0, str(tiny_model), log_dir=tmp_path, python=standin_python, keys=keys)
     try:
         wait_healthy(server, 120)
         monkeypatch.delenv(ENV_API_KEY, raising=False)
         monkeypatch.delenv(ENV_ADMIN_KEY, raising=False)
-        with pytest.raises(ServerStartError, match=f"refused our key .*set {ENV_API_KEY}"):
-            SGLangEngine.attach([server.url], work_dir=tmp_path / "a", health_interval=0)
-        monkeypatch.setenv(ENV_API_KEY, keys.api_key)
-        monkeypatch.setenv(ENV_ADMIN_KEY, keys.admin_key)
-        engine = SGLangEngine.attach([server.url], work_dir=tmp_path / "b", health_interval=0)
-        try:
-            assert len(asyncio.run(engine.generate([1, 2], GREEDY)).token_ids) == 6
-            asyncio.run(engine.release_memory())
-            asyncio.run(engine.resume_memory())
-            assert engine.router.key not in (keys.api_key, keys.admin_key)  # its own router, its own key
-        finally:
-            asyncio.run(engine.shutdown())
+        yield server, keys
     finally:
         server.process.stop()
 
 
-def test_attached_servers_take_their_keys_from_the_configs_secrets(tiny_model, standin_python, tmp_path,
-                                                                    monkeypatch):
+def test_attached_servers_take_their_keys_from_the_environment(keyed_server, tmp_path, monkeypatch):
+    server, keys = keyed_server
+    with pytest.raises(ServerStartError, match=f"refused our key .*set {ENV_API_KEY}"):
+        SGLangEngine.attach([server.url], work_dir=tmp_path / "a", health_interval=0)
+    monkeypatch.setenv(ENV_API_KEY, keys.api_key)
+    monkeypatch.setenv(ENV_ADMIN_KEY, keys.admin_key)
+    engine = SGLangEngine.attach([server.url], work_dir=tmp_path / "b", health_interval=0)
+    try:
+        assert len(asyncio.run(engine.generate([1, 2], GREEDY)).token_ids) == 6
+        asyncio.run(engine.release_memory())
+        asyncio.run(engine.resume_memory())
+        assert engine.router.key not in (keys.api_key, keys.admin_key)  # its own router, its own key
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_attached_servers_take_their_keys_from_the_configs_secrets(keyed_server, tiny_model, standin_python,
+                                                                    tmp_path, monkeypatch):
     """rollout.sglang.api_key / admin_api_key: Secrets (config/secrets.py), an env:NAME reference or inline;
     the config as saved or printed holds neither key."""
-    keys = EngineKeys.generate()
-    server = start_server(0, str(tiny_model), log_dir=tmp_path, python=standin_python, keys=keys)
+    server, keys = keyed_server
+    monkeypatch.setenv("TEST_ENGINE_KEY_34", keys.api_key)
+    cfg = make_config(tiny_model, standin_python, tmp_path, engine_urls=[server.url],
+                      api_key="env:TEST_ENGINE_KEY_34", admin_api_key=keys.admin_key)
+    saved = cfg.to_yaml()
+    assert keys.api_key not in saved and keys.admin_key not in saved and "env:TEST_ENGINE_KEY_34" in saved
+    engine = SGLangEngine.from_config(Config.model_validate(cfg.to_dict(reveal_secrets=True)))
     try:
-        wait_healthy(server, 120)
-        monkeypatch.delenv(ENV_API_KEY, raising=False)
-        monkeypatch.delenv(ENV_ADMIN_KEY, raising=False)
-        monkeypatch.setenv("TEST_ENGINE_KEY_34", keys.api_key)
-        cfg = make_config(tiny_model, standin_python, tmp_path, engine_urls=[server.url],
-                          api_key="env:TEST_ENGINE_KEY_34", admin_api_key=keys.admin_key)
-        saved = cfg.to_yaml()
-        assert keys.api_key not in saved and keys.admin_key not in saved and "env:TEST_ENGINE_KEY_34" in saved
-        engine = SGLangEngine.from_config(Config.model_validate(cfg.to_dict(reveal_secrets=True)))
-        try:
-            assert len(asyncio.run(engine.generate([1, 2], GREEDY)).token_ids) == 6
-            asyncio.run(engine.release_memory())  # an admin endpoint: the admin key went through
-            asyncio.run(engine.resume_memory())
-        finally:
-            asyncio.run(engine.shutdown())
+        assert len(asyncio.run(engine.generate([1, 2], GREEDY)).token_ids) == 6
+        asyncio.run(engine.release_memory())  # an admin endpoint: the admin key went through
+        asyncio.run(engine.resume_memory())
     finally:
-        server.process.stop()
+        asyncio.run(engine.shutdown())
 
 
 @pytest.mark.parametrize("engine_args, field", [({"tokenizer_worker_num": 2}, "tokenizer_worker_num"),
