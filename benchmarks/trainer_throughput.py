@@ -547,6 +547,9 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], dict]:
               f" whole update {t['total_s'] / m['total_s']:.2f}x")
     if args.device == "cpu":
         print("(1 thread: CPU seconds of the process; 2 threads: wall seconds)")
+    else:  # both contenders are held at once: what the memory estimate (deepseek_shapes.py) left for activations
+        print(f"peak GPU memory allocated over the run: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB of"
+              f" {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}")
     what = next(iter(figures.values()))[1]
     print(f"\n| contender | {what} per train_step | micro-batches | tokens, max / mean"
           " | sum L_i^2, max / mean | padded / real tokens |")
