@@ -164,18 +164,19 @@ def test_moe_replay_gap_benchmark_names_samples_without_routed_experts():
     assert moe_replay_gap.missing_experts([fed, bare]) == ["sample 1: 0 routed-expert rows for 3 tokens"]
 
 
-def test_moe_replay_gap_benchmark_through_sglang_engine_on_the_stand_in(tmp_path, capsys):
-    """The GPU run's path on the CPU (~15 s): SGLangEngine starts the (stand-in) server with
-    --enable-return-routed-experts, each request goes straight to the engine, its base64 routed experts (a made-up
-    routing, not the trainer's) reach the trainer and move its log-probs. The stand-in's log-probs are made up, so
-    the gaps mean nothing here."""
+@pytest.mark.parametrize("shape", ["tiny-moe", "tiny-deepseek-v3"])
+def test_moe_replay_gap_benchmark_through_sglang_engine_on_the_stand_in(shape, tmp_path, capsys):
+    """The GPU run's path on the CPU (~15 s each; stages moe-replay, deepseek-replay): SGLangEngine starts the
+    (stand-in) server with --enable-return-routed-experts, each request goes straight to the engine, its base64
+    routed experts (a made-up routing, not the trainer's; every layer's row, DeepSeek's dense first layer's too)
+    reach the trainer and move its log-probs. The stand-in's log-probs are made up, so the gaps mean nothing here."""
     pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
     from slime_rl.core.testing import stdlib_text, train_tokenizer
 
     moe_replay_gap = bench("moe_replay_gap")
     train_tokenizer(stdlib_text(10), vocab_size=512).save_pretrained(tmp_path / "tokenizer")
     result = moe_replay_gap.main(["--engine", "sglang", "--engine-python", fake_sglang_python(tmp_path), "--device",
-                                  "cpu", "--shape", "tiny-moe", "--prompts", "4", "--prompt-len", "8", "--new-tokens",
+                                  "cpu", "--shape", shape, "--prompts", "4", "--prompt-len", "8", "--new-tokens",
                                   "8", "--tokenizer-path", str(tmp_path / "tokenizer"), "--work-dir", str(tmp_path)])
     assert result.tokens == 4 * 8
     assert abs(result.mean_on - result.mean_off) > 1e-4  # the stand-in's experts, not the trainer's own, were used
