@@ -21,6 +21,9 @@ What SGLang 0.5.17 does with DeepSeek's multi-head latent attention (MLA) on a s
   ``q_lora_rank`` set, ``q_a_proj`` and ``kv_a_proj_with_mqa`` load into one ``fused_qkv_a_proj_with_mqa`` only when
   both come in one call, and a half that comes alone is dropped without a word; the trainer's buckets keep each pair
   together (trainer_megatron.convert.bucketed), and so does a delta sync's full push (delta_push.full_chunks).
+  One derived copy no update refreshes: with decode context parallelism (``--dcp-size`` > 1) and
+  ``--dcp-replicate-q-proj``, model_runner.py gathers w_kc and q_b_proj into full-head copies once at start-up
+  (``_prepare_replicated_q_proj``) and a sync leaves them stale; the launch never sets either.
 - Why log-probs catch stale derived copies where a checksum would not: /weights_checker hashes the model's parameters
   and buffers (kv_b_proj among them); w_kc/w_vc are plain attributes, so a sync that left them behind passes it. With
   ``--attention-backend triton`` (it serves MLA: deepseek_common/attention_backend_handler.py), a prefill with no
