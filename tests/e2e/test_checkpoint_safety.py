@@ -182,13 +182,13 @@ def craft_metadata(save_dir: Path, marker: Path) -> Path:
     return path
 
 
-def craft_rng_item(save_dir: Path, marker: Path) -> tuple[Path, str]:
-    """The trainer's RNG state (a ShardedObject: a torch.save blob in the shard) replaced."""
+def replace_item(save_dir: Path, md, index, payload) -> Path:
+    """Item ``index`` of step 1's actor checkpoint (``md``: its storage metadata) pointed at ``payload``,
+    torch.save'd onto the end of the item's shard; the metadata rewritten and the step recommitted. The shard."""
     actor = save_dir / "step_000001" / "actor"
-    md = storage(save_dir)
-    index, info = next((k, i) for k, i in md.storage_data.items() if k.fqn.startswith("rng_state"))
+    info = md.storage_data[index]
     blob = io.BytesIO()
-    torch.save([{"cpu": Payload(marker)}], blob)
+    torch.save(payload, blob)
     shard = actor / info.relative_path
     end = shard.stat().st_size
     with shard.open("ab") as f:
@@ -196,7 +196,14 @@ def craft_rng_item(save_dir: Path, marker: Path) -> tuple[Path, str]:
     md.storage_data[index] = dataclasses.replace(info, offset=end, length=len(blob.getvalue()))
     (actor / ".metadata").write_bytes(pickle.dumps(md))
     recommit(save_dir)
-    return shard, index.fqn
+    return shard
+
+
+def craft_rng_item(save_dir: Path, marker: Path) -> tuple[Path, str]:
+    """The trainer's RNG state (a ShardedObject: a torch.save blob in the shard) replaced."""
+    md = storage(save_dir)
+    index = next(k for k in md.storage_data if k.fqn.startswith("rng_state"))
+    return replace_item(save_dir, md, index, [{"cpu": Payload(marker)}]), index.fqn
 
 
 def craft_tensor_item(save_dir: Path, marker: Path) -> Path:
@@ -204,21 +211,11 @@ def craft_tensor_item(save_dir: Path, marker: Path) -> Path:
     ran; what matters is that the refusal names the checkpoint without torch's advice to turn it off."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    actor = save_dir / "step_000001" / "actor"
     md = storage(save_dir)
-    index, info = next((k, i) for k, i in md.storage_data.items()
-                       if k.fqn.startswith("decoder.") and isinstance(md.state_dict_metadata[k.fqn],
-                                                                      TensorStorageMetadata))
-    blob = io.BytesIO()
-    torch.save(Payload(marker), blob)
-    shard = actor / info.relative_path
-    end = shard.stat().st_size
-    with shard.open("ab") as f:
-        f.write(blob.getvalue())
-    md.storage_data[index] = dataclasses.replace(info, offset=end, length=len(blob.getvalue()))
-    (actor / ".metadata").write_bytes(pickle.dumps(md))
-    recommit(save_dir)
-    return actor
+    index = next(k for k in md.storage_data
+                 if k.fqn.startswith("decoder.") and isinstance(md.state_dict_metadata[k.fqn], TensorStorageMetadata))
+    replace_item(save_dir, md, index, Payload(marker))
+    return save_dir / "step_000001" / "actor"
 
 
 def test_the_crafted_files_are_live(save_dir, tmp_path):
