@@ -281,17 +281,22 @@ def test_sync_and_memory_calls_go_on_when_asyncio_default_executor_is_full(make_
     assert engine.weight_version == 1 and out.weight_version == 1 and out.finish_reason == "length"
 
 
-def test_a_request_in_flight_during_a_sync_continues_on_the_new_weights(make_engine, tiny_model):
-    engine = make_engine(num_engines=1)
-    params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)  # ~1.6 s
+def generate_through_a_sync(engine, tiny_model, request_id: str):
+    """The answer to an 800-token greedy request (~1.6 s) with a weight sync to version 1 landing 0.4 s into it."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)
 
     async def run():
-        task = asyncio.create_task(engine.generate([2, 3], params, request_id="long"))
+        task = asyncio.create_task(engine.generate([2, 3], params, request_id=request_id))
         await asyncio.sleep(0.4)
         await engine.update_weights(new_weights(tiny_model, 3.0), version=1, last=True)
         return await asyncio.wait_for(task, 20)
 
-    out = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_request_in_flight_during_a_sync_continues_on_the_new_weights(make_engine, tiny_model):
+    engine = make_engine(num_engines=1)
+    out = generate_through_a_sync(engine, tiny_model, "long")
     # cut short by the pause, then continued: one answer, all 800 tokens, finished on version 1
     assert out.finish_reason == "length" and len(out.token_ids) == 800 and len(out.log_probs) == 800
     assert out.weight_version == 1
@@ -310,15 +315,7 @@ def test_a_request_held_in_place_through_a_sync_counts_its_tokens_as_the_older_v
     over-counted rather than under-counted)."""
     engine = make_engine(num_engines=1)
     engine.pause_mode = "in_place"
-    params = SamplingParams(temperature=0.0, max_new_tokens=800, ignore_eos=True)
-
-    async def run():
-        task = asyncio.create_task(engine.generate([2, 3], params, request_id="held"))
-        await asyncio.sleep(0.4)
-        await engine.update_weights(new_weights(tiny_model, 3.0), version=1, last=True)
-        return await asyncio.wait_for(task, 20)
-
-    out = asyncio.run(run())
+    out = generate_through_a_sync(engine, tiny_model, "held")
     assert out.finish_reason == "length" and out.weight_version == 1 and out.token_versions == [0] * 800
     assert [e["mode"] for e in events(engine.engine_urls[0], "pause_generation")] == ["in_place"]
     assert len([e for e in events(engine.engine_urls[0], "generate") if e["rid"].startswith("held#")]) == 1
