@@ -82,6 +82,26 @@ def test_core_no_longer_holds_sglangs_keys_and_their_checks_moved_here(prompts, 
     assert err.field == "rollout.sglang.server_args" and "sets --port itself" in str(err)
 
 
+@pytest.mark.parametrize("server_args, says", [
+    ("{quantization: fp8}", "quantization: SGLang quantises the checkpoint online after loading and does not"
+                            " re-quantise an update"),
+    ("{torchao_config: int4wo-128}", "torchao_config: torchao quantises the weights once after loading"),
+    ("{dcp_size: 2}", "dcp_size: with --dcp-size > 1 SGLang gathers each MLA layer's q_b_proj and w_kc"),
+    ("{dcp_size: 2, dcp_replicate_q_proj: true}", "dcp_replicate_q_proj: with --dcp-size > 1"),
+])
+def test_flags_whose_copies_a_sync_would_leave_stale_are_refused_with_the_fix(prompts, server_args, says):
+    """SGLang builds these copies of the weights once after loading; every sync would leave the engine serving the
+    first weights, so the config stops before a run starts."""
+    err = refused(prompts, f"rollout.sglang.server_args={server_args}")
+    assert err.field == "rollout.sglang.server_args" and says in str(err)
+    assert ("rollout.precision: fp8" in str(err)) == ("quantization" in server_args)
+
+
+def test_the_safe_forms_of_those_flags_pass(prompts):
+    for server_args in ("{quantization: null}", "{dcp_size: 2, dcp_replicate_q_proj: false}", "{dcp_size: 1}"):
+        load(prompts, f"rollout.sglang.server_args={server_args}")
+
+
 def test_old_key_names_still_work_with_a_notice(prompts):
     with pytest.warns(RenamedKeyWarning) as notices:
         cfg = load_config(None, [f"data.prompt_data={prompts}", "rollout.engine=sglang", "cluster.device=cpu",

@@ -26,6 +26,20 @@ OWN_FLAGS = frozenset({"model-path", "host", "port", "tp-size", "tp", "tensor-pa
                        "admin-api-key"})
 
 
+# Flags under which SGLang 0.5.17 serves copies of the weights it builds once, after loading, and no weight update
+# rebuilds: with them every sync would leave the engine on the first weights (or fail), so they are refused.
+STALE_AFTER_SYNC = {
+    "quantization": "SGLang quantises the checkpoint online after loading and does not re-quantise an update (a"
+                    " bf16 push into the FP8 parameters fails); for FP8 rollouts set rollout.precision: fp8, which"
+                    " starts the engine from an FP8 copy and quantises every sync (docs/fp8.md)",
+    "torchao-config": "torchao quantises the weights once after loading; a weight update does not re-quantise them:"
+                      " remove it",
+}
+DCP_REPLICATE_Q = ("with --dcp-size > 1 SGLang gathers each MLA layer's q_b_proj and w_kc into full-head copies once at"
+                   " start-up (--dcp-replicate-q-proj, model_runner._prepare_replicated_q_proj) and decode reads them"
+                   " after every sync: set dcp_replicate_q_proj: false")
+
+
 def flag_name(key: object) -> str:
     """A server_args key as SGLang's flag: ``chunked_prefill_size`` -> ``chunked-prefill-size``."""
     return str(key).lstrip("-").replace("_", "-")
@@ -56,7 +70,9 @@ class SGLangSettings(BackendSettings):
         "other SGLang server flags, passed through: `{mem_fraction_static: 0.7}` is `--mem-fraction-static 0.7`"
         " (`true` a bare flag, `false`/`null` none; slime's `--sglang-*`). Each wins over the flag slime-rl would"
         " set from the rest of the config; the ones slime-rl must set itself (`host`, `port`, `tp_size`, keys)"
-        " are refused"))
+        " are refused, and so are those under which SGLang serves copies of the weights no sync rebuilds"
+        " (`quantization`, `torchao_config`: use `rollout.precision`; `dcp_size` > 1 without"
+        " `dcp_replicate_q_proj: false`)"))
     chunked_prefill_size: int | None = Field(None, description=(
         "tokens per prefill chunk (`--chunked-prefill-size`): a long prompt is prefilled in chunks of this many"
         " tokens, capping the prefill's activation memory; `-1` turns chunking off; `null` leaves SGLang's own"
@@ -117,6 +133,20 @@ class SGLangSettings(BackendSettings):
         for key in server_args:
             if flag_name(key) in OWN_FLAGS:
                 raise ValueError(f"{key}: slime-rl sets --{flag_name(key)} itself; remove it from server_args")
+        return server_args
+
+    @field_validator("server_args")
+    @classmethod
+    def _no_copies_a_sync_leaves_stale(cls, server_args: dict[str, Any]) -> dict[str, Any]:
+        flags = {flag_name(k): (k, v) for k, v in server_args.items()}
+        for flag, why in STALE_AFTER_SYNC.items():
+            if flag in flags and flags[flag][1] not in (None, False):
+                raise ValueError(f"{flags[flag][0]}: {why}")
+        dcp = str(flags.get("dcp-size", (None, 1))[1])
+        replicate = flags.get("dcp-replicate-q-proj", (None, None))[1]
+        # unset, SGLang turns it on for some models (Kimi-K3's DCP overrides): only an explicit false is safe
+        if replicate or (dcp.isdigit() and int(dcp) > 1 and replicate is not False):
+            raise ValueError(f"{flags.get('dcp-replicate-q-proj', flags.get('dcp-size'))[0]}: {DCP_REPLICATE_Q}")
         return server_args
 
     @field_validator("chunked_prefill_size")
