@@ -3,27 +3,14 @@ shapes, so their code runs in CI; their real runs are on the H200 (docs/gpu-resu
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
+from script_imports import benchmark
 from standin import fake_sglang_python
-
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-
-
-def bench(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
 
 
 def test_weight_sync_benchmark_times_every_path_and_checks_the_engines_weights(tmp_path, capsys):
     pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
-    weight_sync = bench("weight_sync")
+    weight_sync = benchmark("weight_sync")
     rows = weight_sync.main(["--shape", "tiny", "--device", "cpu", "--engine-python", fake_sglang_python(tmp_path),
                              "--bucket-mb", "1", "--paths", *weight_sync.PATHS, "--syncs", "2", "--warmup", "0",
                              "--work-dir", str(tmp_path / "work")])
@@ -51,7 +38,7 @@ def test_weight_sync_benchmark_times_adapter_syncs_against_the_full_sync(tmp_pat
     (the stand-in checks every tensor's PEFT name and shape against the model) and each adapter row is
     set against the full-weight row of the same way in (IPC/by value: trainer; a folder: disk)."""
     pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
-    weight_sync = bench("weight_sync")
+    weight_sync = benchmark("weight_sync")
     rows = weight_sync.main(["--shape", "tiny", "--device", "cpu", "--engine-python", fake_sglang_python(tmp_path),
                              "--bucket-mb", "1", "--paths", "trainer", "adapter", "adapter-engine", "disk", "adapter-disk",
                              "--lora-rank", "4",
@@ -77,7 +64,7 @@ def test_weight_sync_benchmark_times_adapter_syncs_against_the_full_sync(tmp_pat
 def test_colocated_step_benchmark_tables_every_phase_of_a_step(tmp_path, capsys):
     """Through the real loop (Megatron trainer, HF engine on the CPU): each phase's time and share of the
     step, and the train phase's MFU; ~60 s, nearly all of it Ray's and Megatron's start."""
-    colocated_step = bench("colocated_step")
+    colocated_step = benchmark("colocated_step")
     result = colocated_step.main(["--device", "cpu", "--engine", "hf", "--shape", "tiny", "--prompts", "2",
                                   "--samples", "2", "--prompt-len", "8", "--response-len", "4", "--steps", "1",
                                   "--work-dir", str(tmp_path)])
@@ -90,7 +77,7 @@ def test_colocated_step_benchmark_tables_every_phase_of_a_step(tmp_path, capsys)
 
 
 def test_async_speedup_lengths_have_the_long_tail_asked_for():
-    async_speedup = bench("async_speedup")
+    async_speedup = benchmark("async_speedup")
     lengths = async_speedup.long_tail_lengths(48, 48, 1.0, 1024)
     assert lengths == async_speedup.long_tail_lengths(48, 48, 1.0, 1024)  # every mode, every run: the same work
     p50, p99 = async_speedup.percentile(lengths, 0.5), async_speedup.percentile(lengths, 0.99)
@@ -103,7 +90,7 @@ def test_async_speedup_lengths_have_the_long_tail_asked_for():
 def test_async_speedup_benchmark_runs_the_same_work_in_every_mode(tmp_path, capsys):
     """Through the real loop (Megatron trainer, HF engine on the CPU) in off, one_step and fully: each mode
     trains every group once with its own response length (ignore_eos), and the table has every figure; ~40 s."""
-    async_speedup = bench("async_speedup")
+    async_speedup = benchmark("async_speedup")
     args = ["--device", "cpu", "--engine", "hf", "--shape", "tiny", "--groups", "8", "--batch", "2", "--samples", "2",
             "--prompt-len", "8", "--median-len", "4", "--sigma", "1.5", "--max-len", "64", "--work-dir", str(tmp_path)]
     results = async_speedup.main(args)
@@ -128,7 +115,7 @@ def test_async_speedup_kill_option_on_the_stand_in_server(tmp_path, capsys):
     the run completes and its metrics count the restart; ~40 s. 400 groups: 80 once took 2.5 s in all, over before
     the kill."""
     pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
-    async_speedup = bench("async_speedup")
+    async_speedup = benchmark("async_speedup")
     (result,) = async_speedup.main([
         "--device", "cpu", "--engine", "sglang", "--engine-python", fake_sglang_python(tmp_path), "--shape", "tiny",
         "--modes", "fully", "--groups", "400", "--batch", "2", "--samples", "2", "--prompt-len", "8",
@@ -144,7 +131,7 @@ def test_moe_replay_gap_benchmark_replays_the_engines_experts(shape, tmp_path, c
     Megatron trainer; ~10 s each): every sample brings the engine's routed experts (DeepSeek's: chosen by biased
     sigmoid scores within groups, its dense first layer's row zeros), the trainer's log-probs follow the experts the
     batch carries (the shifted-experts control moves them), and in fp32 both passes match the engine's."""
-    moe_replay_gap = bench("moe_replay_gap")
+    moe_replay_gap = benchmark("moe_replay_gap")
     result = moe_replay_gap.main(["--engine", "hf", "--device", "cpu", "--shape", shape, "--prompts", "4",
                                   "--prompt-len", "8", "--new-tokens", "8", "--work-dir", str(tmp_path)])
     assert result.tokens == 4 * 8
@@ -158,7 +145,7 @@ def test_moe_replay_gap_benchmark_replays_the_engines_experts(shape, tmp_path, c
 def test_moe_replay_gap_benchmark_names_samples_without_routed_experts():
     from slime_rl.core.sample import Sample
 
-    moe_replay_gap = bench("moe_replay_gap")
+    moe_replay_gap = benchmark("moe_replay_gap")
     fed = Sample(index=0, tokens=[5, 6, 7], rollout_routed_experts=[[[0, 1]], [[2, 3]]])  # 3 tokens, 2 fed
     bare = Sample(index=1, tokens=[5, 6, 7])
     assert moe_replay_gap.missing_experts([fed, bare]) == ["sample 1: 0 routed-expert rows for 3 tokens"]
@@ -173,7 +160,7 @@ def test_moe_replay_gap_benchmark_through_sglang_engine_on_the_stand_in(shape, t
     pytest.importorskip("aiohttp", reason="the stand-in server needs slime-rl-rollout-sglang[test]")
     from slime_rl.core.testing import stdlib_text, train_tokenizer
 
-    moe_replay_gap = bench("moe_replay_gap")
+    moe_replay_gap = benchmark("moe_replay_gap")
     train_tokenizer(stdlib_text(10), vocab_size=512).save_pretrained(tmp_path / "tokenizer")
     result = moe_replay_gap.main(["--engine", "sglang", "--engine-python", fake_sglang_python(tmp_path), "--device",
                                   "cpu", "--shape", shape, "--prompts", "4", "--prompt-len", "8", "--new-tokens",

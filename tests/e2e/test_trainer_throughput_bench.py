@@ -4,19 +4,11 @@ run is the GPU stage bench-trainer-mix (docs/gpu-results.md)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+from script_imports import benchmark
 
 
 def test_the_mix_row_runs_both_contenders_and_prints_their_figures(tmp_path, capsys):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        bench = importlib.import_module("trainer_throughput")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench = benchmark("trainer_throughput")
     rows, figures = bench.main(["--device", "cpu", "--shape", "tiny", "--mix", "--samples", "8",
                                 "--mix-prompt-len", "5", "20", "--mix-response-len", "5", "120",
                                 "--mix-response-median", "30", "--max-tokens-per-gpu", "256",
@@ -37,11 +29,7 @@ def test_the_mix_row_runs_both_contenders_and_prints_their_figures(tmp_path, cap
 def test_the_deepseek_row_trains_mla_models_against_transformers_deepseek_v3(tmp_path, capsys):
     """The bench-deepseek stage's code at CPU size (~20 s): the trainer's MLA, dense first layer and grouped routing
     next to transformers' DeepseekV3ForCausalLM, with the parameters and the two contenders' memory printed first."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        bench = importlib.import_module("trainer_throughput")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench = benchmark("trainer_throughput")
     rows, figures = bench.main(["--device", "cpu", "--shape", "tiny-deepseek-v3", "--samples", "4",
                                 "--prompt-len", "12", "--response-len", "8", "--micro-batch-size", "2",
                                 "--threads", "1", "--steps", "1", "--warmup", "0", "--skip-memory",
@@ -57,11 +45,7 @@ def test_the_deepseek_row_trains_mla_models_against_transformers_deepseek_v3(tmp
 def test_the_long_sample_benchmark_trains_on_samples_as_long_as_the_models_positions(tmp_path, capsys):
     """benchmarks/long_sample_train.py (issue 36's 32k/64k rows on the GPU stage long-train) at CPU size: a model
     whose positions are exactly the longest sample passes the positions check and trains with full recompute."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        bench = importlib.import_module("long_sample_train")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    bench = benchmark("long_sample_train")
     rows = bench.main(["--device", "cpu", "--shape", "tiny", "--lengths", "96", "160", "--prompt-len", "32",
                        "--steps", "1", "--warmup", "0", "--peak-tflops", "1", "--model-dir", str(tmp_path / "model")])
     assert [r["length"] for r in rows] == [96, 160]

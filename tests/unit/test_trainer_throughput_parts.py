@@ -5,22 +5,11 @@ each sample's attention, the long-tailed lengths, the micro-batch balance and th
 
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
-
-
-def bench(name: str):
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+from script_imports import benchmark
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +40,7 @@ class GradientRecorder:
 def test_the_sorted_budget_baseline_matches_a_full_log_softmax(tiny_model):
     """Sorted into budget micro-batches, the head in chunks of 5 tokens recomputed in backward: the same
     per-token log-probs and the same gradients as one padded batch with a full log-softmax."""
-    tt, tb = bench("trainer_throughput"), bench("transformers_baseline")
+    tt, tb = benchmark("trainer_throughput"), benchmark("transformers_baseline")
     prompts, responses = tt.mix_lengths(9, (2, 12), (1, 60), median=8, sigma=1.2, seed=3)
     samples = tt.samples_of_lengths(prompts, responses, vocab=96, seed=3)
     full = tb.TransformersBaseline(tiny_model, "cpu", autocast=False, micro_batch_size=len(samples))
@@ -81,7 +70,7 @@ def test_the_sorted_budget_baseline_matches_a_full_log_softmax(tiny_model):
 
 
 def test_sorted_budget_groups_fit_the_budget_longest_first():
-    tb = bench("transformers_baseline")
+    tb = benchmark("transformers_baseline")
     lengths = [5, 30, 12, 12, 3, 50, 7]
     groups = tb.sorted_budget_groups(lengths, max_tokens=40)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
@@ -93,7 +82,7 @@ def test_sorted_budget_groups_fit_the_budget_longest_first():
 
 
 def test_flops_count_each_samples_attention():
-    tt = bench("trainer_throughput")
+    tt = benchmark("trainer_throughput")
     _, _, hidden, _, layers, heads, _, _, _ = tt.SHAPES["qwen2.5-1.5b"]
     short_and_long = tt.model_flops("qwen2.5-1.5b", [100, 8100])
     mean = tt.model_flops("qwen2.5-1.5b", [4100, 4100])
@@ -105,7 +94,7 @@ def test_flops_count_each_samples_attention():
 
 
 def test_mix_lengths_are_seeded_within_range_and_long_tailed():
-    tt = bench("trainer_throughput")
+    tt = benchmark("trainer_throughput")
     prompts, responses = tt.mix_lengths(128, (100, 500), (50, 8192), median=512, sigma=1.2, seed=0)
     assert (prompts, responses) == tt.mix_lengths(128, (100, 500), (50, 8192), median=512, sigma=1.2, seed=0)
     other_prompts, other_responses = tt.mix_lengths(128, (100, 500), (50, 8192), median=512, sigma=1.2,
@@ -120,7 +109,7 @@ def test_mix_lengths_are_seeded_within_range_and_long_tailed():
 
 
 def test_balance_and_percentiles():
-    figures = bench("step_figures")
+    figures = benchmark("step_figures")
     lengths = [10, 10, 20, 40]
     packed = figures.balance([[3], [0, 1, 2]], lengths, padded=False)
     assert packed.micro_batches == 2
@@ -133,7 +122,7 @@ def test_balance_and_percentiles():
 
 
 def test_launches_count_the_operators_of_each_call():
-    figures = bench("step_figures")
+    figures = benchmark("step_figures")
     once, what = figures.launches(lambda: torch.ones(3) + 1, "cpu")
     five, _ = figures.launches(lambda: [torch.ones(3) + 1 for _ in range(5)], "cpu")
     assert what == "CPU leaf ops" and once >= 2 and five == 5 * once
@@ -160,7 +149,7 @@ def test_deepseek_flops_count_the_weights_a_token_goes_through(shape):
     """The MLA FLOPs formula (deepseek_shapes.py) against the transformers model's own tensors, built on the meta
     device: 6 x the weights a token multiplies through, plus its attention over q/k (nope + rope) and v head dims."""
     transformers = pytest.importorskip("transformers")
-    tt, ds = bench("trainer_throughput"), bench("deepseek_shapes")
+    tt, ds = benchmark("trainer_throughput"), benchmark("deepseek_shapes")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(tt.hf_config(shape))
     _, _, _, _, layers, heads, _, _, _ = tt.SHAPES[shape]
@@ -176,7 +165,7 @@ def test_deepseek_v3_reduced_is_v3s_layer_structure_and_fits_one_80gb_gpu_twice(
     ~0.6B parameters a MoE layer; ours and transformers' weights, gradients and Adam states together leave an
     80 GB H100 (79.2 GiB as torch counts it) at least 12 GiB for activations."""
     transformers = pytest.importorskip("transformers")
-    tt, ds = bench("trainer_throughput"), bench("deepseek_shapes")
+    tt, ds = benchmark("trainer_throughput"), benchmark("deepseek_shapes")
     config = tt.hf_config("deepseek-v3-reduced")
     assert (config.num_hidden_layers, config.first_k_dense_replace) == (4, 1)
     assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
@@ -200,7 +189,7 @@ def test_deepseek_models_get_a_random_correction_bias(tmp_path):
     pytest.importorskip("transformers")
     from safetensors import safe_open
 
-    tt = bench("trainer_throughput")
+    tt = benchmark("trainer_throughput")
     folder = tt.make_model("tiny-deepseek-v3", tmp_path / "model")
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         biases = [f.get_tensor(name) for name in f.keys() if name.endswith("e_score_correction_bias")]
