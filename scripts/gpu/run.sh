@@ -67,7 +67,8 @@
 # 1e-5, indices + values: change fraction, bytes and disk seconds, full vs delta; ~8 min), bench-delta-xor (the
 # same with zlib'd XOR too, 3 steps each: zlib is slow on a 6 GB sync).
 # Issue 38 (docs/fp8.md): fp8 (FP8 syncs into real SGLang by CUDA IPC and disk: bytes and scales bit for bit, a
-# log-prob probe against a fresh engine after each path; ~5 min), fp8-moe (the Qwen3-MoE shape in FP8, routed
+# log-prob probe against a fresh engine after each path; ~5 min), fp8-block64 (the same with SmolLM2's kind of
+# partitions: 64x64 blocks through --fp8-gemm-backend triton, the path of fp8-real-model; ~5 min), fp8-moe (the Qwen3-MoE shape in FP8, routed
 # experts still returned; ~4 min), bench-fp8-gemm (the --fp8-gemm-backend choices tried on the 7B projections;
 # ~2 min), bench-fp8-rollout-bf16, -fp8, -fp8kv (7B-shape rollout tokens/s, 256 in flight, 1k + 1k tokens,
 # CUDA graphs on; one call each, ~4 min), bench-fp8-sync (the 7B sync, bf16 vs FP8 quantised at each sync;
@@ -96,8 +97,10 @@ for stage in "$@"; do
                       --lrs 1e-6 1e-5 --encodings full sparse --disk "${TMPDIR:-/tmp}/delta-sync-bench" --threads 8) ;;
     bench-delta-xor) cmd=(timeout 580 python3 benchmarks/delta_sync.py --model qwen2.5-3b --device cuda --steps 3
                           --lrs 1e-6 1e-5 --disk "${TMPDIR:-/tmp}/delta-sync-bench" --threads 8) ;;
-    fp8) cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_fp8_gpu.py
-              -k "not moe" -p no:cacheprovider) ;;
+    fp8|fp8-block64)  # one call each: each starts two servers (~90 s apiece on the H100 machine)
+      [ "$stage" = fp8 ] && k="not moe and block128" || k="not moe and block64"
+      cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_fp8_gpu.py
+           -k "$k" -p no:cacheprovider) ;;
     fp8-moe) cmd=(timeout 580 python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_fp8_gpu.py
                   -k moe -p no:cacheprovider) ;;
     # one call each fits the 10 minutes; each writes $OUT/<stage>.json, and the table of them all is made anywhere:

@@ -3,8 +3,7 @@
 
     python -m pytest packages/rollout-sglang/tests/test_sglang_fp8_gpu.py -m gpu -s      (scripts/gpu/run.sh fp8)
 
-An engine with ``rollout.precision: fp8`` starts from an FP8 copy of a tiny random model (128x128 blocks) and
-the trainer's sender (`SGLangWeightSender`, as trainer rank 0 runs it) syncs new bf16 weights by each
+An engine with ``rollout.precision: fp8`` starts from an FP8 copy of a tiny random model and the trainer's sender (`SGLangWeightSender`, as trainer rank 0 runs it) syncs new bf16 weights by each
 transport. After each sync path:
 
 - the bytes and scales the server holds equal core's quantisation of the trainer's weights bit for bit (read
@@ -14,7 +13,10 @@ transport. After each sync path:
   weights, so no copy SGLang derives after loading (transposed weights, re-laid scales; verl#7519) was left
   stale by the update; and a sync back to the first weights gives the first log-probs again.
 
-The Qwen3-MoE shape runs the same probe with the experts in FP8 and the router gate in bf16, and its routed
+Two models: a tiny Llama whose partitions take 128x128 blocks (DeepGEMM-class shapes), and one with SmolLM2-135M's
+partitions in miniature (3 query heads and 1 KV head of 64, so q/k/v are 192/64/64: 128 divides none of them),
+served with 64x64 blocks and `--fp8-gemm-backend triton`, the path issue 38's real-model run (fp8-real-model)
+takes. The Qwen3-MoE shape runs the same probe with the experts in FP8 and the router gate in bf16, and its routed
 experts still come back for routing replay.
 """
 
@@ -25,11 +27,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sglang_gpu import ENGINE_ARGS, engine_param, generate_all, gpu_config, hf_weights, make_tiny_llama
+from test_sglang_gpu import (
+    ENGINE_ARGS,
+    VOCAB,
+    engine_param,
+    generate_all,
+    gpu_config,
+    hf_weights,
+    make_tiny_llama,
+)
 
 from slime_rl.core.contracts import SamplingParams
 from slime_rl.core.weights.fp8 import quantize_block
 from slime_rl.rollout_sglang.engine import SGLangEngine
+from slime_rl.rollout_sglang.fp8 import fp8_format
 from slime_rl.rollout_sglang.weights.disk import save_hf_folder
 from slime_rl.rollout_sglang.weights.trainer_sender import SGLangWeightSender
 
@@ -88,13 +99,31 @@ def assert_same_probe(got, want, what: str) -> float:
     return gap
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+def smollm2_partitions(out: Path) -> Path:
+    """A random 2-layer Llama with SmolLM2-135M's kind of partitions: 3 query heads and 1 KV head of 64 (q/k/v
+    192/64/64), intermediate 384; the tiny Llama's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from slime_rl.core.testing import save_model, tiny_config, tiny_model
+
+    tok = AutoTokenizer.from_pretrained(make_tiny_llama(out / "tokenizer-source"))
+    config = tiny_config("llama", vocab_size=VOCAB, hidden_size=192, intermediate_size=384, num_layers=2,
+                         num_heads=3, num_kv_heads=1, head_dim=64, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return save_model(out / "model", tiny_model(config, seed=0), tok, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module", params=[128, 64], ids=["block128", "block64"])
+def tiny_llama(request, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp(f"tiny-llama-{request.param}")
+    model = make_tiny_llama(folder) if request.param == 128 else smollm2_partitions(folder)
+    assert fp8_format(model, tp_size=1).block == request.param
+    return model
 
 
 def test_fp8_syncs_are_bit_exact_and_leave_no_stale_copy(tiny_llama, tmp_path):
     cfg = fp8_config(tiny_llama, tmp_path / "run")
+    block = fp8_format(tiny_llama, tp_size=1).block
     new, original = trained(tiny_llama, 1.5), hf_weights(tiny_llama, "cuda:0")
     want_new = reference_probe(new, tiny_llama, tmp_path / "reference")
     engine = SGLangEngine.from_config(cfg)
@@ -106,11 +135,11 @@ def test_fp8_syncs_are_bit_exact_and_leave_no_stale_copy(tiny_llama, tmp_path):
             version += 1
             sync(engine, sender, new, version=version, transport=transport)  # check_weight_update passed
             for name in (O_PROJ, Q_PROJ):
-                q, scale = quantize_block(dict(new)[name], 128)
+                q, scale = quantize_block(dict(new)[name], block)
                 assert torch.equal(engine_param(engine, name), q.float().cpu()[:100]), (transport, name)
-            q, scale = quantize_block(dict(new)[O_PROJ], 128)
+            q, scale = quantize_block(dict(new)[O_PROJ], block)
             assert torch.equal(engine_param(engine, f"{O_PROJ}_scale_inv"), scale.cpu()), transport
-            assert_same_probe(probe(engine), want_new, f"v{version} by {transport}")
+            assert_same_probe(probe(engine), want_new, f"{block}x{block} blocks, v{version} by {transport}")
             version += 1
             sync(engine, sender, original, version=version, transport=transport)
             assert_same_probe(probe(engine), first, f"v{version} (the first weights again) by {transport}")
