@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from script_imports import benchmark
 from standin import fake_sglang_python
-from test_gpu_path_benchmarks import bench
 
 from slime_rl.core.config import load_config
 from slime_rl.core.run.loop import train
@@ -50,7 +50,7 @@ def loop_env(tiny_model_dir, monkeypatch):
 def server_urls(model: Path) -> dict[int, str]:
     """Process group -> URL of every stand-in server of ``model`` (from its command line)."""
     urls = {}
-    for pgid in bench("async_speedup").sglang_server_groups(model):
+    for pgid in benchmark("async_speedup").sglang_server_groups(model):
         cmd = psutil.Process(pgid).cmdline()
         urls[pgid] = f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}"
     return urls
