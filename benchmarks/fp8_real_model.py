@@ -41,7 +41,8 @@ from plot_logprob_gap import fit_trend, plot, read_run  # sibling script
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "smollm2_gpu_addition.yaml"
 DATA = ROOT / ".gpu" / "smol-data"
-TASK = "addition256"
+TASK = "addition256"  # the data files' prefix
+EVAL = "addition"  # the eval set's name: the config's own, so the override replaces its 64 prompts with these 256
 EVAL_STEPS = (20, 30)
 MIN_EVAL_PROMPTS = 256  # issue 38: each run evaluated on >= 256 held-out prompts
 MEM_FRACTION = 0.4
@@ -56,7 +57,7 @@ MASKED_KEYS = ("train/rollout_corr_masked_frac", "train/rollout_corr_masked_seq_
 def overrides(variant: str, run_dir: Path, data: Path = DATA) -> list[str]:
     """The `slime-cli train` overrides of ``variant`` on top of examples/smollm2_gpu_addition.yaml."""
     return [f"logging.dir={run_dir}", f"data.prompt_data={data / f'{TASK}_train.jsonl'}",
-            f"eval.prompt_data={{{TASK}: {data / f'{TASK}_eval.jsonl'}}}",
+            f"eval.prompt_data.{EVAL}={data / f'{TASK}_eval.jsonl'}",
             f"rollout.sglang.server_args.mem_fraction_static={MEM_FRACTION}", *VARIANTS[variant]]
 
 
@@ -137,8 +138,8 @@ def read_variant(metrics: Path, variant: str) -> VariantResult:
         values = [float(r[key]) for r in rows if key in r]
         if values:
             masked[key] = sum(values) / len(values)
-    prompts = [int(r[f"eval/{TASK}/prompts"]) for r in rows if f"eval/{TASK}/prompts" in r]
-    return VariantResult(variant, run.evals.get(TASK, []), run.gaps, fit_trend(run.steps, run.gaps).slope, masked,
+    prompts = [int(r[f"eval/{EVAL}/prompts"]) for r in rows if f"eval/{EVAL}/prompts" in r]
+    return VariantResult(variant, run.evals.get(EVAL, []), run.gaps, fit_trend(run.steps, run.gaps).slope, masked,
                          min(prompts, default=0))
 
 
