@@ -209,8 +209,10 @@ for stage in "$@"; do
     roles-sglang) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_roles_gpu.py
                   -p no:cacheprovider) ;;
     ppo-real-model) cmd=(bash scripts/gpu/multi_model.sh "$logs" ppo) ;;
-    # the model made ready first (real_model.sh with no task); FP8_REAL_MODEL_DEADLINE_S: when the runs are stopped
-    fp8-real-model) cmd=(bash -c 'bash scripts/gpu/real_model.sh "$0" && python3 benchmarks/fp8_real_model.py run \
+    # the model made ready first (real_model.sh with no task) in the cache the runs' builtin: path resolves in;
+    # FP8_REAL_MODEL_DEADLINE_S: when the runs are stopped
+    fp8-real-model) cmd=(bash -c 'export SLIME_RL_CACHE=${SLIME_RL_CACHE:-/tmp/slime-rl-cache}
+                         bash scripts/gpu/real_model.sh "$0" && python3 benchmarks/fp8_real_model.py run \
                          --logs "$0" --deadline "${FP8_REAL_MODEL_DEADLINE_S:-480}"' "$logs") ;;
     opd-teacher) cmd=(bash scripts/gpu/multi_model.sh "$logs" teacher) ;;
     opd-student) cmd=(bash scripts/gpu/multi_model.sh "$logs" student) ;;
