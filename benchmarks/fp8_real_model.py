@@ -15,7 +15,9 @@ own Ray and picks its own free ports; spaced out, two never race for one), each 
 (``budget = free now - free before loading x (1 - fraction)``, kv_pool_runtime.py) and caps it at the config's
 ``max_total_tokens`` (65,536 tokens, ~1.5 GB for this model), so a fraction this large leaves room for the other
 runs' allocations while it starts. Each run is interrupted (SIGINT: slime-cli shuts down cleanly) at the
-``--deadline``. Then `compare` runs on what they wrote.
+``--deadline``. The runs write into ``--work`` (their folders hold SGLang's FP8 copies and restore copies, hundreds
+of MB); what is kept is copied to LOGDIR/fp8-real-model (`keep`): each run's metrics.jsonl and one archive of the
+runs' console logs, since a device call returns at most 8 files from $OUT. Then `compare` runs on that folder.
 
 `compare` prints, per variant, held-out pass@1 at every eval, the mean over the step-20 and step-30 evals and its
 difference from the bf16 run's (issue 38: within 0.1), the train/rollout log-prob gap per step (mean, and its
@@ -29,9 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +75,7 @@ def run_all(logs: Path, *, data: Path, stagger_s: float, deadline_s: float, pyth
         print(f"error: {', '.join(map(str, missing))} missing: `python scripts/gpu/make_smollm2_data.py` writes "
               "them (scripts/gpu/pack_smollm2.sh runs it) and the call carries .gpu/smol-data", file=sys.stderr)
         return 2
+    shutil.rmtree(logs, ignore_errors=True)  # a run folder of an earlier call on this machine would be resumed
     began = time.monotonic()
     procs: dict[str, subprocess.Popen] = {}
     for k, variant in enumerate(VARIANTS):
@@ -92,6 +97,25 @@ def run_all(logs: Path, *, data: Path, stagger_s: float, deadline_s: float, pyth
             print("\n".join(f"[fp8-real-model]   {line}" for line in tail))
     print(f"[fp8-real-model] all done in {time.monotonic() - began:.0f} s", flush=True)
     return 1 if any(codes.values()) else 0
+
+
+def keep(work: Path, out: Path) -> list[Path]:
+    """Each run's metrics.jsonl (as ``out/<variant>/metrics.jsonl``, what `compare` reads) and one archive of the
+    runs' console logs (``out/logs.tgz``): what a device call brings back of the runs."""
+    kept = []
+    for variant in VARIANTS:
+        metrics = work / variant / "metrics.jsonl"
+        if metrics.is_file():
+            (out / variant).mkdir(parents=True, exist_ok=True)
+            kept.append(Path(shutil.copy2(metrics, out / variant / "metrics.jsonl")))
+    logs = sorted(work.glob("*.log"))
+    if logs:
+        out.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(out / "logs.tgz", "w:gz") as archive:
+            for log in logs:
+                archive.add(log, arcname=log.name)
+        kept.append(out / "logs.tgz")
+    return kept
 
 
 def wait(proc: subprocess.Popen, deadline: float, grace_s: float = 30.0) -> int:
@@ -148,7 +172,8 @@ def compare(folder: Path, *, tolerance: float, png: Path | None) -> int:
     for variant in VARIANTS:
         metrics = folder / variant / "metrics.jsonl"
         if not metrics.is_file():
-            problems.append(f"{variant}: {metrics} is missing (the run's output: {folder / f'{variant}.log'})")
+            problems.append(f"{variant}: {metrics} is missing (its console log: {variant}.log in"
+                            f" {folder / 'logs.tgz'})")
             continue
         try:
             results[variant] = read_variant(metrics, variant)
@@ -200,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="the three runs side by side, then compare")
-    run.add_argument("--logs", type=Path, required=True, help="runs go to LOGS/fp8-real-model/<variant>")
+    run.add_argument("--logs", type=Path, required=True, help="what is kept goes to LOGS/fp8-real-model")
+    run.add_argument("--work", type=Path, default=Path("/tmp/fp8-real-model"), help="the runs' own folders")
     run.add_argument("--data", type=Path, default=DATA)
     run.add_argument("--stagger", type=float, default=20.0, help="seconds between the runs' starts")
     run.add_argument("--deadline", type=float, default=540.0, help="seconds from the first start to interrupt")
@@ -218,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "compare":
         return compare(args.folder, tolerance=args.tolerance, png=args.png)
-    folder = args.logs / "fp8-real-model"
-    code = run_all(folder, data=args.data, stagger_s=args.stagger, deadline_s=args.deadline)
+    code = run_all(args.work, data=args.data, stagger_s=args.stagger, deadline_s=args.deadline)
     if code == 2:
         return code
+    folder = args.logs / "fp8-real-model"
+    keep(args.work, folder)
     return max(code, compare(folder, tolerance=args.tolerance, png=args.png))
 
 

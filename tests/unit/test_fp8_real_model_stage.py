@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import stat
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,13 @@ def test_run_starts_every_variant_and_interrupts_what_outlives_the_deadline(smol
     assert sorted((logs / "started").read_text().split()) == sorted(fp8_real_model.VARIANTS)
     assert "[fp8-real-model] fp8-tis: exit 130" in out  # interrupted, and said so
     assert "[fp8-real-model] bf16: exit 0" in out and (logs / "bf16" / "metrics.jsonl").is_file()
+    # what a device call brings back (at most 8 files): the metrics compare reads and one archive of the logs
+    kept = fp8_real_model.keep(logs, tmp_path / "out")
+    assert sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file()) == \
+        sorted(str(p.relative_to(tmp_path / "out")) for p in kept) == ["bf16/metrics.jsonl", "fp8-seq-mis/metrics.jsonl",
+                                                                      "logs.tgz"]
+    with tarfile.open(tmp_path / "out" / "logs.tgz") as archive:
+        assert sorted(archive.getnames()) == sorted(f"{v}.log" for v in fp8_real_model.VARIANTS)
 
 
 def test_run_refuses_to_start_without_the_data(tmp_path, capsys):
@@ -144,5 +152,5 @@ def test_compare_names_a_run_that_wrote_nothing(tmp_path, capsys):
     write_run(tmp_path, "fp8-tis", BF16)
     assert fp8_real_model.compare(tmp_path, tolerance=0.1, png=None) == 1
     missing = tmp_path / "fp8-seq-mis" / "metrics.jsonl"
-    assert f"FAIL fp8-seq-mis: {missing} is missing (the run's output: {tmp_path / 'fp8-seq-mis.log'})" in \
-        capsys.readouterr().out
+    assert f"FAIL fp8-seq-mis: {missing} is missing (its console log: fp8-seq-mis.log in {tmp_path / 'logs.tgz'})" \
+        in capsys.readouterr().out
