@@ -16,7 +16,12 @@ export SLIME_RL_CACHE=${SLIME_RL_CACHE:-/tmp/slime-rl-cache}
 case $what in
   ppo)  # the critic starts from the policy; its value loss and the held-out pass@1 are in the run's metrics.jsonl
     REAL_MODEL_OVERRIDES="algorithm.advantage_estimator=ppo algorithm.normalize_advantages=true algorithm.lambd=0.95
-      trainer.critic_lr=1e-4" bash scripts/gpu/real_model.sh "$logs/ppo" addition ;;
+      trainer.critic_lr=1e-4" bash scripts/gpu/real_model.sh "$logs/ppo" addition
+    rc=$?
+    # printed: the run's folder is deeper in $OUT than a device call brings back
+    python3 -c "import json, sys; v = [r['critic/value_loss'] for r in map(json.loads, open(sys.argv[1])) if 'critic/value_loss' in r]; print('[ppo] critic value loss per step:', ' '.join(f'{x:.4f}' for x in v))" \
+      "$logs/ppo/real-model/addition/metrics.jsonl" || rc=1
+    exit $rc ;;
   teacher)
     REAL_MODEL_OVERRIDES="checkpoint.save_hf=true checkpoint.save_dir=$teacher/checkpoints" \
       bash scripts/gpu/real_model.sh "$logs/opd-teacher" addition
