@@ -17,7 +17,7 @@ import httpx
 
 from slime_rl.core.config.positions import ModelPositions
 from slime_rl.core.infra.leftovers import KEYS_PREFIX, private_folder
-from slime_rl.core.infra.net import free_port
+from slime_rl.core.infra.net import port_to_bind_later
 from slime_rl.rollout_sglang.keys import EngineKeys, bearer
 from slime_rl.rollout_sglang.process import ChildProcess, start_process
 from slime_rl.rollout_sglang.settings import OWN_FLAGS, flag_name
@@ -138,7 +138,9 @@ def start_server(index: int, model_path: str, *, log_dir: str | Path, python: st
         check_engine_args_with_keys(engine_args)
         key_file, cmd_args = write_key_config(keys, engine_args)
         cmd_args["config"] = str(key_file)
-    port = free_port(host)
+    # bound seconds (SGLang: a minute or more) later by the server: not a port-0 pick, which the next server's
+    # pick or any outgoing connection could be handed meanwhile (two stand-ins of one engine got the same in CI)
+    port = port_to_bind_later(host)
     cmd = server_command(python, model_path, host=host, port=port, tp_size=tp_size, engine_args=cmd_args)
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("PYTHONUNBUFFERED", "1")

@@ -50,20 +50,27 @@ def ephemeral_port_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+_HANDED_OUT: set[tuple[str, int]] = set()  # ports this process chose for a later bind: never chosen twice
+
+
 def port_to_bind_later(host: str = LOOPBACK) -> int:
     """A port free on ``host`` now, for a server that binds it seconds later in another process (the
-    trainer ranks' rendezvous store). Picked below the ephemeral range, so no bind to port 0 and no
-    outgoing connection meanwhile (an engine's server, Ray's workers) can take it: one from `free_port`
-    was taken so in a CI run ("Address already in use" at the store). Falls back to `free_port` where
-    that range leaves no room below it."""
+    trainer ranks' rendezvous store, the SGLang servers). Picked below the ephemeral range, so no bind to
+    port 0 and no outgoing connection meanwhile (an engine's server, Ray's workers) can take it: one from
+    `free_port` was taken so in a CI run ("Address already in use" at the store), and two servers started
+    together got the same one from it (neither had bound it yet). Never the same port twice in one process.
+    Falls back to `free_port` where that range leaves no room below it."""
     low, _ = ephemeral_port_range()
     first = max(10000, low - 12000)
     for _ in range(64):
         port = random.randrange(first, low) if first < low else 0
         if port == 0:
             break
+        if (host, port) in _HANDED_OUT:
+            continue
         try:
             with listening_socket(host, port):
+                _HANDED_OUT.add((host, port))
                 return port
         except OSError:  # in use: another try
             continue
