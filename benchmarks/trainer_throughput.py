@@ -492,7 +492,9 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], dict]:
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print each contender's top N ops")
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--probe", choices=["megatron", "naive"], default=None, help=argparse.SUPPRESS)
-    args, _ = p.parse_known_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # still tolerated, but said: a misspelt flag would otherwise pass unnoticed on the GPU machine
+        print(f"warning: trainer_throughput.py ignores arguments no option takes: {unknown}", file=sys.stderr)
     args.argv = sys.argv[1:] if argv is None else argv  # the memory probes' processes get the same options
     if args.device == "cuda" and args.peak_tflops is None:
         args.peak_tflops = 989.0
