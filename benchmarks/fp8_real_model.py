@@ -75,13 +75,14 @@ def run_all(logs: Path, *, data: Path, stagger_s: float, deadline_s: float, pyth
         print(f"error: {', '.join(map(str, missing))} missing: `python scripts/gpu/make_smollm2_data.py` writes "
               "them (scripts/gpu/pack_smollm2.sh runs it) and the call carries .gpu/smol-data", file=sys.stderr)
         return 2
-    shutil.rmtree(logs, ignore_errors=True)  # a run folder of an earlier call on this machine would be resumed
     began = time.monotonic()
     procs: dict[str, subprocess.Popen] = {}
     for k, variant in enumerate(VARIANTS):
         if k:
             time.sleep(stagger_s)
         run_dir = logs / variant
+        # what an earlier call on this machine left of this run (it would be resumed); nothing else in ``logs``
+        shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         with open(logs / f"{variant}.log", "wb") as log:
             # its own session: the interrupt at the deadline reaches slime-cli, not this process
