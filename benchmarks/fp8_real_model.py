@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plot_logprob_gap import fit_trend, plot, read_run  # sibling script
+from plot_logprob_gap import RunGap, fit_trend, plot, read_run  # sibling script
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "smollm2_gpu_addition.yaml"
@@ -137,12 +137,22 @@ def wait(proc: subprocess.Popen, deadline: float, grace_s: float = 30.0) -> int:
 
 @dataclass
 class VariantResult:
-    variant: str
-    evals: list[tuple[int, float]]  # (step, held-out pass@1)
-    gaps: list[float]
-    gap_slope: float
+    run: RunGap  # the gap per step and the evals (plot_logprob_gap.read_run)
     masked: dict[str, float] = field(default_factory=dict)  # mean over steps of each MASKED_KEYS present
     eval_prompts: int = 0  # held-out prompts each eval scored
+
+    @property
+    def evals(self) -> list[tuple[int, float]]:
+        """(step, held-out pass@1) of the eval set."""
+        return self.run.evals.get(EVAL, [])
+
+    @property
+    def gaps(self) -> list[float]:
+        return self.run.gaps
+
+    @property
+    def gap_slope(self) -> float:
+        return fit_trend(self.run.steps, self.run.gaps).slope
 
     def eval_at(self, step: int) -> float | None:
         values = [v for s, v in self.evals if s == step]
@@ -164,8 +174,7 @@ def read_variant(metrics: Path, variant: str) -> VariantResult:
         if values:
             masked[key] = sum(values) / len(values)
     prompts = [int(r[f"eval/{EVAL}/prompts"]) for r in rows if f"eval/{EVAL}/prompts" in r]
-    return VariantResult(variant, run.evals.get(EVAL, []), run.gaps, fit_trend(run.steps, run.gaps).slope, masked,
-                         min(prompts, default=0))
+    return VariantResult(run, masked, min(prompts, default=0))
 
 
 def compare(folder: Path, *, tolerance: float, png: Path | None) -> int:
@@ -215,7 +224,7 @@ def compare(folder: Path, *, tolerance: float, png: Path | None) -> int:
             if verdict == "FAIL":
                 problems.append(f"{variant}: {diff:+.3f} from bf16, beyond +-{tolerance}")
     if png and results:
-        plot([read_run(folder / v / "metrics.jsonl", v) for v in results], png)
+        plot([r.run for r in results.values()], png)
         print(f"wrote {png}")
     for problem in problems:
         print(f"[fp8-real-model] FAIL {problem}")
