@@ -19,7 +19,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = REPO / "tests" / "support"
 AGENT = REPO / "examples" / "react_agent"
-STEPS = int(os.environ.get("GATEWAY_E2E_STEPS", "20"))
+STEPS = int(os.environ.get("GATEWAY_E2E_STEPS", "24"))
 EPISODES = 4 * 16  # rollout_batch_size * n_samples_per_prompt
 
 
