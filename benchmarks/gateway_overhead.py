@@ -12,13 +12,19 @@ and response, timed on the server; HTTP parsing left out), its mean, and its mea
 (``time.thread_time``: the wall-clock figure less the time the thread waited for a core or the GIL); that own work
 summed over all calls as a share of the rollout's wall time, by the clock and by CPU time (one event loop serves
 the gateway: the share of it the gateway took); and the prefix-cache
-hit rate the engine reports (SGLang's ``cached_tokens``; the transformers engine reports none).
+hit rate the engine reports (SGLang's ``cached_tokens``; the transformers engine reports none); and the collector's
+pauses over the run (``gc.callbacks``: how many, their total as a share of the wall).
+
+``--gc both`` (the default) runs the episodes twice in one process: first with Python's collector as it comes
+(threshold 700, nothing frozen), then with the gateway's tuning (``rollout.gateway.gc_freeze`` and
+``gc_threshold``, docs/config.md): the collector's pauses land inside the gateway's calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -36,16 +42,43 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run(engine, tokenizer, args: argparse.Namespace) -> dict[str, float]:
+class GCPauses:
+    """The collector's pauses while it is entered: how many, and their total seconds."""
+
+    def __init__(self):
+        self.count, self.total_s, self._start = 0, 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count, self.total_s = self.count + 1, self.total_s + time.perf_counter() - self._start
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
+async def run(engine, tokenizer, args: argparse.Namespace, settings=None) -> dict[str, float]:
+    from slime_rl.core.gateway import Gateway
+
+    gateway = Gateway(engine, tokenizer, settings)
+    await gateway.start()  # the collector's tuning happens here, once: its one full collection is not counted
+    with GCPauses() as pauses:
+        figures = await _episodes(gateway, args)
+    return {**figures, "gc_pauses": pauses.count, "gc_share": pauses.total_s / figures["wall_s"]}
+
+
+async def _episodes(gateway, args: argparse.Namespace) -> dict[str, float]:
     import openai.resources.chat.completions as chat
     from react_agent import run as react_run
 
     from slime_rl.core.contracts import SamplingParams
-    from slime_rl.core.gateway import Gateway
     from slime_rl.core.sample import Sample
 
-    gateway = Gateway(engine, tokenizer)
-    await gateway.start()
     seen: list[tuple[str, float]] = []  # (response id, the agent's wall time for the call)
     create = chat.AsyncCompletions.create
 
@@ -98,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-response-len", type=int, default=4096, help="per episode: large, so every call samples")
     p.add_argument("--python", default=sys.executable, help="interpreter that has SGLang")
-    p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument("--gc", choices=["both", "python", "tuned"], default="both",
+                   help="the collector as Python sets it, the gateway's tuning (its default), or both in turn")
+    p.add_argument("--json", type=Path, help="also write the figures here: the tuned run's (or the only one's), "
+                                             "with the other under 'python_gc'")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO / "examples" / "react_agent"))
     import os
@@ -123,25 +159,37 @@ def main(argv: list[str] | None = None) -> None:
         server = start_server(0, str(model_dir), log_dir=work, python=args.python, engine_args=GPU_ENGINE_ARGS)
         wait_healthy(server, 1200)
         engine = SGLangEngine.attach([server.url], work_dir=work / "engine", policy="manual", health_interval=0)
+    from slime_rl.core.gateway import GatewaySettings
+
+    modes = {"python": GatewaySettings(gc_freeze=False, gc_threshold=None), "tuned": GatewaySettings()}
+    runs: dict[str, dict] = {}
     try:
-        figures = asyncio.run(run(engine, tokenizer, args))
+        for mode in (["python", "tuned"] if args.gc == "both" else [args.gc]):
+            runs[mode] = asyncio.run(run(engine, tokenizer, args, modes[mode]))
     finally:
         asyncio.run(engine.shutdown())
         if server is not None:
             server.process.stop()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
-    print(f"\n{args.engine} engine, {figures['episodes']} ReAct episodes ({figures['calls']} calls), "
+    first = next(iter(runs.values()))
+    print(f"\n{args.engine} engine, {first['episodes']} ReAct episodes ({first['calls']} calls) a run, "
           f"{args.concurrency} at once; {cpu}")
-    print("| engine | added per call, median | p99 | of it in the gateway, median | mean | mean CPU | "
-          "engine per call, median | gateway share of wall | its CPU share | prefix-cache hit rate |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    hit = figures["prefix_cache_hit_rate"]
-    print(f"| {args.engine} | {figures['added_median_ms']:.1f} ms | {figures['added_p99_ms']:.1f} ms | "
-          f"{figures['own_median_ms']:.2f} ms | {figures['own_mean_ms']:.2f} ms | {figures['own_cpu_mean_ms']:.2f} ms | "
-          f"{figures['engine_median_ms']:.1f} ms | {100 * figures['gateway_share']:.1f}% | "
-          f"{100 * figures['gateway_cpu_share']:.1f}% | {'not reported' if hit is None else f'{hit:.3f}'} |")
+    print("| engine | collector | added per call, median | p99 | of it in the gateway, median | mean | mean CPU | "
+          "engine per call, median | gateway share of wall | its CPU share | GC pauses | their share of wall | "
+          "prefix-cache hit rate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode, f in runs.items():
+        hit = f["prefix_cache_hit_rate"]
+        print(f"| {args.engine} | {'Python default' if mode == 'python' else 'gateway tuning'} | "
+              f"{f['added_median_ms']:.1f} ms | {f['added_p99_ms']:.1f} ms | {f['own_median_ms']:.2f} ms | "
+              f"{f['own_mean_ms']:.2f} ms | {f['own_cpu_mean_ms']:.2f} ms | {f['engine_median_ms']:.1f} ms | "
+              f"{100 * f['gateway_share']:.1f}% | {100 * f['gateway_cpu_share']:.1f}% | {f['gc_pauses']} | "
+              f"{100 * f['gc_share']:.1f}% | {'not reported' if hit is None else f'{hit:.3f}'} |")
     if args.json:
+        figures = dict(runs.get("tuned") or runs["python"])
+        if "tuned" in runs and "python" in runs:
+            figures["python_gc"] = runs["python"]
         args.json.write_text(json.dumps(figures, indent=1))
 
 

@@ -43,7 +43,8 @@ def test_a_gateway_overhead_against_sglang(tmp_path):
     print("[gateway] figures:", figures)
     assert figures["prefix_cache_hit_rate"] is not None and figures["prefix_cache_hit_rate"] > 0
     print(f"[gateway] own time as a share of the rollout's wall: {100 * figures['gateway_share']:.1f}% (by CPU time "
-          f"{100 * figures['gateway_cpu_share']:.1f}%); the acceptance's share of the step's wall is test (b)'s")
+          f"{100 * figures['gateway_cpu_share']:.1f}%; with Python's collector as it comes "
+          f"{100 * figures['python_gc']['gateway_share']:.1f}%); the acceptance's share of the step's wall is test (b)'s")
 
 
 def test_b_react_agent_trains_through_sglang(tmp_path):

@@ -386,3 +386,35 @@ def test_a_call_past_the_budget_ends_the_trajectory_before_it(tok):
     from slime_rl.core.gateway import episode_samples
     (trajectory,) = episode_samples(Sample(prompt=[USER]), episode, "trajectory")
     assert trajectory.tokens == engine.calls[0]["input_ids"] + engine.calls[0]["token_ids"]
+
+
+def test_gc_settings_come_from_the_config_and_tune_this_process(tok, monkeypatch):
+    import gc
+
+    from slime_rl.core.config import load_config
+    from slime_rl.core.config.errors import ConfigError
+    from slime_rl.core.gateway.server import tune_gc
+
+    overrides = ["rollout.generate_fn=gateway", "rollout.gateway.agent=json:dumps"]
+    def settings(*more: str) -> GatewaySettings:
+        return GatewayGenerate.from_config(load_config(None, overrides + list(more), check=False), tok).settings
+
+    assert (settings().gc_freeze, settings().gc_threshold) == (True, (20_000, 10, 10))
+    tuned = settings("rollout.gateway.gc_threshold=[12345,7]")
+    assert (tuned.gc_freeze, tuned.gc_threshold) == (True, (12345, 7))
+    off = settings("rollout.gateway.gc_threshold=null", "rollout.gateway.gc_freeze=false")
+    assert (off.gc_freeze, off.gc_threshold) == (False, None)
+    with pytest.raises(ConfigError, match="rollout.gateway.gc_threshold"):  # 0 would turn the collector off
+        settings("rollout.gateway.gc_threshold=[0]")
+
+    threshold, frozen = gc.get_threshold(), gc.get_freeze_count()
+    try:
+        tune_gc(tuned)
+        assert gc.get_threshold()[:2] == (12345, 7) and gc.get_freeze_count() > frozen
+        gc.unfreeze()
+        tune_gc(off)  # leaves the collector as it is
+        assert gc.get_threshold()[:2] == (12345, 7) and gc.get_freeze_count() == 0
+    finally:
+        gc.set_threshold(*threshold)
+        if frozen:
+            gc.freeze()

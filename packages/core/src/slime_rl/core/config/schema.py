@@ -174,6 +174,9 @@ class GatewayConfig(_Section):
     model: str = "policy"  # the model name the gateway answers to (GET /v1/models lists it)
     tool_parser: Literal["hermes", "llama3"] = "hermes"  # the model family's tool-call format, into OpenAI tool_calls
     api_key: Secret | None = None  # the run's gateway key (each episode's key derives from it); unset: a fresh one
+    gc_freeze: bool = True  # the rollout process's heap at the gateway's start is left out of the collector's scans
+    gc_threshold: list[Annotated[int, Field(ge=1)]] | None = Field(  # gc.set_threshold there; null: Python's own
+        default_factory=lambda: [20_000, 10, 10], min_length=1, max_length=3)
 
 
 class RolloutConfig(_BackendSection):

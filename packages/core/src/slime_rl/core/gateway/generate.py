@@ -57,7 +57,8 @@ class GatewayGenerate:
         g = cfg.rollout.gateway
         agent = load_function(g.agent, {}, what="rollout.gateway.agent") if g.agent else None
         return cls(tokenizer, agent=agent, command=g.command, samples=g.samples, agent_timeout=g.agent_timeout,
-                   settings=GatewaySettings(model=g.model, tool_parser=g.tool_parser),
+                   settings=GatewaySettings(model=g.model, tool_parser=g.tool_parser, gc_freeze=g.gc_freeze,
+                                            gc_threshold=tuple(g.gc_threshold) if g.gc_threshold else None),
                    run_key=g.api_key.reveal() if g.api_key is not None else None)
 
     def gateway_for(self, engine: RolloutEngine) -> Gateway:
