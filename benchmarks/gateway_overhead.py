@@ -15,6 +15,10 @@ the gateway: the share of it the gateway took); and the prefix-cache
 hit rate the engine reports (SGLang's ``cached_tokens``; the transformers engine reports none); and the collector's
 pauses over the run (``gc.callbacks``: how many, their total as a share of the wall).
 
+``--profile`` also prints where the gateway's own work goes: cProfile switched on only inside its synchronous
+parts (the prompt's ids, the reply's text, the request's parsing) in the last run, the top functions by their own
+time, and what one ``time.thread_time()`` costs on this host (the bench reads it four times a call).
+
 ``--gc both`` (the default) runs the episodes twice in one process: first with Python's collector as it comes
 (threshold 700, nothing frozen), then with the gateway's tuning (``rollout.gateway.gc_freeze`` and
 ``gc_threshold``, docs/config.md): the collector's pauses land inside the gateway's calls.
@@ -60,6 +64,48 @@ class GCPauses:
 
     def __exit__(self, *exc) -> None:
         gc.callbacks.remove(self)
+
+
+class GatewayProfile:
+    """cProfile on only while the gateway's synchronous parts run (``Gateway._text``, ``parse_messages``,
+    ``ChatPrompts.chat_prompt``): a profile of the whole loop would fold in the agent and the engine client."""
+
+    def __init__(self):
+        import cProfile
+
+        from slime_rl.core.gateway import recording, server
+
+        self.profile, self._undo = cProfile.Profile(), []
+        for owner, name in ((server.Gateway, "_text"), (server, "parse_messages"),
+                            (recording.ChatPrompts, "chat_prompt")):
+            self._wrap(owner, name)
+
+    def _wrap(self, owner, name: str) -> None:
+        original = getattr(owner, name)
+
+        def profiled(*a, **k):
+            self.profile.enable()
+            try:
+                return original(*a, **k)
+            finally:
+                self.profile.disable()
+
+        setattr(owner, name, profiled)
+        self._undo.append((owner, name, original))
+
+    def report(self, top: int = 20) -> None:
+        import io
+        import pstats
+
+        for owner, name, original in self._undo:
+            setattr(owner, name, original)
+        text = io.StringIO()
+        pstats.Stats(self.profile, stream=text).sort_stats("tottime").print_stats(top)
+        print(text.getvalue()[text.getvalue().index("ncalls") - 3:])
+        start, n = time.perf_counter(), 20_000
+        for _ in range(n):
+            time.thread_time()
+        print(f"one time.thread_time(): {1e9 * (time.perf_counter() - start) / n:.0f} ns")
 
 
 async def run(engine, tokenizer, args: argparse.Namespace, settings=None) -> dict[str, float]:
@@ -131,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-response-len", type=int, default=4096, help="per episode: large, so every call samples")
     p.add_argument("--python", default=sys.executable, help="interpreter that has SGLang")
+    p.add_argument("--profile", action="store_true", help="also print the top functions of the gateway's own work")
     p.add_argument("--gc", choices=["both", "python", "tuned"], default="both",
                    help="the collector as Python sets it, the gateway's tuning (its default), or both in turn")
     p.add_argument("--json", type=Path, help="also write the figures here: the tuned run's (or the only one's), "
@@ -163,8 +210,11 @@ def main(argv: list[str] | None = None) -> None:
 
     modes = {"python": GatewaySettings(gc_freeze=False, gc_threshold=None), "tuned": GatewaySettings()}
     runs: dict[str, dict] = {}
+    profile = None
     try:
-        for mode in (["python", "tuned"] if args.gc == "both" else [args.gc]):
+        for mode in (order := ["python", "tuned"] if args.gc == "both" else [args.gc]):
+            if args.profile and mode == order[-1]:
+                profile = GatewayProfile()
             runs[mode] = asyncio.run(run(engine, tokenizer, args, modes[mode]))
     finally:
         asyncio.run(engine.shutdown())
@@ -186,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{f['own_mean_ms']:.2f} ms | {f['own_cpu_mean_ms']:.2f} ms | {f['engine_median_ms']:.1f} ms | "
               f"{100 * f['gateway_share']:.1f}% | {100 * f['gateway_cpu_share']:.1f}% | {f['gc_pauses']} | "
               f"{100 * f['gc_share']:.1f}% | {'not reported' if hit is None else f'{hit:.3f}'} |")
+    if profile is not None:
+        print(f"\nThe gateway's synchronous work in the {order[-1]} run, by own time (cProfile only inside it):")
+        profile.report()
     if args.json:
         figures = dict(runs.get("tuned") or runs["python"])
         if "tuned" in runs and "python" in runs:

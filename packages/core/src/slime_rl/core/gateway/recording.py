@@ -26,7 +26,6 @@ from slime_rl.core.agent.template import (
     encode_plain,
     plain_content_ids,
     render,
-    special_ids,
 )
 from slime_rl.core.gateway.messages import GatewayError, Message, same_turn
 
@@ -94,7 +93,7 @@ class ChatPrompts:
         self.tokenizer = tokenizer
         self.template = TurnTemplate.from_tokenizer(tokenizer)
         self.shapes = ShapeCache()  # first prompts' marked renderings, by shape and tools
-        self._special_texts = [t for t in (tokenizer.convert_ids_to_tokens(sorted(special_ids(tokenizer))) or [])
+        self._special_texts = [t for t in (tokenizer.convert_ids_to_tokens(sorted(self.template.specials)) or [])
                                if t]
 
     def check_plain(self, text: str, param: str) -> None:
@@ -125,7 +124,7 @@ class ChatPrompts:
         as_template = [m.for_template(episode.call_names) for m in messages]
         ids = plain_content_ids(self.tokenizer, lambda ms: render(self.tokenizer, ms, add_generation_prompt=True,
                                                                   tools=tools), as_template,
-                                shapes=self.shapes, shape_key=tools_key)
+                                shapes=self.shapes, shape_key=tools_key, specials=self.template.specials)
         return ids, None, kind
 
     @staticmethod
@@ -154,12 +153,12 @@ class ChatPrompts:
             if hit and (best is None or len(call.end_ids) >= len(best.end_ids)):
                 best = call
         if best is None:
-            ids = list(prompt) if isinstance(prompt, list) else encode_plain(self.tokenizer, prompt)
+            ids = list(prompt) if isinstance(prompt, list) else encode_plain(self.tokenizer, prompt, specials=self.template.specials)
             return ids, None, "first"
         if isinstance(prompt, list):
             rest = prompt[len(best.end_ids):]
         else:
             tail = prompt[len(best.prompt_text) + len(best.reply_text):]
-            rest = encode_plain(self.tokenizer, tail) if tail else []
+            rest = encode_plain(self.tokenizer, tail, specials=self.template.specials) if tail else []
         kind = "branched" if episode.children(best.index) else "matched"
         return best.end_ids + rest, best.index, kind
