@@ -418,3 +418,22 @@ def test_gc_settings_come_from_the_config_and_tune_this_process(tok, monkeypatch
         gc.set_threshold(*threshold)
         if frozen:
             gc.freeze()
+
+
+def test_calls_never_count_the_vocabulary(tok, monkeypatch):
+    """tokenizers 0.22 (SGLang 0.5.17's) counts a vocabulary by building it whole: a gateway call must not ask."""
+    async def main():
+        gateway, _ = await _started(tok, [CALL, "The answer is 5."])
+        counted = []
+        size = type(tok).__len__
+        monkeypatch.setattr(type(tok), "__len__", lambda self: counted.append(1) or size(self))
+        episode = gateway.open_episode(PARAMS)
+        api = client(gateway, episode)
+        first = await api.chat.completions.create(model="policy", messages=[USER], tools=TOOLS)
+        message = first.choices[0].message
+        history = [USER, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}]
+        await api.chat.completions.create(model="policy", messages=history, tools=TOOLS)
+        await gateway.stop()
+        return counted
+
+    assert asyncio.run(main()) == []
