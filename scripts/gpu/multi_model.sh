@@ -18,7 +18,7 @@ case $what in
     REAL_MODEL_OVERRIDES="algorithm.advantage_estimator=ppo algorithm.normalize_advantages=true algorithm.lambd=0.95
       trainer.critic_lr=1e-4" bash scripts/gpu/real_model.sh "$logs/ppo" addition
     rc=$?
-    # printed: the run's folder is deeper in $OUT than a device call brings back
+    # printed too (real_model.sh copies the metrics to $logs/ppo/real-model-addition-metrics.jsonl)
     python3 -c "import json, sys; v = [r['critic/value_loss'] for r in map(json.loads, open(sys.argv[1])) if 'critic/value_loss' in r]; print('[ppo] critic value loss per step:', ' '.join(f'{x:.4f}' for x in v))" \
       "$logs/ppo/real-model/addition/metrics.jsonl" || rc=1
     exit $rc ;;
@@ -39,6 +39,7 @@ case $what in
     timeout -s INT -k 30 "${OPD_TIMEOUT_S:-540}" python3 -m slime_rl.cli.app train examples/smollm2_gpu_addition.yaml \
       "logging.dir=$run" algorithm.advantage_estimator=opd "roles=$role" ${OPD_OVERRIDES:-}
     rc=$?
+    cp "$run/metrics.jsonl" "$logs/opd-student-metrics.jsonl" 2>/dev/null  # the run's folder is too deep to come back
     teacher_eval=$(python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print([v for x in r for k,v in x.items() if k.endswith('pass@1')][-1])" \
       "$teacher/teacher_metrics.jsonl" 2>/dev/null || echo "")
     python3 benchmarks/opd_curve.py "$run/metrics.jsonl" ${teacher_eval:+--teacher-eval "$teacher_eval"} || rc=1
