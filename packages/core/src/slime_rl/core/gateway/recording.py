@@ -130,14 +130,15 @@ class ChatPrompts:
     @staticmethod
     def _matching_call(episode: Episode, messages: list[Message], tools_key: str) -> RecordedCall | None:
         """The recorded call whose request and reply begin ``messages`` (the longest such; the latest on a tie)."""
-        best = None
-        for call in episode.calls:
+        # longest first, latest first on a tie: an agent extending its last call matches at the first comparison
+        # (comparing against every call was quadratic in an episode's turns)
+        candidates = [call for call in episode.calls if call.kind == "chat" and call.reply is not None
+                      and call.tools_key == tools_key and len(messages) > len(call.messages)]
+        for call in sorted(candidates, key=lambda c: (len(c.messages), c.index), reverse=True):
             n = len(call.messages)
-            if (call.kind == "chat" and call.reply is not None and call.tools_key == tools_key and len(messages) > n
-                    and tuple(messages[:n]) == call.messages and same_turn(messages[n], call.reply)
-                    and (best is None or n >= len(best.messages))):
-                best = call
-        return best
+            if tuple(messages[:n]) == call.messages and same_turn(messages[n], call.reply):
+                return call
+        return None
 
     def completion_prompt(self, episode: Episode, prompt: str | list[int]) -> tuple[list[int], int | None, str]:
         """(prompt ids, parent call, history kind) for a completions request: token ids as given, or text
