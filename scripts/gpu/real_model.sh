@@ -8,7 +8,8 @@
 # `builtin:smollm2-135m-instruct` resolves to), then trains each TASK through `slime-cli train` with
 # examples/smollm2_gpu_TASK.yaml: SGLang and Megatron colocated on one GPU, held-out pass@1 before, every 10 steps
 # and after, the train/rollout log-prob gap at every step. Each run's logs and metrics.jsonl go to
-# LOGDIR/real-model/TASK, the metrics copied to LOGDIR/real-model-TASK-metrics.jsonl; last, benchmarks/plot_logprob_gap.py prints every step's gap, its trend and the evals.
+# LOGDIR/real-model/TASK, the metrics copied to LOGDIR/real-model-TASK-metrics.jsonl; last,
+# benchmarks/plot_logprob_gap.py prints every step's gap, its trend and the evals.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: real_model.sh LOGDIR [TASK...] (TASK: addition, chain_sum)" >&2; exit 2; }
 logs=$1; shift
@@ -43,7 +44,10 @@ for task in "$@"; do
   echo "[real-model] $task: exit $rc after $(( $(date +%s) - start )) s (slime-cli train, startup included)"
   [ $rc = 0 ] || status=1
   # a copy one level up: a device call brings back only files at most two folders below $OUT
-  [ -f "$run/metrics.jsonl" ] && runs+=("$run/metrics.jsonl") && cp "$run/metrics.jsonl" "$logs/real-model-$task-metrics.jsonl"
+  if [ -f "$run/metrics.jsonl" ]; then
+    runs+=("$run/metrics.jsonl")
+    cp "$run/metrics.jsonl" "$logs/real-model-$task-metrics.jsonl"
+  fi
 done
 [ ${#runs[@]} = 0 ] || python3 benchmarks/plot_logprob_gap.py --no-plot "${runs[@]}" || status=1
 echo "[real-model] total $(( $(date +%s) - began )) s"

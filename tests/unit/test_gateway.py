@@ -388,7 +388,7 @@ def test_a_call_past_the_budget_ends_the_trajectory_before_it(tok):
     assert trajectory.tokens == engine.calls[0]["input_ids"] + engine.calls[0]["token_ids"]
 
 
-def test_gc_settings_come_from_the_config_and_tune_this_process(tok, monkeypatch):
+def test_gc_settings_come_from_the_config_and_tune_this_process(tok):
     import gc
 
     from slime_rl.core.config import load_config
@@ -396,10 +396,12 @@ def test_gc_settings_come_from_the_config_and_tune_this_process(tok, monkeypatch
     from slime_rl.core.gateway.server import tune_gc
 
     overrides = ["rollout.generate_fn=gateway", "rollout.gateway.agent=json:dumps"]
+
     def settings(*more: str) -> GatewaySettings:
         return GatewayGenerate.from_config(load_config(None, overrides + list(more), check=False), tok).settings
 
-    assert (settings().gc_freeze, settings().gc_threshold) == (True, (20_000, 10, 10))
+    default = settings()
+    assert (default.gc_freeze, default.gc_threshold) == (True, (20_000, 10, 10))
     tuned = settings("rollout.gateway.gc_threshold=[12345,7]")
     assert (tuned.gc_freeze, tuned.gc_threshold) == (True, (12345, 7))
     off = settings("rollout.gateway.gc_threshold=null", "rollout.gateway.gc_freeze=false")

@@ -179,7 +179,8 @@ class MultiTurnGenerate:
         sample.multimodal_inputs = sample.multimodal_train_inputs = None  # the data prompt's images went with it
         sample.tokens = plain_content_ids(
             self.tokenizer, lambda ms: render(self.tokenizer, ms, add_generation_prompt=True,
-                                              **self.template.template_kwargs), messages, specials=self.template.specials)
+                                              **self.template.template_kwargs),
+            messages, specials=self.template.specials)
 
     @staticmethod
     def _end(sample: Sample, stats: EpisodeStats, end: str, status: SampleStatus) -> Sample:

@@ -109,8 +109,9 @@ class TurnTemplate:
     shapes: ShapeCache = field(default_factory=lambda: ShapeCache())  # observation renderings by message shape
     # the tokenizer's special ids, listed once: tokenizers 0.22 (SGLang 0.5.17's) counts the vocabulary with its
     # added tokens by building it whole, 56 us for a vocabulary of 1,024, more for a real one; `special_ids` asks
-    # that to see the vocabulary grow, and the gateway took ~0.1 ms of its 0.2 ms a call there
-    specials: frozenset[int] = frozenset()
+    # that to see the vocabulary grow, and the gateway took ~0.1 ms of its 0.2 ms a call there. None: asked
+    # per call (`special_ids`), never taken for "no special ids"
+    specials: frozenset[int] | None = None
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, **template_kwargs: Any) -> TurnTemplate:

@@ -153,13 +153,14 @@ class ChatPrompts:
                 hit = bool(call.prompt_text) and prompt.startswith(call.prompt_text + call.reply_text)
             if hit and (best is None or len(call.end_ids) >= len(best.end_ids)):
                 best = call
+        specials = self.template.specials
         if best is None:
-            ids = list(prompt) if isinstance(prompt, list) else encode_plain(self.tokenizer, prompt, specials=self.template.specials)
+            ids = list(prompt) if isinstance(prompt, list) else encode_plain(self.tokenizer, prompt, specials=specials)
             return ids, None, "first"
         if isinstance(prompt, list):
             rest = prompt[len(best.end_ids):]
         else:
             tail = prompt[len(best.prompt_text) + len(best.reply_text):]
-            rest = encode_plain(self.tokenizer, tail, specials=self.template.specials) if tail else []
+            rest = encode_plain(self.tokenizer, tail, specials=specials) if tail else []
         kind = "branched" if episode.children(best.index) else "matched"
         return best.end_ids + rest, best.index, kind
