@@ -41,9 +41,9 @@
 # derived w_kc/w_vc and fused q/kv down-projection checked by log-probs before and after each sync; ~6 min),
 # mla-varlen (issue 37: DeepSeek-V3's MLA tests and DeepSeek-V2's on megatron-core 0.19.2 and
 # transformers 5.12.1, the GPU one on the flash varlen kernel with V padded to the q/k head dim).
-# vlm (issue 41: Qwen2.5-VL and Qwen3-VL in the Megatron trainer: the CPU tests on megatron-core 0.19.2 and transformers 5.12.1,
-# TP=2/PP=2 over gloo included, then bf16 and fp32 log-probs of samples with images against transformers on CUDA,
-# packed (flash varlen, compiled mRoPE) and padded; ~2 min), bench-vlm (issue 41: one GRPO update of 32 samples x 2
+# vlm (issue 41: Qwen2.5-VL and Qwen3-VL in the Megatron trainer: bf16 and fp32 log-probs of samples with images
+# against transformers on CUDA, packed (flash varlen, compiled mRoPE) and padded; ~2 min), vlm-cpu019 (the CPU tests
+# of both families on megatron-core 0.19.2 and transformers 5.12.1, TP=2/PP=2 over gloo included; up to ~9 min), bench-vlm (issue 41: one GRPO update of 32 samples x 2
 # images of 448 x 448 on the Qwen2.5-VL-3B shape with 12 LM layers, trainer vs transformers' Qwen2.5-VL: tokens/s,
 # peak memory, the log-prob gap; ~3 min), vlm-sglang (issue 41: a tiny Qwen2.5-VL served by real SGLang with
 # --mm-attention-backend sdpa: its prompt token count per request equals ours for 1 and 2 images of several sizes,
@@ -127,10 +127,14 @@ for stage in "$@"; do
                             -p no:cacheprovider) ;;
     mla-varlen) cmd=(python3 -m pytest -x -q -s -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_mla.py
                      packages/trainer-megatron/tests/test_megatron_deepseek_v2.py) ;;
-    # the CUDA parity first, and no -x: a CPU test that trips on the bundle's transformers 5.12.1 stops nothing
-    vlm) cmd=(python3 -m pytest -q -s -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_vlm_gpu.py
-              packages/trainer-megatron/tests/test_megatron_vlm.py
-              packages/trainer-megatron/tests/test_megatron_qwen3_vl.py) ;;
+    # The CUDA parity alone, then the CPU tests on the bundle's megatron-core and transformers in a call of their
+    # own with the GPU hidden, as on the CPU machine (2026-12-05: the two together ran past a 450 s call with one
+    # failure unread). SIGINT at the limit: pytest still prints the failures it has.
+    vlm) cmd=(timeout --signal=INT 400 python3 -m pytest -q -s -rf -p no:cacheprovider
+              packages/trainer-megatron/tests/test_megatron_vlm_gpu.py) ;;
+    vlm-cpu019) cmd=(env CUDA_VISIBLE_DEVICES= timeout --signal=INT 560 python3 -m pytest -q -rf --durations=15
+                     -p no:cacheprovider packages/trainer-megatron/tests/test_megatron_vlm.py
+                     packages/trainer-megatron/tests/test_megatron_qwen3_vl.py) ;;
     bench-vlm) cmd=(timeout 500 python3 benchmarks/vlm_trainer_throughput.py --device cuda --shape qwen2.5-vl-3b-reduced
                     --samples 32 --images 2 --grid 32 32 --response-len 256 --max-tokens-per-gpu 8192
                     --baseline-micro-batch-size 4) ;;

@@ -41,8 +41,15 @@ def commands(tmp_path_factory) -> dict[str, str]:
 def argv_of(command: str) -> list[str] | None:
     """The command's words, or None for a `bash -c` script (checked by the paths it names)."""
     words = None if command.startswith("bash -c") else shlex.split(command)
-    if words and words[0] == "timeout":
-        words = words[2:]
+    if words and words[0] == "env":  # env NAME=value ... command
+        words = words[1:]
+        while words and "=" in words[0]:
+            words = words[1:]
+    if words and words[0] == "timeout":  # timeout [--signal=...] DURATION command
+        words = words[1:]
+        while words and words[0].startswith("-"):
+            words = words[1:]
+        words = words[1:]
     return words
 
 
