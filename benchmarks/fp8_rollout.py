@@ -9,7 +9,9 @@
 - ``gemm``: every choice of SGLang's ``--fp8-gemm-backend`` (server_args.FP8_GEMM_RUNNER_BACKEND_CHOICES) runs
   SGLang's block-FP8 linear (``dispatch_w8a8_block_fp8_linear``) on the Qwen2.5-7B projections at a decode batch
   (256 rows) and a prefill chunk (8192 rows), with weights quantised by core's fp8.py: usable or the error, its
-  error against the bf16 product of the dequantised weight, and microseconds per call;
+  error against the bf16 product of the dequantised weight, and microseconds per call against bf16's, each timed
+  as a CUDA graph replay (as SGLang decodes; ``graph_us``, or ``graph_error`` where capture fails) and eagerly,
+  for reference (``us``: the host's launch overhead included, a flat ~155 us a call at 256 rows on an H100);
 - ``rollout``: the Qwen2.5-7B shape (random weights: SGLang's ``--load-format dummy``), one server per variant
   (``bf16``; ``fp8``: block-FP8 weights from a quantization_config; ``fp8-kv``: FP8 weights and
   ``--kv-cache-dtype fp8_e4m3``) with the same flags, CUDA graphs on, ``--requests`` requests of
@@ -78,24 +80,44 @@ def gemm(args) -> list[dict]:
             for m in (256, 8192):
                 x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
                 row = {"mode": "gemm", "backend": choice, "layer": name, "m": m, "n": n, "k": k}
+                bf16 = functools.partial(torch.matmul, x, dequant.t())
                 try:
                     linear = fp8_utils.dispatch_w8a8_block_fp8_linear()
                     call = functools.partial(linear, input=x, weight=q, block_size=[128, 128], weight_scale=scale)
                     out, want = call(), x @ dequant.t()
                     row["rel_err"] = float((out.float() - want.float()).norm() / want.float().norm())
                     row["us"] = 1e6 * timed_cuda(call)
-                    row["bf16_us"] = 1e6 * timed_cuda(functools.partial(torch.matmul, x, dequant.t()))
+                    row["bf16_us"] = 1e6 * timed_cuda(bf16)
                     row["runner"] = getattr(linear, "__name__", str(linear))
                 except Exception as err:  # a backend this GPU or bundle cannot run: recorded as such
-                    row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+                    row["error"] = error_text(err)
+                else:  # as SGLang decodes: one CUDA graph replay, without the host's launch overhead
+                    for key, fn, what in (("graph_us", call, ""), ("bf16_graph_us", bf16, "bf16: ")):
+                        try:
+                            row[key] = 1e6 * timed_cuda_graph(fn)
+                        except Exception as err:  # capture refused (a sync or host work inside): eager kept
+                            row.setdefault("graph_error", what + error_text(err))
                 rows.append(row)
-                shown = row.get("error") or (f"{row['runner']}: rel err {row['rel_err']:.2e}, {row['us']:.0f} us"
-                                            f" (bf16 {row['bf16_us']:.0f} us)")
-                print(f"{choice:>20} {name:>12} m={m:<5} {shown}", flush=True)
+                print(f"{choice:>20} {name:>12} m={m:<5} {gemm_line(row)}", flush=True)
     return rows
 
 
+def error_text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+
+
+def gemm_line(row: dict) -> str:
+    """One gemm row as the bench prints it: eager and CUDA-graph microseconds, FP8 vs bf16."""
+    if "error" in row:
+        return row["error"]
+    graphed = (f"graphed {row['graph_us']:.0f} us (bf16 {row['bf16_graph_us']:.0f} us)"
+               if "graph_us" in row and "bf16_graph_us" in row else f"graphed: {row.get('graph_error', '-')}")
+    return (f"{row['runner']}: rel err {row['rel_err']:.2e},"
+            f" eager {row['us']:.0f} us (bf16 {row['bf16_us']:.0f} us), {graphed}")
+
+
 def timed_cuda(fn, repeats: int = 20) -> float:
+    """Seconds per eager call: the host's launch overhead included (Python, the Triton launcher)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -104,6 +126,32 @@ def timed_cuda(fn, repeats: int = 20) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats
+
+
+def timed_cuda_graph(fn, repeats: int = 20) -> float:
+    """Seconds per replay of one call of ``fn`` captured into a CUDA graph, as SGLang runs its decode batches
+    (warm-up on a side stream, then capture: PyTorch's CUDA-graph recipe). Raises where capture fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()  # the output lives in the graph's pool; held while it replays
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / repeats
+    del out, graph
+    return seconds
 
 
 # ---------------------------------------------------------------------- rollout
@@ -261,14 +309,29 @@ def table(rows: list[dict]) -> None:
             print(f"FP8 / bf16 = {ratio:.2f} (target <= 1.5); FP8 {syncs['fp8']['median_s']:.3f} s (target <= 0.75)")
     gemms = [r for r in rows if r["mode"] == "gemm"]
     if gemms:
-        print("\n| --fp8-gemm-backend | usable | runner | decode us (qkv, o, gate_up, down) vs bf16 |\n|---|---|---|---|")
+        print("\nus per call, FP8/bf16, for qkv, o, gate_up, down; graphed: one CUDA graph replay, as SGLang"
+              " decodes; eager: the host's launches included")
+        print("\n| --fp8-gemm-backend | usable | runner | decode (256 rows) eager | decode graphed |"
+              " prefill (8192 rows) eager | prefill graphed |\n|---|---|---|---|---|---|---|")
         for backend in dict.fromkeys(r["backend"] for r in gemms):
-            mine = [r for r in gemms if r["backend"] == backend and r["m"] == 256]
+            mine = [r for r in gemms if r["backend"] == backend]
             errors = [r["error"] for r in mine if "error" in r]
             usable = "no: " + errors[0] if errors else "yes"
             runner = next((r["runner"] for r in mine if "runner" in r), "-")
-            times = ", ".join(f"{r['us']:.0f}/{r['bf16_us']:.0f}" for r in mine if "us" in r)
-            print(f"| {backend} | {usable} | {runner} | {times} |")
+            cells = [gemm_times([r for r in mine if r["m"] == m], graphed) for m in (256, 8192)
+                     for graphed in (False, True)]
+            print(f"| {backend} | {usable} | {runner} | {' | '.join(cells)} |")
+
+
+def gemm_times(rows: list[dict], graphed: bool) -> str:
+    """A table cell: FP8/bf16 microseconds per layer ('-' where a row has none: an error, or JSON from before
+    the graphed timing); a capture error instead when no layer was graphed."""
+    fp8, bf16 = ("graph_us", "bf16_graph_us") if graphed else ("us", "bf16_us")
+    times = [f"{r[fp8]:.0f}/{r[bf16]:.0f}" if fp8 in r and bf16 in r else "-" for r in rows]
+    if not any(t != "-" for t in times):
+        errors = [r["graph_error"] for r in rows if graphed and "graph_error" in r]
+        return "no: " + errors[0] if errors else "-"
+    return ", ".join(times)
 
 
 def main(argv: list[str] | None = None) -> None:
