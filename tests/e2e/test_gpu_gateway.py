@@ -7,7 +7,8 @@ gateway in front of SGLang.
 (b) the same agent trained through `slime-cli train` (engine sglang, trainer megatron, colocated): the CPU e2e's
     task and warm-started tiny model; per step, the gateway's own time (metadata.gateway_overhead_s of the step's
     samples) as a share of the step's wall time (issue 40's acceptance: <= 5%; its share of the rollout's wall
-    time printed beside it), the prefix-cache hit rate SGLang reports, and the reward.
+    time printed beside it), the same by CPU time and the collector's pauses inside it (own_time.py: a step that
+    jumps says which), the run's total share, the prefix-cache hit rate SGLang reports, and the reward.
 """
 
 from __future__ import annotations
@@ -81,12 +82,16 @@ def test_b_react_agent_trains_through_sglang(tmp_path):
     print(done.stdout[-3000:], done.stderr[-3000:])
     assert done.returncode == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    shares, rollout_shares, hits = [], [], []
+    shares, rollout_shares, cpu_shares, gc_shares, hits = [], [], [], [], []
+    own_total = wall_total = 0.0
     for step, row in enumerate(rows, 1):
         samples = [json.loads(line) for line in
                    (tmp_path / "run" / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
         own = sum(s["metadata"].get("gateway_overhead_s", 0.0) for s in samples)
+        own_total, wall_total = own_total + own, wall_total + row["time/step"]
         shares.append(own / row["time/step"])
+        cpu_shares.append(sum(s["metadata"].get("gateway_overhead_cpu_s", 0.0) for s in samples) / row["time/step"])
+        gc_shares.append(sum(s["metadata"].get("gateway_overhead_gc_s", 0.0) for s in samples) / row["time/step"])
         rollout_shares.append(own / row["rollout/time"])
         hits.append(row.get("rollout/prefix_cache_hit_rate"))
     rewards = [r["rollout/reward_mean"] for r in rows]
@@ -94,8 +99,11 @@ def test_b_react_agent_trains_through_sglang(tmp_path):
     print("[gateway-train] prefix-cache hit rate per step:", " ".join(f"{h:.3f}" for h in hits if h is not None))
     print("[gateway-train] gateway share of the step's wall per step:", " ".join(f"{100 * s:.2f}%" for s in shares))
     print("[gateway-train] of the rollout's wall:", " ".join(f"{100 * s:.2f}%" for s in rollout_shares))
+    print("[gateway-train] by CPU time, of the step's wall:", " ".join(f"{100 * s:.2f}%" for s in cpu_shares))
+    print("[gateway-train] the collector's pauses inside it:", " ".join(f"{100 * s:.2f}%" for s in gc_shares))
     print("[gateway-train] step time split:", {k: round(v, 3) for k, v in rows[-1].items() if k.startswith("time/")})
     assert len(rows) == steps and all(h is not None and h > 0 for h in hits)
     # a figure for the record (docs/gpu-results.md), not an assertion: tests never assert wall-clock times
     print(f"[gateway-train] issue 40's bound, the gateway's own time <= 5% of the step's wall: "
-          f"{'PASS' if max(shares) <= 0.05 else 'FAIL'} (largest {100 * max(shares):.2f}%)")
+          f"{'PASS' if max(shares) <= 0.05 else 'FAIL'} (largest step {100 * max(shares):.2f}%; over the run "
+          f"{100 * own_total / wall_total:.2f}% of {wall_total:.1f} s)")

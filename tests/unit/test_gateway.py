@@ -439,3 +439,42 @@ def test_calls_never_count_the_vocabulary(tok, monkeypatch):
         return counted
 
     assert asyncio.run(main()) == []
+
+
+def test_own_time_tells_the_collector_apart_from_the_work(tok, monkeypatch):
+    """A step whose gateway share jumps must say why: a collection inside the gateway's own work is in the call's
+    own_gc_s and the episode's metadata; one while the engine runs is not."""
+    import gc
+
+    from slime_rl.core.gateway import server
+    from slime_rl.core.gateway.samples import episode_metadata
+
+    parse = server.parse_messages
+    monkeypatch.setattr(server, "parse_messages", lambda body: gc.collect() and None or parse(body))
+
+    async def main():
+        gateway, engine = await _started(tok, ["Five.", "Six."])
+        generate = engine.generate
+
+        async def collecting(*a, **k):  # the engine's time: a collection here is not the gateway's
+            gc.collect()
+            return await generate(*a, **k)
+
+        engine.generate = collecting
+        episode = gateway.open_episode(PARAMS)
+        api = client(gateway, episode)
+        await api.chat.completions.create(model="policy", messages=[USER])
+        await gateway.stop()
+        return episode
+
+    from slime_rl.core.gateway.own_time import GC_PAUSES
+
+    count, paused = GC_PAUSES.count, GC_PAUSES.total_s
+    episode = asyncio.run(main())
+    (call,) = episode.calls
+    assert GC_PAUSES.count - count >= 2  # the two forced collections, at least
+    assert 0 < call.own_gc_s <= call.own_s  # the one inside the gateway's work is counted
+    assert call.own_gc_s < GC_PAUSES.total_s - paused  # the engine's is not
+    metadata = episode_metadata(episode)
+    assert metadata["gateway_overhead_gc_s"] == call.own_gc_s
+    assert metadata["gateway_overhead_cpu_s"] == call.own_cpu_s > 0

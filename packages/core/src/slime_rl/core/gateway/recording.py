@@ -53,6 +53,7 @@ class RecordedCall:
     # the same work's CPU time on the gateway's thread: own_s less the time the thread waited for a core or the
     # GIL (other processes and threads running; a loaded host stretches own_s, not this)
     own_cpu_s: float = 0.0
+    own_gc_s: float = 0.0  # the collector's pauses that fell inside own_s (in this process, whatever triggered them)
     # what a later request is matched against
     messages: tuple[Message, ...] = ()
     tools_key: str = ""

@@ -29,8 +29,11 @@ def episode_metadata(episode: Episode) -> dict[str, Any]:
             "tool_errors": 0, "gateway_calls": len(episode.calls),
             **{f"gateway_history_{kind}": n for kind, n in counts.items()},
             "gateway_sampling_overridden": episode.sampling_overridden,
-            # the gateway's own work over the episode's calls (its event loop's time, engine and waits left out)
-            "gateway_overhead_s": sum(c.own_s for c in episode.calls)}
+            # the gateway's own work over the episode's calls (its event loop's time, engine and waits left out),
+            # its CPU time, and the collector's pauses inside it (own_time.py)
+            "gateway_overhead_s": sum(c.own_s for c in episode.calls),
+            "gateway_overhead_cpu_s": sum(c.own_cpu_s for c in episode.calls),
+            "gateway_overhead_gc_s": sum(c.own_gc_s for c in episode.calls)}
 
 
 def sampled_calls(episode: Episode) -> list[RecordedCall]:

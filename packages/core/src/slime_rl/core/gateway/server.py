@@ -26,6 +26,7 @@ from typing import Any
 from slime_rl.core.agent.tool_calls import split_tool_calls
 from slime_rl.core.contracts import RolloutEngine, SamplingParams
 from slime_rl.core.gateway.messages import GatewayError, parse_messages, parse_tools, reply_message
+from slime_rl.core.gateway.own_time import GC_PAUSES, OwnTime
 from slime_rl.core.gateway.recording import ChatPrompts, Episode, RecordedCall
 from slime_rl.core.infra.keyed_server import KeyedLoopbackServer, derived_key, error_body, new_key
 
@@ -86,6 +87,7 @@ class Gateway:
                 self.server._runner = self.server._socket = None
             await self.server.start()
             self._loop = loop
+            GC_PAUSES.install()
             if (tuning := (self.settings.gc_freeze, self.settings.gc_threshold)) not in _GC_APPLIED:
                 _GC_APPLIED.add(tuning)
                 tune_gc(self.settings)
@@ -217,7 +219,7 @@ class Gateway:
         return text
 
     async def _chat_call(self, episode: Episode, body: dict[str, Any]) -> tuple[RecordedCall, dict[str, Any]]:
-        started, cpu = time.perf_counter(), time.thread_time()  # the gateway's own work: before and after the engine
+        own = OwnTime()  # the gateway's own work: before and after the engine
         params = self._check_common(episode, body)
         messages = parse_messages(body)
         tools = parse_tools(body)
@@ -225,9 +227,9 @@ class Gateway:
         call = RecordedCall(len(episode.calls), "chat", prompt, parent=parent, history=history,
                             messages=tuple(messages), tools_key=json.dumps(tools, sort_keys=True) if tools else "")
         params = replace(params, max_new_tokens=self._budget(episode, params, prompt, parent))
-        before, before_cpu = time.perf_counter() - started, time.thread_time() - cpu
+        own.stop()
         await self._generate(episode, call, params)
-        started, cpu = time.perf_counter(), time.thread_time()
+        own.start()
         text = self._text(call, params.stop[len(episode.params.stop):])
         content, calls = split_tool_calls(text, self.settings.tool_parser) if tools else (text, [])
         readable = [c for c in calls if c.error is None]
@@ -244,14 +246,14 @@ class Gateway:
         if tool_calls:
             message["tool_calls"] = tool_calls
         finish = "tool_calls" if tool_calls else _FINISH[call.finish_reason]
-        call.own_s, call.own_cpu_s = before + time.perf_counter() - started, before_cpu + time.thread_time() - cpu
+        call.own_s, call.own_cpu_s, call.own_gc_s = own.stop().totals()
         return call, {"id": f"chatcmpl-{episode.id}-{call.index}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.settings.model, "choices": [{"index": 0, "message": message, "finish_reason": finish,
                                                            "logprobs": None}],
                 "usage": _usage(call)}
 
     async def _completion_call(self, episode: Episode, body: dict[str, Any]) -> tuple[RecordedCall, dict[str, Any]]:
-        started, cpu = time.perf_counter(), time.thread_time()
+        own = OwnTime()
         params = self._check_common(episode, body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -263,11 +265,11 @@ class Gateway:
         call = RecordedCall(len(episode.calls), "completion", ids, parent=parent, history=history,
                             prompt_text=prompt if isinstance(prompt, str) else "")
         params = replace(params, max_new_tokens=self._budget(episode, params, ids, parent))
-        before, before_cpu = time.perf_counter() - started, time.thread_time() - cpu
+        own.stop()
         await self._generate(episode, call, params)
-        started, cpu = time.perf_counter(), time.thread_time()
+        own.start()
         call.reply_text = self._text(call, params.stop[len(episode.params.stop):]) if call.token_ids else ""
-        call.own_s, call.own_cpu_s = before + time.perf_counter() - started, before_cpu + time.thread_time() - cpu
+        call.own_s, call.own_cpu_s, call.own_gc_s = own.stop().totals()
         return call, {"id": f"cmpl-{episode.id}-{call.index}", "object": "text_completion", "created": int(time.time()),
                 "model": self.settings.model, "choices": [{"index": 0, "text": call.reply_text, "logprobs": None,
                                                            "finish_reason": _FINISH[call.finish_reason]}],
