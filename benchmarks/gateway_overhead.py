@@ -16,7 +16,7 @@ hit rate the engine reports (SGLang's ``cached_tokens``; the transformers engine
 pauses over the run (``gc.callbacks``: how many, their total as a share of the wall).
 
 ``--profile`` also prints where the gateway's own work goes: cProfile switched on only inside its synchronous
-parts (the prompt's ids, the reply's text, the request's parsing) in an extra pass of a quarter of the episodes
+parts (the prompt's ids, the reply's text, the request's parsing) in an extra pass of an eighth of the episodes
 after the measured runs (profiling the measured run doubled its figures on 2026-12-05), the top functions by their
 own time, and what one ``time.thread_time()`` costs on this host (the bench reads it four times a call).
 
@@ -205,10 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for mode in order:
             runs[mode] = asyncio.run(run(engine, tokenizer, args, modes[mode]))
-        if args.profile:  # a pass of its own, a quarter as long: cProfile's cost stays out of the figures
+        if args.profile:  # a pass of its own, an eighth as long: cProfile's cost stays out of the figures
             with GatewayProfile() as profile:
                 asyncio.run(run(engine, tokenizer, argparse.Namespace(**{**vars(args), "episodes": max(
-                    1, args.episodes // 4)}), modes[order[-1]]))
+                    1, args.episodes // 8)}), modes[order[-1]]))
     finally:
         asyncio.run(engine.shutdown())
         if server is not None:
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{100 * f['gateway_share']:.1f}% | {100 * f['gateway_cpu_share']:.1f}% | {f['gc_pauses']} | "
               f"{100 * f['gc_share']:.1f}% | {'not reported' if hit is None else f'{hit:.3f}'} |")
     if profile is not None:
-        print(f"\nThe gateway's synchronous work in a pass of its own ({max(1, args.episodes // 4)} episodes, the "
+        print(f"\nThe gateway's synchronous work in a pass of its own ({max(1, args.episodes // 8)} episodes, the "
               f"{order[-1]} collector), by own time (cProfile only inside it):")
         profile.report()
     if args.json:
