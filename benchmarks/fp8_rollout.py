@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -213,13 +214,20 @@ def rollout(args, work: Path) -> list[dict]:
             start = time.perf_counter()
             tokens = asyncio.run(sglang_alone(server.url, batch, params, args.concurrency))
             seconds = time.perf_counter() - start
+            # the same count of new prompts (no cached prefix) for one token each: the prefill's part of the
+            # run, which FP8 weights speed only through the GEMMs, apart from the decode's, which they and an FP8
+            # KV cache speed by bytes read (docs/fp8.md)
+            start = time.perf_counter()
+            asyncio.run(sglang_alone(server.url, prompts(args.requests), replace(params, max_new_tokens=1),
+                                     args.concurrency))
+            prefill_s = time.perf_counter() - start
         finally:
             server.process.stop()
         row = {"mode": "rollout", "shape": args.shape, "variant": variant, "tokens": tokens, "seconds": seconds,
-               "tokens_per_s": tokens / seconds, "startup_s": started, "flags": flags}
+               "tokens_per_s": tokens / seconds, "prefill_s": prefill_s, "startup_s": started, "flags": flags}
         rows.append(row)
-        print(f"[rollout] {variant}: {tokens} new tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tok/s"
-              f" (server up in {started:.0f} s)", flush=True)
+        print(f"[rollout] {variant}: {tokens} new tokens in {seconds:.1f} s = {tokens / seconds:,.0f} tok/s; "
+              f"the prompts' prefill alone {prefill_s:.1f} s (server up in {started:.0f} s)", flush=True)
     return rows
 
 
@@ -291,10 +299,11 @@ def table(rows: list[dict]) -> None:
     if rollouts:
         base = rollouts.get("bf16")
         print(f"\n| rollout ({next(iter(rollouts.values())).get('shape', SHAPE)} shape) | new tokens/s | vs bf16 |"
-              "\n|---|---|---|")
+              " run s | the prompts' prefill alone, s |\n|---|---|---|---|---|")
         for variant, r in rollouts.items():
             ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
-            print(f"| {variant} | {r['tokens_per_s']:,.0f} | {ratio} |")
+            prefill = f"{r['prefill_s']:.1f}" if "prefill_s" in r else "-"  # JSON from before it was timed
+            print(f"| {variant} | {r['tokens_per_s']:,.0f} | {ratio} | {r['seconds']:.1f} | {prefill} |")
         if base and "fp8" in rollouts:
             print(f"FP8 / bf16 = {rollouts['fp8']['tokens_per_s'] / base['tokens_per_s']:.2f} (target >= 1.3)")
     syncs = {r["variant"]: r for r in rows if r["mode"] == "sync"}

@@ -31,9 +31,11 @@ def test_the_fp8_benchmark_runs_its_rollout_and_sync_rows(tmp_path, capsys):
     rollouts = {r["variant"]: r for r in rows if r["mode"] == "rollout"}
     assert set(rollouts) == {"bf16", "fp8", "fp8-kv"} and all(r["tokens"] == 64 for r in rollouts.values())
     assert rollouts["fp8-kv"]["flags"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert all(r["prefill_s"] > 0 for r in rollouts.values())  # timed apart, its one token each not counted above
     syncs = {r["variant"]: r for r in rows if r["mode"] == "sync"}
     assert syncs["fp8"]["checked"] == syncs["bf16"]["checked"] > 0  # every tensor the engine holds by that name
     config = json.loads((tmp_path / "work" / "tiny-fp8" / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [32, 32]
     printed = capsys.readouterr().out
     assert "FP8 / bf16 = " in printed and "(target <= 1.5)" in printed and "(target >= 1.3)" in printed
+    assert "the prompts' prefill alone, s" in printed
