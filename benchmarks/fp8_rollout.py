@@ -7,14 +7,18 @@
     python benchmarks/fp8_rollout.py sync --shape tiny --device cpu --python STANDIN_PYTHON   # the CPU smoke test
 
 - ``gemm``: every choice of SGLang's ``--fp8-gemm-backend`` (server_args.FP8_GEMM_RUNNER_BACKEND_CHOICES) runs
-  SGLang's block-FP8 linear (``dispatch_w8a8_block_fp8_linear``) on the Qwen2.5-7B projections at a decode batch
+  SGLang's block-FP8 linear (``dispatch_w8a8_block_fp8_linear``), and its per-channel linear
+  (``apply_fp8_linear``, what ``--quantization fp8`` serves a bf16 checkpoint with) runs too, on the Qwen2.5-7B
+  projections at a decode batch
   (256 rows) and a prefill chunk (8192 rows), with weights quantised by core's fp8.py: usable or the error, its
   error against the bf16 product of the dequantised weight, and microseconds per call against bf16's, each timed
   as a CUDA graph replay (as SGLang decodes; ``graph_us``, or ``graph_error`` where capture fails) and eagerly,
   for reference (``us``: the host's launch overhead included, a flat ~155 us a call at 256 rows on an H100);
 - ``rollout``: the Qwen2.5-7B shape (random weights: SGLang's ``--load-format dummy``), one server per variant
   (``bf16``; ``fp8``: block-FP8 weights from a quantization_config; ``fp8-kv``: FP8 weights and
-  ``--kv-cache-dtype fp8_e4m3``) with the same flags, CUDA graphs on, ``--requests`` requests of
+  ``--kv-cache-dtype fp8_e4m3``; ``fp8-channel``: the bf16 folder with ``--quantization fp8``, SGLang's own
+  per-channel quantisation at load and its CUTLASS scaled-mm, the path ``--load-format flash_rl`` re-quantises
+  into at each sync) with the same flags, CUDA graphs on, ``--requests`` requests of
   ``--prompt-len`` random tokens + ``--max-new-tokens`` new ones (ignore_eos), ``--concurrency`` in flight,
   straight to the server (benchmarks/rollout_throughput.py's ``sglang_alone``); new tokens per second, after a
   warm-up wave. Target: fp8 >= 1.3x bf16;
@@ -72,24 +76,30 @@ def gemm(args) -> list[dict]:
           f" --fp8-gemm-backend choices: {', '.join(FP8_GEMM_RUNNER_BACKEND_CHOICES)}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for choice in FP8_GEMM_RUNNER_BACKEND_CHOICES:
-        fp8_utils.FP8_GEMM_RUNNER_BACKEND = fp8_utils.Fp8GemmRunnerBackend(choice)
+    for choice in [*FP8_GEMM_RUNNER_BACKEND_CHOICES, CHANNEL]:
+        if choice != CHANNEL:
+            fp8_utils.FP8_GEMM_RUNNER_BACKEND = fp8_utils.Fp8GemmRunnerBackend(choice)
         for name, (n, k) in GEMM_SHAPES.items():
             w = (torch.randn(n, k, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-            q, scale = quantize_block(w, 128)
-            dequant = dequantize(q, scale, FP8Format("block", 128), torch.bfloat16)
+            if choice != CHANNEL:
+                q, scale = quantize_block(w, 128)
+                dequant = dequantize(q, scale, FP8Format("block", 128), torch.bfloat16)
             for m in (256, 8192):
                 x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
                 row = {"mode": "gemm", "backend": choice, "layer": name, "m": m, "n": n, "k": k}
-                bf16 = functools.partial(torch.matmul, x, dequant.t())
                 try:
-                    linear = fp8_utils.dispatch_w8a8_block_fp8_linear()
-                    call = functools.partial(linear, input=x, weight=q, block_size=[128, 128], weight_scale=scale)
-                    out, want = call(), x @ dequant.t()
+                    if choice == CHANNEL:
+                        call, dequant, runner = channel_linear(x, w)
+                    else:
+                        linear = fp8_utils.dispatch_w8a8_block_fp8_linear()
+                        call = functools.partial(linear, input=x, weight=q, block_size=[128, 128], weight_scale=scale)
+                        runner = getattr(linear, "__name__", str(linear))
+                    bf16 = functools.partial(torch.matmul, x, dequant.t())
+                    out, want = call(), bf16()
                     row["rel_err"] = float((out.float() - want.float()).norm() / want.float().norm())
                     row["us"] = 1e6 * timed_cuda(call)
                     row["bf16_us"] = 1e6 * timed_cuda(bf16)
-                    row["runner"] = getattr(linear, "__name__", str(linear))
+                    row["runner"] = runner
                 except Exception as err:  # a backend this GPU or bundle cannot run: recorded as such
                     row["error"] = error_text(err)
                 else:  # as SGLang decodes: one CUDA graph replay, without the host's launch overhead
@@ -101,6 +111,25 @@ def gemm(args) -> list[dict]:
                 rows.append(row)
                 print(f"{choice:>20} {name:>12} m={m:<5} {gemm_line(row)}", flush=True)
     return rows
+
+
+# SGLang's other FP8 linear: a bf16 checkpoint served with --quantization fp8 is quantised per output channel
+# at load and runs sgl-kernel's CUTLASS scaled-mm with per-token activation scales where the GPU has it
+# (fp8.py's process_weights_after_loading and apply_fp8_linear), not the block kernels above
+CHANNEL = "channel (--quantization fp8)"
+
+
+def channel_linear(x: torch.Tensor, w: torch.Tensor):
+    """(call, its weight dequantised, runner name) for ``w`` quantised and applied as SGLang's online FP8 does."""
+    from sglang.kernels.ops.quantization.fp8_kernel import per_token_group_quant_fp8
+    from sglang.srt.layers.quantization.fp8_utils import apply_fp8_linear, cutlass_fp8_supported
+
+    q, scale = per_token_group_quant_fp8(w, w.shape[-1])  # one group a row: a scale per output channel, (N, 1)
+    dequant = (q.float() * scale.float()).to(torch.bfloat16)
+    cutlass = cutlass_fp8_supported()
+    call = functools.partial(apply_fp8_linear, input=x, weight=q.t(), weight_scale=scale.t().contiguous(),
+                             input_scale=None, cutlass_fp8_supported=cutlass)
+    return call, dequant, f"apply_fp8_linear ({'CUTLASS' if cutlass else 'torch._scaled_mm'})"
 
 
 def error_text(err: BaseException) -> str:
@@ -200,10 +229,12 @@ def rollout(args, work: Path) -> list[dict]:
         return [[rng.randrange(10, 150_000) for _ in range(args.prompt_len)] for _ in range(count)]
 
     for variant in args.variants:
-        folder = model_folder(work, args.shape, fp8=variant != "bf16")
+        folder = model_folder(work, args.shape, fp8=variant in ("fp8", "fp8-kv"))
         flags = dict(FLAGS, **dummy_flags(folder), **(args.engine_args or {}))
         if variant == "fp8-kv":
             flags["kv_cache_dtype"] = "fp8_e4m3"
+        if variant == "fp8-channel":  # the bf16 folder, quantised by SGLang at load: per channel (see CHANNEL)
+            flags["quantization"] = "fp8"
         server = start_server(0, str(folder), log_dir=work / f"logs-{variant}", python=args.python, engine_args=flags)
         try:
             t0 = time.perf_counter()
@@ -349,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("files", nargs="*", type=Path, help="table: JSON files of earlier calls")
     p.add_argument("--shape", default=SHAPE, help="a shape of benchmarks/weight_sync.py (tiny: the CPU smoke test)")
     p.add_argument("--device", default="cuda", help="the trainer's weights (sync; cpu with --python a stand-in)")
-    p.add_argument("--variants", nargs="+", default=["bf16", "fp8", "fp8-kv"], choices=["bf16", "fp8", "fp8-kv"])
+    p.add_argument("--variants", nargs="+", default=["bf16", "fp8", "fp8-kv"],
+                   choices=["bf16", "fp8", "fp8-kv", "fp8-channel"])
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=1024)

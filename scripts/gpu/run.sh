@@ -70,7 +70,7 @@
 # log-prob probe against a fresh engine after each path; ~5 min), fp8-block64 (the same with SmolLM2's kind of
 # partitions: 64x64 blocks through --fp8-gemm-backend triton, the path of fp8-real-model; ~5 min), fp8-moe (the Qwen3-MoE shape in FP8, routed
 # experts still returned; ~4 min), bench-fp8-gemm (the --fp8-gemm-backend choices tried on the 7B projections;
-# ~2 min), bench-fp8-rollout-bf16, -fp8, -fp8kv (7B-shape rollout tokens/s, 256 in flight, 1k + 1k tokens,
+# ~2 min), bench-fp8-rollout-bf16, -fp8, -fp8kv, -fp8channel (7B-shape rollout tokens/s, 256 in flight, 1k + 1k tokens,
 # CUDA graphs on; one call each, ~4 min), bench-fp8-sync (the 7B sync, bf16 vs FP8 quantised at each sync;
 # ~4 min), bench-fp8-table (the table and ratios over the bench-fp8 rows of this call; of several calls: run
 # benchmarks/fp8_rollout.py table over their $OUT/bench-fp8-*.json, on any machine), fp8-real-model (the
@@ -106,8 +106,8 @@ for stage in "$@"; do
     # one call each fits the 10 minutes; each writes $OUT/<stage>.json, and the table of them all is made anywhere:
     # python3 benchmarks/fp8_rollout.py table bench-fp8-*.json (bench-fp8-table: of those of this call)
     bench-fp8-gemm) cmd=(timeout 300 python3 benchmarks/fp8_rollout.py gemm --json "$logs/$stage.json") ;;
-    bench-fp8-rollout-bf16|bench-fp8-rollout-fp8|bench-fp8-rollout-fp8kv)
-      v=${stage#bench-fp8-rollout-}; [ "$v" = fp8kv ] && v=fp8-kv
+    bench-fp8-rollout-bf16|bench-fp8-rollout-fp8|bench-fp8-rollout-fp8kv|bench-fp8-rollout-fp8channel)
+      v=${stage#bench-fp8-rollout-}; [ "$v" = fp8kv ] && v=fp8-kv; [ "$v" = fp8channel ] && v=fp8-channel
       # FP8_ENGINE_ARGS='{"fp8_gemm_backend": "..."}': a backend bench-fp8-gemm found faster than auto's (every variant)
       cmd=(timeout 580 python3 benchmarks/fp8_rollout.py rollout --variants "$v" --json "$logs/$stage.json"
            --engine-args "${FP8_ENGINE_ARGS:-null}") ;;

@@ -22,15 +22,18 @@ def test_the_fp8_benchmark_runs_its_rollout_and_sync_rows(tmp_path, capsys):
     try:
         bench = importlib.import_module("fp8_rollout")
         bench.main(["rollout", *common, "--requests", "8", "--concurrency", "4", "--prompt-len", "16",
-                    "--max-new-tokens", "8"])
+                    "--max-new-tokens", "8", "--variants", "bf16", "fp8", "fp8-kv", "fp8-channel"])
         bench.main(["sync", *common, "--device", "cpu", "--syncs", "1"])
         bench.main(["table", str(out)])
     finally:
         sys.path.remove(str(BENCHMARKS))
     rows = json.loads(out.read_text())
     rollouts = {r["variant"]: r for r in rows if r["mode"] == "rollout"}
-    assert set(rollouts) == {"bf16", "fp8", "fp8-kv"} and all(r["tokens"] == 64 for r in rollouts.values())
+    assert set(rollouts) == {"bf16", "fp8", "fp8-kv", "fp8-channel"}
+    assert all(r["tokens"] == 64 for r in rollouts.values())
     assert rollouts["fp8-kv"]["flags"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert rollouts["fp8-channel"]["flags"]["quantization"] == "fp8"  # SGLang quantises the bf16 folder itself
+    assert "quantization" not in rollouts["fp8"]["flags"]  # the block-FP8 folder says it in its config
     assert all(r["prefill_s"] > 0 for r in rollouts.values())  # timed apart, its one token each not counted above
     syncs = {r["variant"]: r for r in rows if r["mode"] == "sync"}
     assert syncs["fp8"]["checked"] == syncs["bf16"]["checked"] > 0  # every tensor the engine holds by that name
