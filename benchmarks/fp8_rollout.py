@@ -108,6 +108,11 @@ def gemm(args) -> list[dict]:
                             row[key] = 1e6 * timed_cuda_graph(fn)
                         except Exception as err:  # capture refused (a sync or host work inside): eager kept
                             row.setdefault("graph_error", what + error_text(err))
+                    if choice == CHANNEL and m == 256:  # once a layer: the weight's quantisation, not the input's
+                        try:
+                            row.update(agreement_with_core(w))
+                        except Exception as err:
+                            row["core_error"] = error_text(err)
                 rows.append(row)
                 print(f"{choice:>20} {name:>12} m={m:<5} {gemm_line(row)}", flush=True)
     return rows
@@ -132,6 +137,22 @@ def channel_linear(x: torch.Tensor, w: torch.Tensor):
     return call, dequant, f"apply_fp8_linear ({'CUTLASS' if cutlass else 'torch._scaled_mm'})"
 
 
+def agreement_with_core(w: torch.Tensor) -> dict:
+    """How SGLang's per-channel quantisation of ``w`` (its kernel, at load) compares with core's
+    `quantize_channel`: the share of FP8 bytes that differ and the largest relative scale difference. A sync
+    that lets the engine quantise (``--load-format flash_rl``) can check the engine's bytes only where these
+    are 0."""
+    from sglang.kernels.ops.quantization.fp8_kernel import per_token_group_quant_fp8
+
+    from slime_rl.core.weights.fp8 import quantize_channel
+
+    theirs, their_scale = per_token_group_quant_fp8(w, w.shape[-1])
+    ours, our_scale = quantize_channel(w)
+    differ = (theirs.view(torch.uint8) != ours.view(torch.uint8)).float().mean()
+    return {"core_fp8_bytes_differ": float(differ),
+            "core_scale_max_rel": float(((their_scale.float() - our_scale) / our_scale).abs().max())}
+
+
 def error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
 
@@ -142,8 +163,11 @@ def gemm_line(row: dict) -> str:
         return row["error"]
     graphed = (f"graphed {row['graph_us']:.0f} us (bf16 {row['bf16_graph_us']:.0f} us)"
                if "graph_us" in row and "bf16_graph_us" in row else f"graphed: {row.get('graph_error', '-')}")
+    core = (f"; against core's quantize_channel: {100 * row['core_fp8_bytes_differ']:.3f}% of bytes differ, scales"
+            f" within {row['core_scale_max_rel']:.1e}" if "core_fp8_bytes_differ" in row
+            else f"; core: {row['core_error']}" if "core_error" in row else "")
     return (f"{row['runner']}: rel err {row['rel_err']:.2e},"
-            f" eager {row['us']:.0f} us (bf16 {row['bf16_us']:.0f} us), {graphed}")
+            f" eager {row['us']:.0f} us (bf16 {row['bf16_us']:.0f} us), {graphed}{core}")
 
 
 def timed_cuda(fn, repeats: int = 20) -> float:

@@ -66,3 +66,8 @@ def test_the_printed_line_shows_eager_and_graphed():
     failed = rows("x", graphed=False, graph_error="RuntimeError: capture")[0]
     assert bench.gemm_line(failed).endswith("eager 155 us (bf16 20 us), graphed: RuntimeError: capture")
     assert bench.gemm_line({"error": "ImportError: deep_gemm"}) == "ImportError: deep_gemm"
+    channel = rows(bench.CHANNEL)[0] | {"core_fp8_bytes_differ": 0.00125, "core_scale_max_rel": 6e-8}
+    assert bench.gemm_line(channel).endswith("graphed 11 us (bf16 8 us); against core's quantize_channel: 0.125% "
+                                             "of bytes differ, scales within 6.0e-08")
+    unchecked = rows(bench.CHANNEL)[0] | {"core_error": "ImportError: sgl_kernel"}
+    assert bench.gemm_line(unchecked).endswith("; core: ImportError: sgl_kernel")
