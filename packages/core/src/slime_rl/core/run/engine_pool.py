@@ -36,6 +36,7 @@ class Member:
     state: str = "joining"  # joining -> serving -> draining
     in_flight: dict[str, int] = field(default_factory=dict)  # pool request id -> 1
     moving: set[str] = field(default_factory=set)  # aborted to be resumed elsewhere
+    moved_out: int = 0  # of those, the ones the abort caught (one that finished first is no move)
 
 
 class EnginePool(RolloutEngine):
@@ -91,23 +92,24 @@ class EnginePool(RolloutEngine):
         return names
 
     async def remove_engine(self, name: str) -> int:
-        """Drain engine ``name`` and shut it down; returns how many requests moved to other engines."""
+        """Drain engine ``name`` and shut it down; returns how many requests moved to other engines (a
+        request that finished as it was asked to move is not one: it stayed)."""
         member = self.members.get(name)
         if member is None:
             raise KeyError(f"remove engine: no engine {name!r}; the run has {', '.join(self.members)}")
         if member.state == "serving" and len(self.serving()) == 1:
             raise ValueError(f"remove engine: {name} is the only engine serving; add one first")
         member.state = "draining"
-        moved = list(member.in_flight)
-        member.moving.update(moved)
-        for request_id in moved:
+        asked = list(member.in_flight)
+        member.moving.update(asked)
+        for request_id in asked:
             await member.engine.abort(f"{name}:{request_id}")
         while member.in_flight:
             await self._wait_change()
         del self.members[name]
         await member.engine.shutdown()
-        logger.info("elastic: %s left; %d requests moved", name, len(moved))
-        return len(moved)
+        logger.info("elastic: %s left; %d requests moved", name, member.moved_out)
+        return member.moved_out
 
     def _notify(self) -> None:
         if self._changed is not None:
@@ -142,6 +144,7 @@ class EnginePool(RolloutEngine):
                 return done
             member.moving.discard(pool_id)  # drained: resume from the tokens made, on another engine
             self.requests_moved += 1
+            member.moved_out += 1
             input_ids = input_ids + out.token_ids
             params = copy.copy(params)
             params.max_new_tokens -= len(out.token_ids)
