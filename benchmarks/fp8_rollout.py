@@ -84,12 +84,16 @@ def gemm(args) -> list[dict]:
             if choice != CHANNEL:
                 q, scale = quantize_block(w, 128)
                 dequant = dequantize(q, scale, FP8Format("block", 128), torch.bfloat16)
+            else:
+                q = None  # quantised by SGLang's kernel once a layer, inside the try: it may be what fails
             for m in (256, 8192):
                 x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
                 row = {"mode": "gemm", "backend": choice, "layer": name, "m": m, "n": n, "k": k}
                 try:
                     if choice == CHANNEL:
-                        call, dequant, runner = channel_linear(x, w)
+                        if q is None:
+                            q, scale, dequant = channel_weight(w)
+                        call, runner = channel_linear(x, q, scale)
                     else:
                         linear = fp8_utils.dispatch_w8a8_block_fp8_linear()
                         call = functools.partial(linear, input=x, weight=q, block_size=[128, 128], weight_scale=scale)
@@ -110,7 +114,7 @@ def gemm(args) -> list[dict]:
                             row.setdefault("graph_error", what + error_text(err))
                     if choice == CHANNEL and m == 256:  # once a layer: the weight's quantisation, not the input's
                         try:
-                            row.update(agreement_with_core(w))
+                            row.update(agreement_with_core(w, q, scale))
                         except Exception as err:
                             row["core_error"] = error_text(err)
                 rows.append(row)
@@ -124,29 +128,32 @@ def gemm(args) -> list[dict]:
 CHANNEL = "channel (--quantization fp8)"
 
 
-def channel_linear(x: torch.Tensor, w: torch.Tensor):
-    """(call, its weight dequantised, runner name) for ``w`` quantised and applied as SGLang's online FP8 does."""
+def channel_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] as SGLang's online FP8 quantises it at load: (FP8 [N, K], float32 scales [N, 1], the weight
+    dequantised to bf16)."""
     from sglang.kernels.ops.quantization.fp8_kernel import per_token_group_quant_fp8
+
+    q, scale = per_token_group_quant_fp8(w, w.shape[-1])  # one group a row: a scale per output channel
+    return q, scale, (q.float() * scale.float()).to(torch.bfloat16)
+
+
+def channel_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor):
+    """(call, runner name): ``x`` through the weight of `channel_weight` as SGLang's online FP8 applies it."""
     from sglang.srt.layers.quantization.fp8_utils import apply_fp8_linear, cutlass_fp8_supported
 
-    q, scale = per_token_group_quant_fp8(w, w.shape[-1])  # one group a row: a scale per output channel, (N, 1)
-    dequant = (q.float() * scale.float()).to(torch.bfloat16)
     cutlass = cutlass_fp8_supported()
     call = functools.partial(apply_fp8_linear, input=x, weight=q.t(), weight_scale=scale.t().contiguous(),
                              input_scale=None, cutlass_fp8_supported=cutlass)
-    return call, dequant, f"apply_fp8_linear ({'CUTLASS' if cutlass else 'torch._scaled_mm'})"
+    return call, f"apply_fp8_linear ({'CUTLASS' if cutlass else 'torch._scaled_mm'})"
 
 
-def agreement_with_core(w: torch.Tensor) -> dict:
-    """How SGLang's per-channel quantisation of ``w`` (its kernel, at load) compares with core's
-    `quantize_channel`: the share of FP8 bytes that differ and the largest relative scale difference. A sync
-    that lets the engine quantise (``--load-format flash_rl``) can check the engine's bytes only where these
-    are 0."""
-    from sglang.kernels.ops.quantization.fp8_kernel import per_token_group_quant_fp8
-
+def agreement_with_core(w: torch.Tensor, theirs: torch.Tensor, their_scale: torch.Tensor) -> dict:
+    """How SGLang's per-channel quantisation of ``w`` (`channel_weight`: ``theirs``, ``their_scale``) compares
+    with core's `quantize_channel`: the share of FP8 bytes that differ and the largest relative scale
+    difference. A sync that lets the engine quantise (``--load-format flash_rl``) can check the engine's bytes
+    only where these are 0."""
     from slime_rl.core.weights.fp8 import quantize_channel
 
-    theirs, their_scale = per_token_group_quant_fp8(w, w.shape[-1])
     ours, our_scale = quantize_channel(w)
     differ = (theirs.view(torch.uint8) != ours.view(torch.uint8)).float().mean()
     return {"core_fp8_bytes_differ": float(differ),

@@ -202,13 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, dict] = {}
     profile = None
     order = ["python", "tuned"] if args.gc == "both" else [args.gc]
+    profile_args = argparse.Namespace(**{**vars(args), "episodes": max(1, args.episodes // 8)})
     try:
         for mode in order:
             runs[mode] = asyncio.run(run(engine, tokenizer, args, modes[mode]))
         if args.profile:  # a pass of its own, an eighth as long: cProfile's cost stays out of the figures
             with GatewayProfile() as profile:
-                asyncio.run(run(engine, tokenizer, argparse.Namespace(**{**vars(args), "episodes": max(
-                    1, args.episodes // 8)}), modes[order[-1]]))
+                asyncio.run(run(engine, tokenizer, profile_args, modes[order[-1]]))
     finally:
         asyncio.run(engine.shutdown())
         if server is not None:
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{100 * f['gateway_share']:.1f}% | {100 * f['gateway_cpu_share']:.1f}% | {f['gc_pauses']} | "
               f"{100 * f['gc_share']:.1f}% | {'not reported' if hit is None else f'{hit:.3f}'} |")
     if profile is not None:
-        print(f"\nThe gateway's synchronous work in a pass of its own ({max(1, args.episodes // 8)} episodes, the "
+        print(f"\nThe gateway's synchronous work in a pass of its own ({profile_args.episodes} episodes, the "
               f"{order[-1]} collector), by own time (cProfile only inside it):")
         profile.report()
     if args.json:

@@ -43,8 +43,8 @@
 # transformers 5.12.1, the GPU one on the flash varlen kernel with V padded to the q/k head dim).
 # vlm (issue 41: Qwen2.5-VL and Qwen3-VL in the Megatron trainer: bf16 and fp32 log-probs of samples with images
 # against transformers on CUDA, packed (flash varlen, compiled mRoPE) and padded; ~2 min), vlm-cpu019 (the CPU tests
-# of both families on megatron-core 0.19.2 and transformers 5.12.1, TP=2/PP=2 over gloo included; up to ~9 min), bench-vlm (issue 41: one GRPO update of 32 samples x 2
-# images of 448 x 448 on the Qwen2.5-VL-3B shape with 12 LM layers, trainer vs transformers' Qwen2.5-VL: tokens/s,
+# of both families on megatron-core 0.19.2 and transformers 5.12.1, TP=2/PP=2 over gloo included; up to ~9 min),
+# bench-vlm (issue 41: one GRPO update of 32 samples x 2 images of 448 x 448 on the Qwen2.5-VL-3B shape with 12 LM layers, trainer vs transformers' Qwen2.5-VL: tokens/s,
 # peak memory, the log-prob gap; ~3 min), vlm-sglang (issue 41: a tiny Qwen2.5-VL served by real SGLang with
 # --mm-attention-backend sdpa: its prompt token count per request equals ours for 1 and 2 images of several sizes,
 # pre-expanded pads fail, the log-prob gap to transformers printed; ~2 min), vlm-e2e (issue 41: the shapes task

@@ -88,8 +88,7 @@ def test_sglang_prompt_tokens_equal_ours(tmp_path):
             print(f"pre-expanded pads: HTTP {raw.status_code} {raw.text[:300]}")
             assert raw.status_code != 200 or raw.json()["meta_info"]["prompt_tokens"] != len(ours)
         # What our engine sends still works after it: one lost request must not take the server with it.
-        again = asyncio.run(engine.generate(encode_prompt(text, refs, processor, "raw").token_ids, PARAMS,
-                                            images=refs))
+        again = asyncio.run(engine.generate(ours, PARAMS, images=refs))
         assert len(again.token_ids) == PARAMS.max_new_tokens
         print(f"after it, a proper request: {len(again.token_ids)} tokens")
     finally:

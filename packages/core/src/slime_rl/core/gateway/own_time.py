@@ -24,14 +24,9 @@ class GCPauses:
         else:
             self.count, self.total_s = self.count + 1, self.total_s + time.perf_counter() - self._start
 
-    def install(self) -> GCPauses:
+    def install(self) -> None:
         if self not in gc.callbacks:
             gc.callbacks.append(self)
-        return self
-
-    def uninstall(self) -> None:
-        if self in gc.callbacks:
-            gc.callbacks.remove(self)
 
 
 GC_PAUSES = GCPauses()  # the gateway's, installed by `Gateway.start`: one callback a collection, whatever runs
