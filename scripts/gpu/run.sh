@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs recorded in docs/gpu-results.md. On the H200 machine, from the repo root:
-#   bash scripts/gpu/run.sh STAGE...
+#   bash scripts/gpu/run.sh STAGE...   (.gpu/ built here first by scripts/gpu/pack.sh)
 # Stages: check, sglang (issue 7 a,c,d,e + disk), sglang-d (d alone), conformance (issue 22: the RolloutEngine
 # conformance suite against real SGLang), megatron (issue 5 bf16 TP=2, parity),
 # megatron-lora (issue 20: bf16 LoRA TP=2 vs TP=1, base frozen, resume; 2 GPUs),
@@ -81,6 +81,11 @@
 # GPU_STAGES_DRY=1: no setup and nothing run; each stage's command is printed (stage, a tab, the command
 # shell-quoted), so that tests/unit/test_gpu_stages.py checks on the CPU what a device call would run.
 [ -n "${GPU_STAGES_DRY:-}" ] || source "$(dirname "$0")/setup.sh"
+# Without the router every SGLang stage fails minutes in; a .gpu/ not built by scripts/gpu/pack.sh fails here at once
+if [ -z "${GPU_STAGES_DRY:-}" ] && ! python3 -c "import sglang_router" 2>/dev/null; then
+  echo "run.sh: sglang_router is not importable: build .gpu/ with scripts/gpu/pack.sh (it carries its wheel)" >&2
+  exit 2
+fi
 logs=${OUT:-/tmp/gpu-logs}; mkdir -p "$logs"
 status=0
 for stage in "$@"; do
