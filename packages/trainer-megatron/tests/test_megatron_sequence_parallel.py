@@ -12,8 +12,11 @@ from megatron_worker import run_scenario
 
 from slime_rl.trainer_megatron import moe, sequence_parallel
 
+# adam_eps 1e-6: Adam's first steps move a weight by about +-lr whatever its gradient's size, so at the default eps
+# a gradient of ~1e-9 summed in another order by the TP ranks can flip one weight by 2 lr (CI's qwen3-packed case
+# on an AMD EPYC, 2026-12-05); at 1e-6 such a weight moves by lr * g / eps, continuous in g (test_megatron_moe too)
 COMMON = ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1", "algorithm.entropy_coef=0.01",
-          "algorithm.eps_clip=0.1"]
+          "algorithm.eps_clip=0.1", "trainer.adam_eps=1e-6"]
 SP = ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true", "cluster.actor_num_gpus_per_node=2"]
 
 
@@ -60,9 +63,9 @@ def test_deepseek_v3_mla_tp2_with_sequence_parallel_matches_one_rank(tmp_path):
 
 SLOW_CASES = {
     # GLM-4.5 (issue 37): dense first layer, sigmoid routing with the correction bias in 2 groups, shared expert,
-    # partial RoPE, attention biases and q/k norms; padded rows. Adam's eps as in the PP case below: at the default
-    # 1e-8 one weight of the dense MLP whose gradient is ~1e-9 ends 2e-5 apart (log-probs 5e-7, grad norms 2e-7)
-    "glm4_moe-padded": ("glm4_moe", False, ["trainer.micro_batch_size=3", "trainer.adam_eps=1e-6"]),
+    # partial RoPE, attention biases and q/k norms; padded rows (at Adam's default eps one weight of the dense MLP
+    # whose gradient is ~1e-9 ended 2e-5 apart: COMMON's eps)
+    "glm4_moe-padded": ("glm4_moe", False, ["trainer.micro_batch_size=3"]),
     # DeepSeek-V3 on padded rows (the packed case runs in make test)
     "deepseek_v3-padded": ("deepseek_v3", False, ["trainer.micro_batch_size=3"]),
     # Qwen2-MoE: the shared expert and its gate (tagged sequence_parallel by megatron-core), padded rows
@@ -133,9 +136,7 @@ def test_critic_and_pipeline_under_sequence_parallel_match_one_rank(tmp_path):
         assert abs(one["loss"] - two["loss"]) <= 1e-5 and abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5
 
     spec = dict(model=str(model), num_samples=6, vocab=256, steps=2, ref=True)
-    # (Adam's first steps move a weight by about +-lr whatever its gradient's size: at the default eps a
-    # gradient of ~1e-9 summed in another order by four ranks can flip one; test_megatron_moe does the same)
-    batching = COMMON + ["trainer.max_tokens_per_gpu=41", "trainer.adam_eps=1e-6"]
+    batching = COMMON + ["trainer.max_tokens_per_gpu=41"]  # COMMON's adam_eps: four ranks sum in another order
     single = run_scenario({**spec, "overrides": batching})
     four = launch(4, {**spec, "overrides": batching + SP[:2] + ["parallel.pipeline_model_parallel_size=2",
                                                                 "cluster.actor_num_gpus_per_node=4"]}, tmp_path)
@@ -152,7 +153,7 @@ def test_mla_under_sequence_parallel_and_pipeline_matches_one_rank(tmp_path):
     bit-exact; log-probs, losses, grad norms and weights equal one rank's over two steps."""
     model = make_hf_model(tmp_path / "model", "deepseek_v3", vocab=256)
     spec = dict(model=str(model), num_samples=6, vocab=256, steps=2, ref=True)
-    batching = COMMON + ["trainer.max_tokens_per_gpu=41", "trainer.adam_eps=1e-6"]  # eps: as the test above
+    batching = COMMON + ["trainer.max_tokens_per_gpu=41"]
     ensure_single_rank_group()
     single = run_scenario({**spec, "overrides": batching})
     four = launch(4, {**spec, "overrides": batching + SP[:2] + ["parallel.pipeline_model_parallel_size=2",
