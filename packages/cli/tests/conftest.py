@@ -17,3 +17,10 @@ def loop_never_entered(monkeypatch):
     module.train = lambda cfg, callback=None: module.calls.append(cfg)
     monkeypatch.setitem(sys.modules, "slime_rl.core.run.loop", module)
     return module
+
+
+@pytest.fixture(autouse=True)
+def output_to_a_pipe(monkeypatch):
+    """slime-cli's output as a pipe gets it: no terminal width inherited from what runs pytest (pytest-xdist's
+    workers have COLUMNS=80), so its tables keep a logged path on one line; a test wanting a width sets one."""
+    monkeypatch.delenv("COLUMNS", raising=False)
