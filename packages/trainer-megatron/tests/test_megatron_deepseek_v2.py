@@ -96,10 +96,10 @@ def test_each_routing_part_shows_in_the_log_probs(tmp_path):
     model_dir = v2_model(tmp_path / "m", **GROUP_LIMITED)
     samples = _samples()
     ours = sample_log_probs(trainer_for(model_dir), samples)
-    assert max_gap_to_hf(samples, ours, load_v2_hf(model_dir)) <= 1e-4
+    assert max_gap_to_hf(samples, ours, load_hf(model_dir)) <= 1e-4
 
     def changed(edit) -> torch.nn.Module:
-        hf = load_v2_hf(model_dir)
+        hf = load_hf(model_dir)
         for layer in hf.model.layers[1:]:  # the MoE layers
             edit(layer.mlp.gate)
         return hf
