@@ -36,8 +36,10 @@ demo: $(STAMP)
 # 2-core machine like CI's) are read from that line, never asserted by a test.
 # Two pytest workers (pytest-xdist), each given whole test files: one pytest process left a core idle for most
 # of the run (2026-12-05, AMD EPYC: the fast tier 755 s serial, 527 s with two workers). TEST_JOBS=0: serial.
+# Files go out in tests/conftest.py's order (the `heavy` ones first), not xdist's most-tests-first, which left
+# the two longest files, one test each, to the end of the slow tier.
 TEST_JOBS ?= 2
-XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
+XDIST = $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 CPU := $$(grep -m1 "model name" /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $$(nproc) cores
 TIMED = start=$$(date +%s); $(1); rc=$$?; \
 	echo "$(2): $$(( $$(date +%s) - start )) s wall on $(CPU)"; exit $$rc

@@ -61,6 +61,7 @@ def _heldout(rows: list[dict]) -> list[float]:
     return [r["eval/heldout/reward_mean"] for r in rows if "eval/heldout/reward_mean" in r]
 
 
+@pytest.mark.heavy  # ~6 min on 2 cores: started first (tests/conftest.py)
 def test_a_tiny_qwen2_5_vl_learns_the_colour_task_and_the_blank_control_does_not(tmp_path):
     from slime_rl.core.testing import tiny_vl_model_folder
     from slime_rl.core.testing.shapes import write_shapes_data

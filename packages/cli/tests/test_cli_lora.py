@@ -17,6 +17,7 @@ LORA = ["trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=1e-4"]  # e
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~7 min on 2 cores: started first (tests/conftest.py)
 def test_the_cpu_default_with_lora_learns_addition(tmp_path):
     workdir = tmp_path / "wd"
     result = subprocess.run([str(SCRIPT), "train", *LORA, "checkpoint.save_hf=true", "logging.progress_bar=false",
