@@ -38,11 +38,15 @@ def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def weight_checksums(weights: dict[str, torch.Tensor]) -> dict[str, str]:
-    """``/weights_checker``'s checksums of the held weights: raw bytes, FP8 pairs dequantised (see the module)."""
+    """``/weights_checker``'s checksums of the held weights: raw bytes, FP8 pairs dequantised (see the module),
+    an embedding's or LM head's rows zero-padded to a multiple of 64 first, as SGLang's VocabParallelEmbedding
+    holds them (its ``pad_vocab_size``; the weight loader fills the padding rows with zeros)."""
     out = {}
     for name, tensor in weights.items():
         if name.endswith(f".{SCALE_SUFFIX}"):
             continue
         scale = weights.get(f"{name[: -len('weight')]}{SCALE_SUFFIX}") if name.endswith(".weight") else None
+        if scale is None and name.endswith(("embed_tokens.weight", "lm_head.weight")) and tensor.shape[0] % 64:
+            tensor = torch.nn.functional.pad(tensor, (0, 0, 0, -tensor.shape[0] % 64))
         out[name] = _hash(_dequantized(tensor, scale) if scale is not None else tensor)
     return out

@@ -18,6 +18,11 @@ from slime_rl.rollout_sglang.weights.server_api import Target, WeightSyncError, 
 FP8_SCALE = fp8.SCALE_NAMES["block"]
 _FUSED_IN_SGLANG = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.", ".q_a_proj.",
                     ".kv_a_proj_with_mqa.")
+# SGLang's vocabulary-parallel layers (VocabParallelEmbedding, ParallelLMHead) hold the vocabulary padded to a
+# multiple of 64 with zero rows (vocab_parallel_embedding.py: pad_vocab_size, and weight_loader's fill_(0)), so
+# their checksum is of the padded tensor: a tiny VL model's 1,029 ids failed the H100 run of 2026-12-06
+VOCAB_PADDING = 64
+_VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -40,6 +45,14 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
         return f"{gpu_tensor_hash(flat):016x}"
     digest = hashlib.sha256(flat.reshape(-1).view(torch.uint8).numpy()).digest()[:8]
     return f"{int.from_bytes(digest, byteorder='big', signed=False):016x}"
+
+
+def as_sglang_holds(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one SGLang rank holds it whole: a vocabulary's rows padded with zeros to `VOCAB_PADDING`."""
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if not name.endswith(_VOCAB_PARALLEL) or rows % VOCAB_PADDING == 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((VOCAB_PADDING - rows % VOCAB_PADDING, *tensor.shape[1:]))])
 
 
 def widest_tp(targets: list[Target]) -> int:
@@ -67,7 +80,7 @@ def check_sample(named_tensors: NamedTensors, *, tp_size: int = 1, every: bool =
         scale = scales.get(f"{name[: -len('weight')]}{FP8_SCALE}") if tensor.dtype == fp8.FP8_DTYPE else None
         if tensor.dtype == fp8.FP8_DTYPE and scale is None:
             continue  # its scale went in another bucket: SGLang hashes the pair, this bucket cannot
-        out[name] = tensor_checksum(tensor if scale is None else _dequantized(tensor, scale))
+        out[name] = tensor_checksum(as_sglang_holds(name, tensor) if scale is None else _dequantized(tensor, scale))
     return out
 
 
