@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,38 @@ def test_a_folder_records_its_owner_beyond_the_pid(folders):
     record = json.loads((folder / leftovers.OWNER_RECORD).read_text())
     assert record == ours(os.getpid(), record["start"]) and record["start"]
     assert not leftovers.provably_dead(folder, folder.name.removeprefix(leftovers.KEYS_PREFIX).split("-")[0])
+
+
+def ray_processes_once_there(folder: Path, count: int) -> dict[int, str]:
+    """`leftovers.ray_processes` once it finds ``count`` (a child names the folder only after its exec)."""
+    for _ in range(200):
+        if len(found := leftovers.ray_processes(folder)) == count:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"{count} processes naming {folder} never ran: {found}")
+
+
+def test_the_processes_of_a_ray_folder_and_those_below_them_are_ended(tmp_path):
+    """What a run's end sweeps after ray.shutdown(): processes naming its Ray folder on their command line (the
+    GCS, the raylet) and everything below them (the raylet's agents retitle themselves), SIGKILLed after the
+    grace; a process that does not name the folder is left alone, and one that exits within the grace is not
+    killed."""
+    folder = tmp_path / "slime-rl-ray-x"
+    spawn_child = "import subprocess, sys, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    raylet = subprocess.Popen([sys.executable, "-c", spawn_child, f"--temp-dir={folder}/r"])
+    bystander = subprocess.Popen(["sleep", "60"])
+    quitter = None
+    try:
+        ray_processes_once_there(folder, 2)  # the "raylet" has started its "agent"
+        quitter = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)", str(folder)])
+        found = ray_processes_once_there(folder, 3)
+        agent = set(found) - {raylet.pid, quitter.pid}
+        assert raylet.pid in found and quitter.pid in found and len(agent) == 1 and bystander.pid not in found
+        killed = leftovers.end_processes(found, grace_s=3.0)
+        assert killed == sorted({raylet.pid, *agent})
+        assert raylet.wait(timeout=10) == -signal.SIGKILL and quitter.wait(timeout=10) == 0
+        assert bystander.poll() is None
+    finally:
+        for proc in (raylet, bystander, quitter or bystander):
+            proc.kill()
+            proc.wait()

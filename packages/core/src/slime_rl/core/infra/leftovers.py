@@ -208,9 +208,9 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def descendants(pid: int) -> dict[int, str]:
+def descendants(pid: int, tree: dict[int, list[int]] | None = None) -> dict[int, str]:
     """pid -> start time of every process below ``pid``."""
-    tree, found, todo = _children(), {}, [pid]
+    tree, found, todo = tree if tree is not None else _children(), {}, [pid]
     while todo:
         for child in tree.get(todo.pop(), []):
             start = process_start(child)
@@ -218,6 +218,37 @@ def descendants(pid: int) -> dict[int, str]:
                 found[child] = start
                 todo.append(child)
     return found
+
+
+def ray_processes(folder: Path) -> dict[int, str]:
+    """pid -> start time of a local Ray instance's processes: those whose command line names ``folder``, its
+    temporary folder (the GCS, the raylet, the log monitor), and every process below them (the raylet's agents
+    and workers, which retitle themselves ``ray::...``). Empty where there is no /proc."""
+    if not Path("/proc/self/stat").exists():
+        return {}
+    needle, tree, found = str(folder).encode(), _children(), {}
+    for pid in (pid for pids in tree.values() for pid in pids):
+        with contextlib.suppress(OSError):
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes() and (start := process_start(pid)) is not None:
+                found[pid] = start
+                found.update(descendants(pid, tree))
+    return found
+
+
+def end_processes(tracked: dict[int, str], grace_s: float = 0.0) -> list[int]:
+    """Give the processes of ``tracked`` (pid -> start time) ``grace_s`` to exit, then SIGKILL those still
+    running; a pid now held by another process (another start time) is left alone. Returns the pids killed."""
+    deadline = time.monotonic() + grace_s
+    alive = {pid: start for pid, start in tracked.items() if pid != os.getpid()}
+    while True:
+        alive = {pid: start for pid, start in alive.items() if process_start(pid) == start}
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return sorted(alive)
 
 
 def start_reaper() -> subprocess.Popen | None:
@@ -245,10 +276,7 @@ def _reap(tag: str, interval_s: float = 1.0) -> None:
         tracked.update(descendants(pid))
         tracked = {p: s for p, s in tracked.items() if process_start(p) == s}
         time.sleep(interval_s)
-    for child, start in tracked.items():
-        if child != os.getpid() and process_start(child) == start:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+    end_processes(tracked)
     remove_dead(owner=tag)
 
 

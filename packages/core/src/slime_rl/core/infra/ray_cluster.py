@@ -203,6 +203,10 @@ def local_ray(cfg: Config) -> Iterator[None]:
         with mistakes_unwrapped():
             yield
     finally:
+        started = leftovers.ray_processes(temp_dir)
         ray.shutdown()
+        # The raylet's agents see its end by polling: on a loaded 2-core machine one outlived the driver's
+        # SIGTERM exit by more than 20 s (CI, 2026-12-06); the run's processes go with the run
+        leftovers.end_processes(started, grace_s=5.0)
         leftovers.stop_reaper(reaper)
         shutil.rmtree(temp_dir, ignore_errors=True)
