@@ -27,7 +27,9 @@ from megatron_worker import run_scenario
 from slime_rl.trainer_megatron.convert import SafetensorsFolder
 
 VOCAB = 256
-COMMON = ["algorithm.entropy_coef=0.01", "algorithm.eps_clip=0.1"]
+# adam_eps 1e-6: Adam's first steps move every weight by about +-lr whatever its gradient's size, so at the default
+# eps a ~1e-9 gradient summed in another order (more ranks) moved one weight by 1.3e-5 to 1.6e-5; 4e-8 with this one
+COMMON = ["algorithm.entropy_coef=0.01", "algorithm.eps_clip=0.1", "trainer.adam_eps=1e-6"]
 
 
 MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "deepseek_v2"]
@@ -61,19 +63,13 @@ def _with_old(batch, trainer):
 
 @pytest.mark.parametrize("family,batching", [("qwen2_moe", ["trainer.max_tokens_per_gpu=40"]),
                                              ("qwen3_moe", ["trainer.micro_batch_size=2"]),
-                                             # adam_eps: as in the four-rank test below (a ~1e-9 gradient
-                                             # of the dense layer summed in another order moved one weight
-                                             # by 1.6e-5 at the default eps; 4e-8 with this one)
-                                             pytest.param("glm4_moe", ["trainer.micro_batch_size=2",
-                                                                       "trainer.adam_eps=1e-6"],
+                                             pytest.param("glm4_moe", ["trainer.micro_batch_size=2"],
                                                           marks=pytest.mark.slow),
                                              # multi-head latent attention on packed rows (thd RoPE)
-                                             pytest.param("deepseek_v3", ["trainer.max_tokens_per_gpu=40",
-                                                                          "trainer.adam_eps=1e-6"],
+                                             pytest.param("deepseek_v3", ["trainer.max_tokens_per_gpu=40"],
                                                           marks=pytest.mark.slow),
                                              # V2's softmax routing, unrenormalised and scaled, on padded rows
-                                             pytest.param("deepseek_v2", ["trainer.micro_batch_size=2",
-                                                                          "trainer.adam_eps=1e-6"],
+                                             pytest.param("deepseek_v2", ["trainer.micro_batch_size=2"],
                                                           marks=pytest.mark.slow)])
 def test_expert_parallel_matches_one_rank(family, batching, tmp_path):
     """Packed micro-batches (qwen2_moe) pack differently on the two ranks: split_to_count evens them.
@@ -268,9 +264,6 @@ def test_four_rank_expert_layouts_match_one_rank(layout, tmp_path):
     parallel, batching, local_experts, family, layers = FOUR_RANK_LAYOUTS[layout]
     model = make_hf_model(tmp_path / "model", family, vocab=VOCAB, layers=layers)
     spec = dict(model=str(model), num_samples=8, vocab=VOCAB, steps=3)
-    # Adam's first steps move every weight by about +-lr whatever its gradient's size: at the default
-    # eps a gradient of ~1e-9 summed in another order (four ranks) flips one weight by 1.3e-5.
-    batching = batching + ["trainer.adam_eps=1e-6"]
     ensure_single_rank_group()
     single = run_scenario({**spec, "overrides": COMMON + batching + ["trainer.megatron.moe_grouped_gemm=false"]})
     multi = launch(4, {**spec, "overrides": COMMON + batching + parallel + ["cluster.actor_num_gpus_per_node=4"]},
