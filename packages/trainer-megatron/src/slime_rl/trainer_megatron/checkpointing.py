@@ -19,8 +19,10 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from torch.distributed.checkpoint import FileSystemWriter
 
 from slime_rl.core.infra.safe_pickle import check_dcp_folder, refusals_named
+from slime_rl.core.run import disk_full
 from slime_rl.trainer_megatron.nonfinite import check_finite_state
 from slime_rl.trainer_megatron.optimizer import (
     allocate_state_for_loading,
@@ -38,6 +40,21 @@ TRAINER_INFO = "slime_rl_trainer.json"
 # so a resume on another TP/PP/DP layout reshards it; megatron-core's default format (per-rank flat
 # ranges, `fully_sharded_model_space`) cannot be written by 0.16's dist_checkpointing at all.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class DiskFullNamingWriter(FileSystemWriter):
+    """torch's synchronous writer, ENOSPC leaving it as `DiskFullError` on the rank that hit it. torch.distributed
+    .checkpoint pickles a rank's error to every rank, and its own ("enforce fail ... unexpected pos") holds the
+    OSError only in its ``__context__``, which pickling drops: without this no rank of a multi-rank save could
+    say "no space" (the driver fell back to how full the disk is, which misses a quota)."""
+
+    def write_data(self, plan, planner):
+        with disk_full.named_in(str(self.path)):
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata, results) -> None:
+        with disk_full.named_in(str(self.path)):
+            super().finish(metadata, results)
 
 
 class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
@@ -59,13 +76,12 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
         return True
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
-        from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint import save as dcp_save
 
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
         dcp_save(
             mcore_to_pyt_state_dict(sharded_state_dict, False),
-            storage_writer=FileSystemWriter(checkpoint_dir, thread_count=1, single_file_per_rank=True),
+            storage_writer=DiskFullNamingWriter(checkpoint_dir, thread_count=1, single_file_per_rank=True),
             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
         )
 

@@ -4,8 +4,9 @@ save; the partial step folder removed (a full disk had left 1 GB of it, and 85 l
 
 torch's writer turns ENOSPC into ``RuntimeError: [enforce fail ...] unexpected pos``, the OSError only
 in its ``__context__``, which pickling drops: so each trainer rank names it where it happens
-(`named_in`, around its save), and the driver (`save_guard`, around the whole save) also reads the
-messages and, for an error that says nothing, how full the disk is."""
+(`named_in`, around its save, and the Megatron trainer's writer around each write, before torch hands the
+error to the other ranks), and the driver (`save_guard`, around the whole save) also reads the messages and,
+for an error that says nothing, how full the disk is."""
 
 from __future__ import annotations
 
