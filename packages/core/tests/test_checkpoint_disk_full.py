@@ -4,7 +4,6 @@ checkpoint committed before is untouched."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import pickle
@@ -16,48 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter, save
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from slime_rl.core.config import RunFailedError, load_config
 from slime_rl.core.run import checkpoint, loop
 from slime_rl.core.run.actors import TrainerWorker
+from slime_rl.core.testing.full_disk import DiskThatFills
 
 SHARD_BYTES = 64 * 1024 * 4  # the stand-in trainer's one float32 tensor
-
-
-class _DiskThatFills:
-    """torch's file streams on a disk with ``room`` bytes left: a write past it writes what fits, then
-    raises ENOSPC, as write(2) does. Patched at torch's lowest file hook (FileSystem.create_stream)."""
-
-    def __init__(self, room: int):
-        self.room = room
-
-    def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real = FileSystem.create_stream
-
-        @contextlib.contextmanager
-        def create_stream(fs, path, mode):
-            with real(fs, path, mode) as stream:
-                yield _FillingStream(stream, self)
-
-        monkeypatch.setattr(FileSystem, "create_stream", create_stream)
-
-
-class _FillingStream:
-    def __init__(self, stream, disk: _DiskThatFills):
-        self._stream, self._disk = stream, disk
-
-    def write(self, data) -> int:
-        size = memoryview(data).nbytes
-        if size > self._disk.room:
-            self._stream.write(memoryview(data).cast("B")[:self._disk.room])
-            self._disk.room = 0
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self._disk.room -= size
-        return self._stream.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
 
 
 class _Trainer:
@@ -100,7 +64,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_folder(tmp_
     save_dir = tmp_path / "ckpt"
     loop._save(run, 1)  # a checkpoint committed before the disk fills
     committed = checkpoint.resume_point(save_dir)[1]
-    _DiskThatFills(room=SHARD_BYTES // 4).patch(monkeypatch)
+    DiskThatFills(room=SHARD_BYTES // 4).patch(monkeypatch)
     with pytest.raises(RunFailedError) as err:
         loop._save(run, 2)
     message = str(err.value)
@@ -116,7 +80,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_leaves_no_partial_folder(tmp_
 
 def test_the_first_save_on_a_full_disk_says_at_least_what_it_wrote(tmp_path, monkeypatch):
     run = _run(tmp_path)
-    _DiskThatFills(room=1000).patch(monkeypatch)
+    DiskThatFills(room=1000).patch(monkeypatch)
     with pytest.raises(RunFailedError, match=r"^no space left on device writing .*step_000001; free at least"):
         loop._save(run, 1)
     assert not (tmp_path / "ckpt" / "step_000001").exists()

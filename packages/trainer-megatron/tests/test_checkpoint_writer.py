@@ -4,8 +4,6 @@ its context, so the trainer's writer says "no space" on the rank that hit it, be
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import pickle
 import warnings
 
@@ -13,40 +11,15 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter, save
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from slime_rl.core.run import disk_full
+from slime_rl.core.testing.full_disk import DiskThatFills
 from slime_rl.trainer_megatron.checkpointing import DiskFullNamingWriter
-
-
-class _FullAfter:
-    """A file stream that takes ``room`` bytes, then writes what fits and raises ENOSPC, as write(2) does."""
-
-    def __init__(self, stream, room: int):
-        self._stream, self._room = stream, room
-
-    def write(self, data) -> int:
-        size = memoryview(data).nbytes
-        if size > self._room:
-            self._stream.write(memoryview(data).cast("B")[: self._room])
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self._room -= size
-        return self._stream.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
 
 
 @pytest.mark.parametrize("writer,names_it", [(FileSystemWriter, False), (DiskFullNamingWriter, True)])
 def test_no_space_reaches_the_other_ranks_only_from_the_trainers_writer(writer, names_it, tmp_path, monkeypatch):
-    real = FileSystem.create_stream
-
-    @contextlib.contextmanager
-    def create_stream(fs, path, mode):
-        with real(fs, path, mode) as stream:
-            yield _FullAfter(stream, room=1000)
-
-    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    DiskThatFills(room=1000).patch(monkeypatch)
     folder = tmp_path / "step_000001"
     with pytest.raises(CheckpointException) as caught, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
