@@ -62,8 +62,10 @@ class PackedSequences(PackedSeqParams):
     def pad_index(self, device: torch.device) -> torch.Tensor:
         """Row of each packed token in the flattened ``[batch, longest]`` layout."""
         if device not in self._pad_index:
-            longest = self.max_seqlen_q
-            index = torch.cat([torch.arange(n) + j * longest for j, n in enumerate(self.seq_lens)])
+            # token t of sequence j sits at j * longest + (t - start of j): no loop over sequences
+            lens = torch.tensor(self.seq_lens)
+            starts = torch.arange(len(lens)) * self.max_seqlen_q - (lens.cumsum(0) - lens)
+            index = torch.arange(int(lens.sum())) + starts.repeat_interleave(lens)
             self._pad_index[device] = index.to(device)
         return self._pad_index[device]
 
