@@ -49,18 +49,33 @@ def test_a_server_that_never_becomes_healthy_fails_with_its_log_and_is_stopped(t
 def test_servers_start_with_a_health_endpoint_that_does_not_generate(tiny_model, standin_python, tmp_path):
     """SGLang's /health generates a token and answers 503 after 20 s without output, which a server busy with
     long generations does; the monitor then restarted healthy engines mid-rollout (issue 16, on the H200)."""
-    server = start_server(0, str(tiny_model), log_dir=tmp_path, python=standin_python,
+    environ = environ_of_a_server(tiny_model, standin_python, tmp_path)
+    assert environ["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
+    assert "SGLANG_VLM_CACHE_SIZE_MB" not in environ  # a text model has no image cache to turn off
+
+
+def test_a_vision_language_server_starts_without_the_image_embedding_cache(standin_python, tmp_path):
+    """SGLang keeps each image's vision-tower output by its pixels and never clears it, not on a weight update:
+    a seen image would keep the embedding of the weights it was first seen under (the tower trains)."""
+    from slime_rl.core.testing import tiny_vl_model_folder
+
+    model = tiny_vl_model_folder(tmp_path / "vl", "qwen2_5_vl")
+    assert environ_of_a_server(model, standin_python, tmp_path)["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
+
+
+def environ_of_a_server(model, standin_python, tmp_path) -> dict[str, str]:
+    """The environment a server process of ``model`` was started with (it never becomes healthy)."""
+    server = start_server(0, str(model), log_dir=tmp_path, python=standin_python,
                           engine_args={"standin_never_healthy": True})
     try:
         # Between fork and exec /proc/PID/environ still shows this process's environment: wait for the exec
         # (the server's own command line; read too early, the variable was missing on a loaded machine)
         deadline = time.monotonic() + 60
-        while str(tiny_model) not in open(f"/proc/{server.process.pid}/cmdline").read():
+        while str(model) not in open(f"/proc/{server.process.pid}/cmdline").read():
             assert time.monotonic() < deadline, "the server process did not exec within 60 s"
             time.sleep(0.05)
-        environ = dict(item.split("=", 1) for item in
-                       open(f"/proc/{server.process.pid}/environ").read().split("\0") if "=" in item)
-        assert environ["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false"
+        return dict(item.split("=", 1) for item in
+                    open(f"/proc/{server.process.pid}/environ").read().split("\0") if "=" in item)
     finally:
         server.process.stop()
 

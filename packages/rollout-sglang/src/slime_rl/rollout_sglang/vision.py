@@ -4,7 +4,8 @@ SGLang 0.5.17 re-runs the HF processor on a request with ``image_data``, so it i
 image pad per image (`request`) and expands them itself; its answer's ``meta_info.prompt_tokens`` must then
 equal our prompt's length (`check_prompt_tokens`), else the engine scored another prompt than the trainer
 will and the request fails with the reason. The launch keeps SGLang's tokenizer for a vision-language model
-(the processor decodes the ids) and sets a vision attention backend the GPU bundle has (`launch_flags`).
+(the processor decodes the ids) and sets a vision attention backend the GPU bundle has (`launch_flags`), with
+SGLang's image-embedding cache off (`launch_env`: it would outlive weight syncs).
 """
 
 from __future__ import annotations
@@ -72,6 +73,16 @@ def launch_flags(model_path: str | Path) -> dict[str, Any]:
     if not serves_images(model_path):
         return {}
     return {"skip_tokenizer_init": False, "mm_attention_backend": MM_ATTENTION_BACKEND}
+
+
+def launch_env(model_path: str | Path) -> dict[str, str]:
+    """Environment a vision-language model's server needs: no image-embedding cache. SGLang 0.5.17 keeps each
+    image's vision-tower output by the image's pixels (``SGLANG_VLM_CACHE_SIZE_MB``, 100 MB) and never clears
+    it, neither on a flush nor on a weight update: after a sync a seen image would keep the embedding of the
+    weights it was first seen under (the vision tower trains unless ``trainer.freeze_vision_tower``), and
+    rollouts and evals would come from another policy than the trainer's. SGLang turns it off itself for its
+    RL on-policy mode (server_args.py ``_handle_deterministic_inference``)."""
+    return {"SGLANG_VLM_CACHE_SIZE_MB": "0"} if serves_images(model_path) else {}
 
 
 def request(input_ids: list[int], images: list[str], model_path: str | Path) -> tuple[list[int], list[str]]:
