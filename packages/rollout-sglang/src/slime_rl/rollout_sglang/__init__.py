@@ -5,6 +5,8 @@
 - `settings`: ``rollout.sglang``, the engine's own config keys (light: the config loader imports it)
 - `launch`: where the servers start (the placement plan's GPUs), launching or attaching them with the router
 - `server`: SGLang server subprocesses and the health wait
+- `model_fixes`: what SGLang's own model classes get wrong for weight syncs, fixed by the classes of
+  `sglang_models` (SGLang's external model package, imported only by SGLang's processes)
 - `router`: sglang-router on loopback, worker registration
 - `client`: the async ``/generate`` client
 - `weights`: the weight path into the servers (docs/backends.md, "How weights reach the engines"): SGLang's

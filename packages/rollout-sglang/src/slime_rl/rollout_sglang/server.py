@@ -18,7 +18,7 @@ import httpx
 from slime_rl.core.config.positions import ModelPositions
 from slime_rl.core.infra.leftovers import KEYS_PREFIX, private_folder
 from slime_rl.core.infra.net import port_to_bind_later
-from slime_rl.rollout_sglang import vision
+from slime_rl.rollout_sglang import model_fixes, vision
 from slime_rl.rollout_sglang.keys import EngineKeys, bearer
 from slime_rl.rollout_sglang.process import ChildProcess, start_process
 from slime_rl.rollout_sglang.settings import OWN_FLAGS, flag_name
@@ -153,7 +153,7 @@ def start_server(index: int, model_path: str, *, log_dir: str | Path, python: st
     # which a busy server does during long generations: the health monitor then restarted healthy engines
     # in the middle of a rollout (docs/gpu-results.md, issue 16). A hung scheduler is SGLang's watchdog's to end.
     child_env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
-    for key, value in vision.launch_env(model_path).items():
+    for key, value in {**vision.launch_env(model_path), **model_fixes.launch_env(model_path)}.items():
         child_env.setdefault(key, value)
     model = ModelPositions.of_folder(model_path)
     if model is not None and int(engine_args.get("context_length") or 0) > model.max_position_embeddings:
