@@ -4,17 +4,18 @@ CPU (checked here, a random tiny Qwen3-MoE):
     python benchmarks/moe_step_profile.py --device cpu --shape tiny-moe --dtype float32
 GPU (stage ``bench-moe-ab`` of scripts/gpu/run.sh, bench-moe's batch):
     python benchmarks/moe_step_profile.py --device cuda --shape qwen3-30b-a3b-reduced --samples 16 \\
-        --prompt-len 512 --response-len 512 --micro-batch-size 8 --variants as-is rope-per-sequence megatron-dispatch
+        --prompt-len 512 --response-len 512 --micro-batch-size 8 --variants as-is megatron-dispatch
 
 One trainer is built; each variant switches a code path of it in place, then runs ``--warmup`` updates
 and ``--steps`` timed ones (``compute_log_probs`` then ``train_step``, as trainer_throughput.py times
 them) and one profiled update. Variants:
 
 - ``as-is``: the trainer as it is;
-- ``rope-per-sequence``: packed RoPE as before 82d8156, one compiled call per sequence, no host copy
-  (the code of the 4342bcc bench-moe record);
+- ``rope-per-sequence``: packed RoPE as before 82d8156, one compiled call per sequence, no host copy;
 - ``rope-device-positions``: today's one call per row, its position index built on the device (no
   host-to-device copy, which syncs the stream);
+  both replace the packed (thd) RoPE only: they change nothing unless ``--max-tokens-per-gpu`` packs the
+  micro-batches (bench-moe's, by ``--micro-batch-size`` alone, are padded);
 - ``megatron-dispatch``: megatron-core's alltoall dispatcher as it is (its device-to-host copy of the
   token counts and a stream sync per layer, its identity sort over the local experts) instead of
   moe.LocalDispatcher.
@@ -274,6 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--response-len", type=int, default=16)
     p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="packed micro-batches of this token budget (default: by --micro-batch-size, padded)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--top", type=int, default=20, help="top ops of the train step (0: none)")
@@ -281,7 +284,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model-dir", type=Path, default=None)
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    args.max_tokens_per_gpu = None
     model_dir = make_model(args.shape, args.model_dir or Path(tempfile.gettempdir()) / f"slime-rl-bench-{args.shape}")
     samples = make_samples(args.samples, args.prompt_len, args.response_len, SHAPES[args.shape][1], jitter=0)
     batch = megatron_batch(samples)

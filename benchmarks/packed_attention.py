@@ -8,7 +8,8 @@ measurement `trainer.megatron.packed_attention: auto` is chosen by.
 Rows: SmolLM2-135M's heads (9 query / 3 KV of 64) on the real-model run's micro-batch (128 x ~40
 tokens) and on a long tail (32 samples of 50-4,000 tokens); Qwen2.5-1.5B's (12 / 2 of 128) on an
 RL mix (128 samples, responses log-normal up to 8k). Each kernel's output and input gradients are
-compared with the per-sequence path's (max |difference|).
+compared with the per-sequence path's (max |difference|). flex_attention's block mask is built once per
+micro-batch, outside the timing, as a trainer would share it across the layers.
 """
 
 from __future__ import annotations
@@ -71,15 +72,24 @@ def flex_document_attention(heads: int, kv_heads: int):
     except ImportError:
         return None
     compiled = torch.compile(flex_attention, dynamic=False)
+    masks = {}  # a trainer builds a micro-batch's mask once for all its layers: built here once per workload
+
+    def block_mask(params, device):
+        key = (params.seq_lens, device)
+        if key not in masks:
+            document = torch.repeat_interleave(torch.arange(len(params.seq_lens), device=device),
+                                               torch.tensor(params.seq_lens, device=device))
+
+            def causal_document(b, h, q_idx, kv_idx):
+                return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+
+            tokens = sum(params.seq_lens)
+            masks.clear()  # one workload's at a time (uncompiled, the build holds tokens^2 booleans)
+            masks[key] = create_block_mask(causal_document, None, None, tokens, tokens, device=device)
+        return masks[key]
 
     def run(q, k, v, params):
-        document = torch.repeat_interleave(torch.arange(len(params.seq_lens), device=q.device),
-                                           torch.tensor(params.seq_lens, device=q.device))
-
-        def causal_document(b, h, q_idx, kv_idx):
-            return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
-
-        mask = create_block_mask(causal_document, None, None, q.shape[0], q.shape[0], device=q.device)
+        mask = block_mask(params, q.device)
         out = compiled(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), block_mask=mask,
                        enable_gqa=heads != kv_heads)
         return out.squeeze(0).transpose(0, 1).reshape(q.shape[0], -1)

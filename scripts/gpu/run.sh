@@ -151,7 +151,8 @@ for stage in "$@"; do
     e2e-lora-1.5b) cmd=(python3 -m pytest -x -q -s -m gpu tests/e2e/test_gpu_e2e.py -k "test_g_lora and 1.5b" -p no:cacheprovider) ;;
     e2e-offload) cmd=(python3 -m pytest -x -q -s -m gpu "tests/e2e/test_gpu_e2e.py::test_f_colocated_grpo_through_slime_cli[offload]" -p no:cacheprovider) ;;
     bench-trainer) cmd=(python3 benchmarks/trainer_throughput.py --device cuda --shape qwen2.5-1.5b --samples 16
-                        --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --memory-tokens 16384 --profile 25) ;;
+                        --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 16 --max-tokens-per-gpu 16384
+                        --memory-tokens 16384 --profile 25) ;;
     bench-attention) cmd=(python3 benchmarks/packed_attention.py --device cuda --repeats 20) ;;
     trainer-varlen) cmd=(python3 -m pytest -x -q -s -m gpu packages/trainer-megatron/tests/test_megatron_gpu.py
                          -k "varlen or log_probs_match" -p no:cacheprovider) ;;
@@ -179,7 +180,7 @@ for stage in "$@"; do
     bench-moe-ab) cmd=(bash scripts/gpu/moe_ab.sh "$logs") ;;
     profile-moe) cmd=(timeout 300 python3 benchmarks/moe_step_profile.py --device cuda --shape qwen3-30b-a3b-reduced
                       --samples 16 --prompt-len 512 --response-len 512 --micro-batch-size 8 --top 25
-                      --variants as-is rope-per-sequence rope-device-positions megatron-dispatch) ;;
+                      --variants as-is megatron-dispatch) ;;
     moe-replay) cmd=(timeout 400 python3 benchmarks/moe_replay_gap.py --shape qwen3-30b-a3b-reduced --prompts 16
                      --new-tokens 64 --work-dir /tmp/moe-replay) ;;
     # 65.4 GiB of weights, gradients and Adam states for the two contenders (deepseek_shapes.py): micro-batches of
