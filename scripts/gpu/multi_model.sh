@@ -23,6 +23,7 @@ case $what in
       "$logs/ppo/real-model/addition/metrics.jsonl" || rc=1
     exit $rc ;;
   teacher)
+    rm -rf "$teacher/checkpoints"  # a rerun on the same machine: the run refuses a folder of an earlier run's
     REAL_MODEL_OVERRIDES="checkpoint.save_hf=true checkpoint.save_dir=$teacher/checkpoints" \
       bash scripts/gpu/real_model.sh "$logs/opd-teacher" addition
     rc=$?

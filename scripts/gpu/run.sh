@@ -52,8 +52,9 @@
 # real-model (issue 16: SmolLM2-135M-Instruct learning addition and reasoning-gym chain_sum through slime-cli;
 # pack it first with scripts/gpu/pack_smollm2.sh; ~11 min, more than one device call holds),
 # real-model-addition, real-model-chain-sum (one task each, ~5.5 min on one H200).
-# gateway (issue 40: examples/react_agent's agent through the gateway in front of SGLang: added latency per call,
-# median and p99, the gateway's share of the wall time, the prefix-cache hit rate; then trained through slime-cli).
+# gateway-bench (issue 40: examples/react_agent's agent through the gateway in front of SGLang: added latency per
+# call, median and p99, the gateway's share of the wall time, the prefix-cache hit rate; ~4 min), gateway-train
+# (the same agent trained through slime-cli, decode CUDA graphs on: the gateway's share of each step; ~6 min).
 # Issue 39: roles-sglang (a teacher's prefill log-probs, scalar reward models of the llama, qwen2 and qwen3
 # families through --is-embedding and /classify, a judge's text, all against transformers; frozen: the role's
 # key opens no admin endpoint), ppo-real-model (PPO with GAE and a critic on the real-model addition task;
@@ -118,7 +119,10 @@ for stage in "$@"; do
            --engine-args "${FP8_ENGINE_ARGS:-null}") ;;
     bench-fp8-sync) cmd=(timeout 580 python3 benchmarks/fp8_rollout.py sync --json "$logs/$stage.json") ;;
     bench-fp8-table) cmd=(bash -c 'python3 benchmarks/fp8_rollout.py table "$0"/bench-fp8-*.json' "$logs") ;;
-    gateway) cmd=(timeout 580 python3 -m pytest -q -s -m gpu tests/e2e/test_gpu_gateway.py -p no:cacheprovider) ;;
+    gateway-bench) cmd=(timeout 580 python3 -m pytest -q -s -m gpu tests/e2e/test_gpu_gateway.py -k test_a
+                        -p no:cacheprovider) ;;
+    gateway-train) cmd=(timeout 580 python3 -m pytest -q -s -m gpu tests/e2e/test_gpu_gateway.py -k test_b
+                        -p no:cacheprovider) ;;
     lora-smoke) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -k smoke
                      -p no:cacheprovider) ;;
     lora) cmd=(python3 -m pytest -x -q -s -m gpu packages/rollout-sglang/tests/test_sglang_lora_gpu.py -p no:cacheprovider) ;;

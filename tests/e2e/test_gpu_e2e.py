@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cut_runs import run_printing
 
 from slime_rl.core.batch import RolloutBatch
 from slime_rl.core.config import load_config
@@ -48,11 +49,17 @@ def train_through_slime_cli(config: dict, *, tokenizer: Path, work: Path, timeou
     (work / "config.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "TOY_TOKENIZER": str(tokenizer),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "support"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "slime_rl.cli.app", "train", str(work / "config.yaml")],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    metrics = work / "run" / "metrics.jsonl"
+    try:
+        done = run_printing([sys.executable, "-m", "slime_rl.cli.app", "train", str(work / "config.yaml")],
+                            env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:  # the steps it finished say how far it got, and at what pace
+        rows = metrics.read_text().splitlines() if metrics.is_file() else []
+        print(f"[run cut at {timeout} s] {len(rows)} rows of metrics; the last:", *rows[-3:], sep="\n")
+        raise
     print(done.stdout[-4000:], done.stderr[-4000:])
     assert done.returncode == 0
-    return [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def test_b_logprob_parity_sglang_vs_megatron(gpu_model, tmp_path, monkeypatch):
