@@ -144,6 +144,31 @@ def test_the_check_catches_a_stale_scale_and_the_restore_copy_stays_fp8(model_64
         asyncio.run(engine.shutdown())
 
 
+def test_without_our_model_package_a_llamas_scales_never_load_and_the_check_says_so(model_64, standin_python,
+                                                                                      tmp_path, monkeypatch):
+    """SGLang's own LlamaForCausalLM renames every ``weight_scale_inv`` to a name no block-FP8 layer has (the
+    stand-in does as it does): a server of a Llama gets our model package (model_fixes.py) unless the user's
+    environment names another, and then the sync's check fails on the first projection instead of serving
+    weights of scale float32-min."""
+    monkeypatch.setenv("SGLANG_EXTERNAL_MODEL_PACKAGE", "someone_elses.models")
+    cfg = fp8_config(model_64, standin_python, tmp_path, update_weight_transport="tensor")
+    engine = SGLangEngine.from_config(cfg)
+    sender = SGLangWeightSender(cfg, rank=0)
+    try:
+        assert held(engine, f"{O_PROJ}_scale_inv").eq(torch.finfo(torch.float32).min).all()  # never loaded at start
+
+        async def sync() -> None:
+            targets = await engine.begin_weight_sync(1, transport="tensor")
+            sender.send(iter([trained(model_64, 0.8)]), targets, version=1, transport="tensor")
+            await engine.end_weight_sync(1)
+
+        with pytest.raises(WeightSyncError, match=r"proj\.weight .*engine checksum"):
+            asyncio.run(sync())
+    finally:
+        sender.restore.writes.wait()
+        asyncio.run(engine.shutdown())
+
+
 def test_server_flags_follow_the_models_blocks_and_the_kv_cache_option(model_64, tiny_model, tmp_path):
     args = engine_args(fp8_config(model_64, "python", tmp_path, kv_cache_dtype="fp8_e4m3"))
     assert args["kv_cache_dtype"] == "fp8_e4m3" and args["fp8_gemm_backend"] == "triton"  # 32x32 blocks

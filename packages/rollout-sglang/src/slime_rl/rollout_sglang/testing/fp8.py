@@ -8,11 +8,31 @@ listed on its own."""
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 
 SCALE_SUFFIX = "weight_scale_inv"
 FP8_DTYPE = torch.float8_e4m3fn
+
+
+def scales_dropped(hf_config: dict) -> bool:
+    """Whether this server, as SGLang 0.5.17 would, loads no block-FP8 scale: its own ``LlamaForCausalLM`` renames
+    every ``*.weight_scale_inv`` to ``*.weight_scale``, a name no block-FP8 layer has, unless our model package
+    replaces it (rollout_sglang/model_fixes.py, which every server we start of a Llama gets)."""
+    from slime_rl.rollout_sglang.model_fixes import PACKAGE
+
+    return ("LlamaForCausalLM" in (hf_config.get("architectures") or ())
+            and os.environ.get("SGLANG_EXTERNAL_MODEL_PACKAGE") != PACKAGE)
+
+
+def as_loaded(weights: dict[str, torch.Tensor], *, scales_dropped: bool) -> dict[str, torch.Tensor]:
+    """A folder's ``weights`` as the server holds them after its start: with ``scales_dropped`` every block scale
+    as SGLang leaves one it never loaded, float32's minimum."""
+    if not scales_dropped:
+        return weights
+    return {name: torch.full_like(t, torch.finfo(torch.float32).min) if name.endswith(f".{SCALE_SUFFIX}") else t
+            for name, t in weights.items()}
 
 
 def held(param: torch.Tensor, loaded: torch.Tensor) -> torch.Tensor:

@@ -1,22 +1,20 @@
 # ruff: noqa: E402  (the first log line is printed before the slow imports)
 """TEST DOUBLE: a stand-in for an SGLang 0.5.17 HTTP server, for CPU tests only.
 
-SGLang needs a GPU, so CPU tests put this process behind the real sglang-router. It
-answers the endpoints slime-rl uses with SGLang's request and response shapes
-(sglang/srt/entrypoints/http_server.py and managers/io_struct.py of 0.5.17), but its
-"model" is a deterministic function: the next token is a hash of the context and of
-the loaded weights, so a weight update visibly changes what it generates. Weights are
-real tensors (loaded from the model folder's safetensors, replaced by the update
-endpoints, read back by /get_weights_by_name and checksummed by /weights_checker); the
-NCCL path joins a real torch.distributed group (gloo on CPU).
+SGLang needs a GPU, so CPU tests put this process behind the real sglang-router. It answers the endpoints
+slime-rl uses with SGLang's request and response shapes (sglang/srt/entrypoints/http_server.py and
+managers/io_struct.py of 0.5.17), but its "model" is a deterministic function: the next token is a hash of the
+context and of the loaded weights, so a weight update visibly changes what it generates. Weights are real
+tensors (loaded from the model folder's safetensors, replaced by the update endpoints, read back by
+/get_weights_by_name and checksummed by /weights_checker); the NCCL path joins a real torch.distributed group
+(gloo on CPU).
 
-Run as ``python server.py --model-path DIR --host H --port P [SGLang flags]``;
-unknown SGLang flags are accepted and reported in /server_info like SGLang does. ``--config
-FILE.yaml`` is merged into the flags as SGLang does. ``--api-key`` and ``--admin-api-key`` are
-enforced with SGLang's rules (`auth_decision`, a copy of ``srt/utils/auth.py``'s
-``decide_request_auth`` with the endpoint levels of ``srt/entrypoints/http_server.py``).
-Stand-in-only flags start with ``--standin-``. ``GET /standin/state`` reports what the
-server saw (requests, weight updates, pauses, flushes) so tests can check it.
+Run as ``python server.py --model-path DIR --host H --port P [SGLang flags]``; unknown SGLang flags are
+accepted and reported in /server_info like SGLang does. ``--config FILE.yaml`` is merged into the flags as
+SGLang does. ``--api-key`` and ``--admin-api-key`` are enforced with SGLang's rules (`auth_decision`, a copy
+of ``srt/utils/auth.py``'s ``decide_request_auth`` with the endpoint levels of
+``srt/entrypoints/http_server.py``). Stand-in-only flags start with ``--standin-``. ``GET /standin/state``
+reports what the server saw (requests, weight updates, pauses, flushes) so tests can check it.
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from slime_rl.rollout_sglang.testing import fp8
 from slime_rl.rollout_sglang.testing.auth import ADMIN_OPTIONAL, auth_decision, auth_middleware  # noqa: F401 (re-exported)
 from slime_rl.rollout_sglang.testing.checks import context_length, request_error
 from slime_rl.rollout_sglang.testing.custom_loader import (
@@ -46,7 +45,6 @@ from slime_rl.rollout_sglang.testing.custom_loader import (
     load_tensor_payload,
     scheduler_crash,
 )
-from slime_rl.rollout_sglang.testing.fp8 import held, weight_checksums
 from slime_rl.rollout_sglang.testing.gate import ModelGate, RequestAborted
 from slime_rl.rollout_sglang.testing.lora import LoraError, LoraRegistry, add_flags
 from slime_rl.rollout_sglang.testing.nccl import join_group, receive_broadcast
@@ -108,7 +106,8 @@ class StandinServer:
         eos = self.hf_config.get("eos_token_id")  # a random model made from a bare config has none
         self.eos_token_id = int(eos) if eos is not None else None
         self.context_len = context_length(args.context_length, self.hf_config)
-        self.weights = self._load_folder(model_dir)
+        self.scales_dropped = fp8.scales_dropped(self.hf_config)  # SGLang's own Llama loads no block-FP8 scale
+        self.weights = fp8.as_loaded(self._load_folder(model_dir), scales_dropped=self.scales_dropped)
         self.weight_version = "default"
         self.started_at = time.time()
         self.gate = ModelGate()  # SGLang's pause and model-update lock (gate.py)
@@ -430,11 +429,13 @@ class StandinServer:
 
     def _apply(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         for name, tensor in named:
+            if self.scales_dropped and name.endswith(f".{fp8.SCALE_SUFFIX}"):
+                continue  # renamed to a parameter the model does not have: SGLang skips it
             if name not in self.weights:
                 raise KeyError(f"unknown parameter {name}")
             if tuple(tensor.shape) != tuple(self.weights[name].shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(self.weights[name].shape)}")
-            self.weights[name] = held(self.weights[name], tensor)  # in the parameter's dtype (testing/fp8.py)
+            self.weights[name] = fp8.held(self.weights[name], tensor)  # in the parameter's dtype (testing/fp8.py)
         if version is not None:
             self.weight_version = version
 
@@ -528,7 +529,7 @@ class StandinServer:
         body = await _json_or_empty(request)
         if body.get("action", "checksum") != "checksum":
             return _error(f"Unsupported action={body.get('action')!r}")
-        checksums = weight_checksums(self.weights)  # FP8 (weight, scale) pairs as SGLang hashes them (testing/fp8.py)
+        checksums = fp8.weight_checksums(self.weights)  # FP8 (weight, scale) pairs as SGLang hashes them (testing/fp8.py)
         overall = hashlib.sha256()
         for name in sorted(checksums):
             overall.update(name.encode())

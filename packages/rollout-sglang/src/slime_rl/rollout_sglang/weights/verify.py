@@ -69,19 +69,29 @@ def _comparable(name: str, tensor: torch.Tensor, tp_size: int) -> bool:
 
 def check_sample(named_tensors: NamedTensors, *, tp_size: int = 1, every: bool = False) -> dict[str, str]:
     """What `check_weights` compares after a sync: the checksums of a bucket's first and last tensors
-    that an engine of ``tp_size`` holds whole (``every``: all of them). An FP8 weight (rollout.precision=fp8)
-    is checked as SGLang's checker reports it: its (bytes, scales) pair dequantised to bf16 under the
-    weight's name; the scale has no checksum of its own."""
+    that an engine of ``tp_size`` holds whole (``every``: all of them), and its first FP8 weight with its scale
+    (rollout.precision=fp8: a bucket's first and last are often an embedding and a norm, which never show a
+    scale the engine dropped). An FP8 weight is checked as SGLang's checker reports it: its (bytes, scales)
+    pair dequantised to bf16 under the weight's name; the scale has no checksum of its own."""
     scales = {n: t for n, t in named_tensors if n.endswith(f".{FP8_SCALE}")}
     candidates = [(n, t) for n, t in named_tensors if n not in scales and _comparable(n, t, tp_size)]
     picked = candidates if every else candidates[:1] + candidates[-1:]
+    if not every:
+        pair = next(((n, t) for n, t in candidates if t.dtype == fp8.FP8_DTYPE and _scale_name(n) in scales), None)
+        if pair is not None and pair[0] not in {n for n, _ in picked}:
+            picked.append(pair)
     out = {}
     for name, tensor in picked:
-        scale = scales.get(f"{name[: -len('weight')]}{FP8_SCALE}") if tensor.dtype == fp8.FP8_DTYPE else None
+        scale = scales.get(_scale_name(name)) if tensor.dtype == fp8.FP8_DTYPE else None
         if tensor.dtype == fp8.FP8_DTYPE and scale is None:
             continue  # its scale went in another bucket: SGLang hashes the pair, this bucket cannot
         out[name] = tensor_checksum(as_sglang_holds(name, tensor) if scale is None else _dequantized(tensor, scale))
     return out
+
+
+def _scale_name(weight_name: str) -> str:
+    """``...q_proj.weight`` -> ``...q_proj.weight_scale_inv``."""
+    return f"{weight_name[: -len('weight')]}{FP8_SCALE}"
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
