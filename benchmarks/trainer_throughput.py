@@ -272,63 +272,97 @@ def make_baseline(args, model_dir: Path):
 
 def step_table(args, model_dir: Path, samples) -> tuple[list[dict], dict]:
     """(the table's rows, per contender: (kernel or op count of one train step, what it counts,
-    micro-batch `Balance`))."""
+    micro-batch `Balance`)). One contender at a time, the first freed before the second is built: held at once,
+    their weights, gradients and Adam states outgrew an H100 at the 1.5B and 30B-A3B-reduced shapes (both ran
+    only on H200s); each contender's figures are still taken in the same process, on the same machine."""
     batch = megatron_batch(samples)
     lengths = [len(s.tokens) for s in samples]
-    tokens = sum(lengths)
     flops = model_flops(args.shape, lengths)
-    rows = []
-    holder: dict = {}  # the timed lambdas leave the log-probs here; each iteration overwrites them
+    rows, figures = [], {}
+    for name, contender in (("megatron", megatron_contender), ("transformers", transformers_contender)):
+        contender_rows, figures[name] = contender(args, model_dir, samples, batch, lengths, flops)
+        rows += contender_rows
+        free_device_memory(args.device, after=name)
+    return rows, figures
+
+
+def megatron_contender(args, model_dir: Path, samples, batch, lengths, flops) -> tuple[list[dict], tuple]:
     trainer = megatron_trainer(model_dir, args)
     grouped_mm_calls = {"calls": 0}
-    baseline = make_baseline(args, model_dir)
-    for threads in args.threads if args.device == "cpu" else [None]:
-        if threads:
-            torch.set_num_threads(threads)
-        for name in ("megatron", "transformers"):
-            lp_times, train_times = [], []
-            for it in range(args.warmup + args.steps):
-                if name == "megatron":
-                    with counting_grouped_mm(grouped_mm_calls):
-                        lp = timed(lambda: holder.update(lp=trainer.compute_log_probs(batch)), args.device)
-                        batch.old_log_probs = holder["lp"]
-                        tr = timed(lambda: trainer.train_step(batch), args.device)
-                else:
-                    lp = timed(lambda: holder.update(lp=baseline.log_probs(samples)), args.device)
-                    tr = timed(lambda: baseline.train_step(samples, holder["lp"]), args.device)
-                if it >= args.warmup:
-                    lp_times.append(lp)
-                    train_times.append(tr)
-            # 1 thread on a shared CPU: CPU seconds are the steadier figure; otherwise wall time
-            pick = 1 if (args.device == "cpu" and threads == 1) else 0
-            lp_s = min(t[pick] for t in lp_times)
-            tr_s = min(t[pick] for t in train_times)
-            rows.append(dict(contender=name, threads=threads, log_probs_s=lp_s, train_step_s=tr_s,
-                             total_s=lp_s + tr_s, train_tok_s=tokens / tr_s,
-                             mfu=flops / tr_s / (args.peak_tflops * 1e12) if args.peak_tflops else None,
-                             wall_train_s=statistics.median(t[0] for t in train_times)))
+
+    def update() -> tuple[tuple[float, float], tuple[float, float]]:
+        with counting_grouped_mm(grouped_mm_calls):
+            lp = timed(lambda: setattr(batch, "old_log_probs", trainer.compute_log_probs(batch)), args.device)
+            return lp, timed(lambda: trainer.train_step(batch), args.device)
+
+    rows = timed_rows(args, "megatron", update, sum(lengths), flops)
     if args.shape in MOE:  # which experts the trainer ran, and whether the grouped GEMM served them
         experts = sorted({type(m).__name__ for n, m in trainer.model.named_modules() if n.endswith("mlp.experts")})
         updates = (args.warmup + args.steps) * len(args.threads if args.device == "cpu" else [None])
         print(f"MoE experts: {', '.join(experts)}; torch._grouped_mm calls per Megatron update:"
               f" {grouped_mm_calls['calls'] / updates:.0f}")
-    # one more train step of each, profiled: what it launches (the old log-probs of the last timed update),
-    # and the micro-batches the trainer made for it, as it made them
+    # one more train step, profiled: what it launches (the old log-probs of the last timed update), and the
+    # micro-batches the trainer made for it, as it made them
     trainer_groups: list[list[list[int]]] = []
     with recording_group_rows(trainer_groups):
-        trainer_launches = launches(lambda: trainer.train_step(batch), args.device)
+        count, what = launches(lambda: trainer.train_step(batch), args.device)
     if not trainer_groups:
         raise RuntimeError("the trainer's train_step made its micro-batches without"
                            " trainer_megatron.batching.group_rows: update recording_group_rows")
-    figures = {
-        "megatron": (*trainer_launches,
-                     balance(trainer_groups[-1], lengths, padded=args.max_tokens_per_gpu is None)),
-        "transformers": (*launches(lambda: baseline.train_step(samples, holder["lp"]), args.device),
-                         balance(baseline.groups(lengths), lengths, padded=True)),
-    }
     if args.profile:
-        profile_updates(args, samples, batch, trainer, baseline)
-    return rows, figures
+        profile_update(args, "megatron", lambda: trainer.train_step(batch))
+    return rows, (count, what, balance(trainer_groups[-1], lengths, padded=args.max_tokens_per_gpu is None))
+
+
+def transformers_contender(args, model_dir: Path, samples, batch, lengths, flops) -> tuple[list[dict], tuple]:
+    baseline = make_baseline(args, model_dir)
+    holder: dict = {}  # the timed lambdas leave the log-probs here; each iteration overwrites them
+
+    def update() -> tuple[tuple[float, float], tuple[float, float]]:
+        lp = timed(lambda: holder.update(lp=baseline.log_probs(samples)), args.device)
+        return lp, timed(lambda: baseline.train_step(samples, holder["lp"]), args.device)
+
+    rows = timed_rows(args, "transformers", update, sum(lengths), flops)
+    count, what = launches(lambda: baseline.train_step(samples, holder["lp"]), args.device)
+    if args.profile:
+        profile_update(args, "transformers", lambda: baseline.train_step(samples, holder["lp"]))
+    return rows, (count, what, balance(baseline.groups(lengths), lengths, padded=True))
+
+
+def timed_rows(args, name: str, update, tokens: int, flops: float) -> list[dict]:
+    """``--warmup`` then ``--steps`` timed updates (``update()``: the (wall, CPU) seconds of the log-prob pass and
+    of the train step) per thread count: the best of each, as one table row."""
+    rows = []
+    for threads in args.threads if args.device == "cpu" else [None]:
+        if threads:
+            torch.set_num_threads(threads)
+        lp_times, train_times = [], []
+        for it in range(args.warmup + args.steps):
+            lp, tr = update()
+            if it >= args.warmup:
+                lp_times.append(lp)
+                train_times.append(tr)
+        # 1 thread on a shared CPU: CPU seconds are the steadier figure; otherwise wall time
+        pick = 1 if (args.device == "cpu" and threads == 1) else 0
+        lp_s = min(t[pick] for t in lp_times)
+        tr_s = min(t[pick] for t in train_times)
+        rows.append(dict(contender=name, threads=threads, log_probs_s=lp_s, train_step_s=tr_s,
+                         total_s=lp_s + tr_s, train_tok_s=tokens / tr_s,
+                         mfu=flops / tr_s / (args.peak_tflops * 1e12) if args.peak_tflops else None,
+                         wall_train_s=statistics.median(t[0] for t in train_times)))
+    return rows
+
+
+def free_device_memory(device: str, *, after: str) -> None:
+    """Release what a contender held before the next is built (its objects are gone with its function's frame)."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        print(f"after {after}: peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated, "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB still held", flush=True)
+        torch.cuda.reset_peak_memory_stats()
 
 
 @contextlib.contextmanager
@@ -369,22 +403,18 @@ def counting_grouped_mm(counter: dict):
         torch._grouped_mm = real
 
 
-def profile_updates(args, samples, batch, trainer, baseline) -> None:
-    """Where one update's time goes: the top ops of each contender by self device time."""
+def profile_update(args, name: str, step) -> None:
+    """Where one update's time goes: ``step()`` (one train step of contender ``name``), its top ops by self device
+    time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     sort_by = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
-    old_log_probs = baseline.log_probs(samples)  # the trainer's batch carries its own already
-    for name in ("megatron", "transformers"):
-        with profile(activities=activities) as prof:
-            if name == "megatron":
-                trainer.train_step(batch)
-            else:
-                baseline.train_step(samples, old_log_probs)
-            sync(args.device)
-        print(f"\n## profile: one {name} train step, top {args.profile} ops by self {args.device} time")
-        print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))
+    with profile(activities=activities) as prof:
+        step()
+        sync(args.device)
+    print(f"\n## profile: one {name} train step, top {args.profile} ops by self {args.device} time")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=args.profile, max_name_column_width=60))
 
 
 # ---------------------------------------------------------------- table 2
@@ -520,8 +550,8 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], dict]:
         params = deepseek_shapes.hf_param_count(hf_config(args.shape))
         memory = deepseek_shapes.memory_estimate(params)
         print(f"{args.shape}: {params / 1e9:.2f}B parameters; weights, gradients and Adam states"
-              f" {memory['trainer_gib']:.1f} GiB (ours) + {memory['baseline_gib']:.1f} GiB (transformers)"
-              f" = {memory['total_gib']:.1f} GiB before activations", flush=True)
+              f" {memory['trainer_gib']:.1f} GiB (ours), then {memory['baseline_gib']:.1f} GiB (transformers),"
+              " before activations: one contender held at a time", flush=True)
 
     samples = bench_samples(args)
     rows, figures = step_table(args, model_dir, samples)
@@ -549,9 +579,8 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], dict]:
               f" whole update {t['total_s'] / m['total_s']:.2f}x")
     if args.device == "cpu":
         print("(1 thread: CPU seconds of the process; 2 threads: wall seconds)")
-    else:  # both contenders are held at once: what the memory estimate (deepseek_shapes.py) left for activations
-        print(f"peak GPU memory allocated over the run: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB of"
-              f" {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f}")
+    else:  # each contender's peak is printed after it ran ("after megatron: peak ..."): the card's size beside them
+        print(f"GPU memory: {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB")
     what = next(iter(figures.values()))[1]
     print(f"\n| contender | {what} per train_step | micro-batches | tokens, max / mean"
           " | sum L_i^2, max / mean | padded / real tokens |")

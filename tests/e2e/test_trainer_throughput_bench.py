@@ -38,7 +38,7 @@ def test_the_deepseek_row_trains_mla_models_against_transformers_deepseek_v3(tmp
     assert all(r["train_step_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     assert all(balance.micro_batches == 2 for _, _, balance in figures.values())
     out = capsys.readouterr().out
-    assert "tiny-deepseek-v3: 0.01B parameters;" in out and "GiB before activations" in out
+    assert "tiny-deepseek-v3: 0.01B parameters;" in out and "before activations: one contender held at a time" in out
     assert "## tiny-deepseek-v3 on cpu (float32)" in out
 
 
