@@ -2,8 +2,8 @@
 FLOPs per token with multi-head latent attention (MLA), and the memory one GPU needs to train them with Adam next to
 the transformers baseline.
 
-``deepseek-v3-reduced``: DeepSeek-V3's real layer structure at a size one 80 GB GPU trains twice over (ours and
-transformers' in one process): a dense first layer then 3 MoE layers; MLA with V3's ranks and head dims (q_lora_rank
+``deepseek-v3-reduced``: DeepSeek-V3's real layer structure at a size one 80 GB GPU trains by each contender (ours
+and transformers', one after the other in one process): a dense first layer then 3 MoE layers; MLA with V3's ranks and head dims (q_lora_rank
 1536, kv_lora_rank 512, q/k heads of 128 + 64 rotary dims, v heads of 128) and 16 heads (V3 has 128 at hidden 7168;
 V2-Lite's 16 at hidden 2048); V2-Lite's hidden 2048, dense intermediate 10944 and 64 routed experts of 1408 with
 top-6; V3's routing (sigmoid scores plus the correction bias, noaux_tc) in 8 groups of which 3 are searched (top-6 /

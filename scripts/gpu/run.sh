@@ -187,8 +187,8 @@ for stage in "$@"; do
                       --variants as-is megatron-dispatch) ;;
     moe-replay) cmd=(timeout 400 python3 benchmarks/moe_replay_gap.py --shape qwen3-30b-a3b-reduced --prompts 16
                      --new-tokens 64 --work-dir /tmp/moe-replay) ;;
-    # 65.4 GiB of weights, gradients and Adam states for the two contenders (deepseek_shapes.py): micro-batches of
-    # 4 x 1,024 tokens keep the activations within the rest of an 80 GB card
+    # 32.7 GiB of weights, gradients and Adam states for each contender, held one at a time (deepseek_shapes.py):
+    # micro-batches of 4 x 1,024 tokens keep the activations within the rest of an 80 GB card
     bench-deepseek) cmd=(timeout 500 python3 benchmarks/trainer_throughput.py --device cuda --shape deepseek-v3-reduced
                          --samples 16 --prompt-len 512 --response-len 512 --jitter 0 --micro-batch-size 4
                          --peak-tflops 989 --skip-memory --profile 15) ;;
