@@ -3,15 +3,15 @@ FLOPs per token with multi-head latent attention (MLA), and the memory one GPU n
 the transformers baseline.
 
 ``deepseek-v3-reduced``: DeepSeek-V3's real layer structure at a size one 80 GB GPU trains by each contender (ours
-and transformers', one after the other in one process): a dense first layer then 3 MoE layers; MLA with V3's ranks and head dims (q_lora_rank
-1536, kv_lora_rank 512, q/k heads of 128 + 64 rotary dims, v heads of 128) and 16 heads (V3 has 128 at hidden 7168;
-V2-Lite's 16 at hidden 2048); V2-Lite's hidden 2048, dense intermediate 10944 and 64 routed experts of 1408 with
-top-6; V3's routing (sigmoid scores plus the correction bias, noaux_tc) in 8 groups of which 3 are searched (top-6 /
-3 = 2 experts a group, the ratio V3's 8 / 4 has and the trainer needs), one shared expert and routed scaling 2.5.
-1.95B parameters, 0.58B a MoE layer. Its vocabulary is 32768, not V3's 129280: the full one makes the two
-contenders' weights, gradients and Adam states alone 78.6 GiB (`memory_estimate`; 65.4 GiB with 32768), and with
-4 layers instead of 61 its LM head would be 44% of the weights a token goes through (2.5% in V3). Plain RoPE (V3's
-YaRN changes no cost), no MTP layers.
+and transformers', one after the other in one process): a dense first layer then 3 MoE layers; MLA with V3's ranks
+and head dims (q_lora_rank 1536, kv_lora_rank 512, q/k heads of 128 + 64 rotary dims, v heads of 128) and 16 heads
+(V3 has 128 at hidden 7168; V2-Lite's 16 at hidden 2048); V2-Lite's hidden 2048, dense intermediate 10944 and 64
+routed experts of 1408 with top-6; V3's routing (sigmoid scores plus the correction bias, noaux_tc) in 8 groups of
+which 3 are searched (top-6 / 3 = 2 experts a group, the ratio V3's 8 / 4 has and the trainer needs), one shared
+expert and routed scaling 2.5. 1.95B parameters, 0.58B a MoE layer. Its vocabulary is 32768, not V3's 129280: the
+full one makes the two contenders' weights, gradients and Adam states alone 78.6 GiB (`memory_estimate`; 65.4 GiB
+with 32768), and with 4 layers instead of 61 its LM head would be 44% of the weights a token goes through (2.5% in
+V3). Plain RoPE (V3's YaRN changes no cost), no MTP layers.
 
 ``tiny-deepseek-v3``: the same structure at CPU size (4 layers, hidden 128, 8 experts in 2 groups, top-2).
 """
