@@ -20,8 +20,10 @@ LORA = ["trainer.lora.rank=16", "trainer.lora.alpha=32", "trainer.lr=1e-4"]  # e
 @pytest.mark.heavy  # ~7 min on 2 cores: started first (tests/conftest.py)
 def test_the_cpu_default_with_lora_learns_addition(tmp_path):
     workdir = tmp_path / "wd"
+    # evals and checkpoints at step 30 only (the default's every 10): neither changes the training, and the four
+    # evals and three HF exports of the default cost the slow tier's longest test time it did not assert on
     result = subprocess.run([str(SCRIPT), "train", *LORA, "checkpoint.save_hf=true", "logging.progress_bar=false",
-                             "--workdir", str(workdir)], capture_output=True, text=True, timeout=3600, cwd=tmp_path,
+                             "eval.interval=30", "checkpoint.save_interval=30", "--workdir", str(workdir)], capture_output=True, text=True, timeout=3600, cwd=tmp_path,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout + result.stderr[-5000:]
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
