@@ -23,7 +23,8 @@ def test_the_cpu_default_with_lora_learns_addition(tmp_path):
     # evals and checkpoints at step 30 only (the default's every 10): neither changes the training, and the four
     # evals and three HF exports of the default cost the slow tier's longest test time it did not assert on
     result = subprocess.run([str(SCRIPT), "train", *LORA, "checkpoint.save_hf=true", "logging.progress_bar=false",
-                             "eval.interval=30", "checkpoint.save_interval=30", "--workdir", str(workdir)], capture_output=True, text=True, timeout=3600, cwd=tmp_path,
+                             "eval.interval=30", "checkpoint.save_interval=30", "--workdir", str(workdir)],
+                            capture_output=True, text=True, timeout=3600, cwd=tmp_path,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout + result.stderr[-5000:]
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]

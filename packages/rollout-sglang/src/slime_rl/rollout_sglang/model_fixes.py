@@ -34,6 +34,7 @@ LLAMA_STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (
 BLOCK_SCALE = ".weight_scale_inv"
 
 NamedWeights = Iterable[tuple[str, torch.Tensor]]
+Stacked = tuple[tuple[str, str, str | int], ...]
 
 
 def launch_env(model_path: str | Path) -> dict[str, str]:
@@ -49,7 +50,7 @@ def launch_env(model_path: str | Path) -> dict[str, str]:
 
 
 def load_block_scales(model: torch.nn.Module, weights: NamedWeights,
-                      stacked: tuple[tuple[str, str, str | int], ...] = LLAMA_STACKED) -> Iterator[tuple[str, torch.Tensor]]:
+                      stacked: Stacked = LLAMA_STACKED) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` less the block-FP8 scales that ``model`` holds as ``weight_scale_inv``, which are loaded here
     by their parameters' own loaders (a fused q/k/v or gate/up scale by its shard, as for its weight). The rest
     stream on to the model's own ``load_weights``; a scale the model has no parameter for goes on too."""
@@ -70,7 +71,7 @@ def load_block_scales(model: torch.nn.Module, weights: NamedWeights,
         yield name, tensor
 
 
-def _fused_name(name: str, stacked: tuple[tuple[str, str, str | int], ...]) -> tuple[str, str | int | None]:
+def _fused_name(name: str, stacked: Stacked) -> tuple[str, str | int | None]:
     for fused, part, shard in stacked:
         if part in name:
             return name.replace(part, fused), shard

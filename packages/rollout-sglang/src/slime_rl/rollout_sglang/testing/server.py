@@ -529,7 +529,7 @@ class StandinServer:
         body = await _json_or_empty(request)
         if body.get("action", "checksum") != "checksum":
             return _error(f"Unsupported action={body.get('action')!r}")
-        checksums = fp8.weight_checksums(self.weights)  # FP8 (weight, scale) pairs as SGLang hashes them (testing/fp8.py)
+        checksums = fp8.weight_checksums(self.weights)  # FP8 (weight, scale) pairs hashed as SGLang does
         overall = hashlib.sha256()
         for name in sorted(checksums):
             overall.update(name.encode())
