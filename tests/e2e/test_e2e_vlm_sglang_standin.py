@@ -39,7 +39,11 @@ def test_loop_with_images_through_sglang_router(tmp_path, monkeypatch):
     summary = train(cfg)
     rows = [json.loads(line) for line in Path(summary["metrics_file"]).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["rollout/samples_failed"] == 0 and r["rollout/step_failed"] == 0 for r in rows), rows
+    # A request whose prompt came back otherwise fails, for every image request alike: no step may fail. The
+    # random model may sample a vision token as its first token (~4 of 1,030 ids), which fails that one sample by
+    # design (rollout_sglang/vision.py), its group refilled: about one run in ten sees one.
+    assert all(r["rollout/step_failed"] == 0 for r in rows) and sum(r["rollout/samples_failed"] for r in rows) <= 2, \
+        rows
     assert all(r["rollout/weight_version_lag"] == 0.0 and "train/loss" in r for r in rows)
     samples = [json.loads(line) for line in (tmp_path / "run" / "rollouts" / "step_000003.jsonl").read_text()
                .splitlines()]

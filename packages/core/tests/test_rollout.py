@@ -5,6 +5,7 @@ contract; the real engines have their own tests and the end-to-end tests use the
 from __future__ import annotations
 
 import asyncio
+import logging
 import textwrap
 import time
 from typing import Any
@@ -292,12 +293,17 @@ async def fails_on_prompt_1(sample: Sample) -> float:
     return 1.0
 
 
-def test_failures_up_to_max_failed_fraction_do_not_fail_the_step():
+def test_failures_up_to_max_failed_fraction_do_not_fail_the_step_and_are_logged_with_their_reason(caplog):
     cfg = make_cfg(rollout__reward=f"{__name__}:fails_on_prompt_1", rollout__max_failed_fraction=0.5)
-    result = run(RolloutRunner(cfg, ScriptedEngine(lambda p, n: [1]), decode).rollout(ListSource([1, 2], 2),
-                                                                                    ListBuffer()))
+    with caplog.at_level(logging.WARNING, logger="slime_rl.core.run.rollout"):
+        result = run(RolloutRunner(cfg, ScriptedEngine(lambda p, n: [1]), decode).rollout(ListSource([1, 2], 2),
+                                                                                        ListBuffer()))
     assert result.failure is None and len(result.groups) == 2
     assert result.metrics["rollout/samples_failed"] == 2 and result.metrics["rollout/step_failed"] == 0.0
+    assert [r.getMessage() for r in caplog.records if r.name == "slime_rl.core.run.rollout"] == [
+        "2 of 4 samples failed, within rollout.max_failed_fraction=0.5 (their groups were dropped and refilled, "
+        f"or scored 0 under rollout.on_reward_failure=zero): 2 x reward '{__name__}:fails_on_prompt_1' raised "
+        "ValueError: boom"]
 
 
 USER_FILTERS = textwrap.dedent('''

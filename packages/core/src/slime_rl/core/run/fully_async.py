@@ -39,7 +39,7 @@ from slime_rl.core.algorithms.filters import BUFFER_FILTERS
 from slime_rl.core.config import Config
 from slime_rl.core.contracts import DataSource
 from slime_rl.core.infra.plugins import load_function
-from slime_rl.core.run.rollout import RolloutRunner, ScoredGroups, sampling_params
+from slime_rl.core.run.rollout import FailedSamples, RolloutRunner, ScoredGroups, sampling_params
 from slime_rl.core.sample import Sample, SampleStatus
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,8 @@ class FullyAsyncRollout:
         self.held_over: list[Group] = []  # in flight at the checkpoint a resume loaded: submitted first
         self.ledger = Ledger()
         self.source_exhausted = False
-        self.counts = {"samples_seen": 0, "samples_failed": 0, "groups_seen": 0, "requeued_aborted": 0}
-        self.first_error: str | None = None
+        self.counts = {"groups_seen": 0, "requeued_aborted": 0}
+        self.failed_samples = FailedSamples()  # since the last batch
         self._task: asyncio.Task | None = None
         self._running: set[asyncio.Task] = set()  # one task per group generating
         self._changed: asyncio.Event | None = None  # a group finished (or the producer stopped)
@@ -143,12 +143,8 @@ class FullyAsyncRollout:
             self.counts["requeued_aborted"] += 1
             samples = await self.runner._generate_group(samples, params)
         verdict = await self.runner._filter(samples) if all(s.reward is not None for s in samples) else None
-        failed = [s for s in samples if s.status == SampleStatus.FAILED]
         self.counts["groups_seen"] += 1
-        self.counts["samples_seen"] += len(samples)
-        self.counts["samples_failed"] += len(failed)
-        if failed and self.first_error is None:
-            self.first_error = failed[0].metadata.get("error", "no reason recorded")
+        self.failed_samples.add(samples)
         del self.in_flight[group_index]
         if verdict is None:
             self.ledger.failed.append(group_index)
@@ -183,7 +179,7 @@ class FullyAsyncRollout:
         self._space.set()
         metrics = {
             "rollout/groups_seen": float(self.counts["groups_seen"]),
-            "rollout/samples_failed": float(self.counts["samples_failed"]),
+            "rollout/samples_failed": float(self.failed_samples.failed),
             "rollout/step_failed": float(failure is not None),
             "fully_async/ready_groups": float(len(self.ready)),
             "fully_async/in_flight_groups": float(len(self.in_flight)),
@@ -194,9 +190,10 @@ class FullyAsyncRollout:
         metrics.update(self.runner._metrics(groups, 0.0))
         metrics.pop("rollout/time", None)
         metrics.pop("rollout/tokens_per_s", None)
-        for key in ("groups_seen", "samples_seen", "samples_failed"):
-            self.counts[key] = 0
-        self.first_error = None
+        if failure is None:
+            self.failed_samples.log_tolerated(self.cfg.rollout.max_failed_fraction)
+        self.counts["groups_seen"] = 0
+        self.failed_samples = FailedSamples()
         return ScoredGroups(groups, metrics, exhausted=self.finished and not self.ready, failure=failure)
 
     def _drop_stale(self, current_version: int) -> None:
@@ -218,12 +215,9 @@ class FullyAsyncRollout:
         self.ready = keep
 
     def _failure(self) -> str | None:
-        seen, failed = self.counts["samples_seen"], self.counts["samples_failed"]
-        limit = self.cfg.rollout.max_failed_fraction
-        if seen and failed / seen > limit and seen >= self.cfg.data.rollout_batch_size * self.cfg.data.n_samples_per_prompt:
-            return (f"{failed} of {seen} samples failed, more than rollout.max_failed_fraction={limit:g};"
-                    f" the first: {self.first_error}")
-        return None
+        if self.failed_samples.seen < self.cfg.data.rollout_batch_size * self.cfg.data.n_samples_per_prompt:
+            return None
+        return self.failed_samples.over(self.cfg.rollout.max_failed_fraction)
 
     # ---------------------------------------------------------------- state
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import logging
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,8 @@ from slime_rl.core.infra.workers import UserCodeError, UserCodeLoadError, is_use
 from slime_rl.core.rewards import reward_workers, score_samples
 from slime_rl.core.run.metrics import BusyClock
 from slime_rl.core.sample import Sample, SampleStatus
+
+logger = logging.getLogger(__name__)
 
 Decode = Callable[[list[int]], str]
 Group = list[Sample]
@@ -121,6 +125,39 @@ class ScoredGroups:
     returned: int = 0  # groups put back in the pending buffer (aborted leftovers)
     exhausted: bool = False  # the data ran out before enough groups passed
     failure: str | None = None  # why the step failed (too many failed samples); None when it did not
+
+
+@dataclass
+class FailedSamples:
+    """A step's failed samples by reason: the step's failure names the first, and a step that goes on with
+    failures under ``rollout.max_failed_fraction`` logs them all, so a user learns why without a stopped run."""
+
+    seen: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def failed(self) -> int:
+        return sum(self.reasons.values())
+
+    def add(self, group: Group) -> None:
+        self.seen += len(group)
+        self.reasons.update(s.metadata.get("error", "no reason recorded") for s in group
+                            if s.status == SampleStatus.FAILED)
+
+    def over(self, limit: float) -> str | None:
+        """Why the step fails: more than ``limit`` of the samples seen failed; None while not."""
+        if not self.seen or self.failed / self.seen <= limit:
+            return None
+        first = next(iter(self.reasons))
+        return f"{self.failed} of {self.seen} samples failed, more than rollout.max_failed_fraction={limit:g}; " \
+               f"the first: {first}"
+
+    def log_tolerated(self, limit: float) -> None:
+        if self.failed and self.over(limit) is None:
+            logger.warning("%d of %d samples failed, within rollout.max_failed_fraction=%g (their groups were "
+                           "dropped and refilled, or scored 0 under rollout.on_reward_failure=zero): %s",
+                           self.failed, self.seen, limit,
+                           "; ".join(f"{n} x {reason}" for reason, n in self.reasons.most_common()))
 
 
 class RolloutRunner:
@@ -223,8 +260,7 @@ class RolloutRunner:
         params = sampling_params(cfg)
         kept: list[Group] = []
         seen = dropped_filter = dropped_failed = returned = 0
-        samples_seen = samples_failed = 0
-        first_error: str | None = None
+        failed_samples = FailedSamples()
         failure: str | None = None
         exhausted = False
         start = time.perf_counter()
@@ -246,11 +282,7 @@ class RolloutRunner:
                 seen += 1
                 # None: a reward failed under on_reward_failure="drop" (not filtered, dropped), or the filter failed
                 verdict = await self._filter(group) if all(s.reward is not None for s in group) else None
-                failed = [s for s in group if s.status == SampleStatus.FAILED]
-                samples_seen += len(group)
-                samples_failed += len(failed)
-                if failed and first_error is None:
-                    first_error = failed[0].metadata.get("error", "no reason recorded")
+                failed_samples.add(group)
                 if verdict is None:
                     dropped_failed += 1
                 elif not verdict:
@@ -265,17 +297,17 @@ class RolloutRunner:
             if leftovers:
                 buffer.add([self._prepare_leftover(g) for g in leftovers])
                 returned += len(leftovers)
-            if samples_seen and samples_failed / samples_seen > cfg.rollout.max_failed_fraction:
-                failure = (f"{samples_failed} of {samples_seen} samples failed, more than rollout.max_failed_fraction="
-                           f"{cfg.rollout.max_failed_fraction:g}; the first: {first_error}")
+            failure = failed_samples.over(cfg.rollout.max_failed_fraction)
+            if failure is not None:
                 break
+        failed_samples.log_tolerated(cfg.rollout.max_failed_fraction)
         elapsed = time.perf_counter() - start
         kept.sort(key=lambda g: g[0].group_index)  # in data order, not finishing order: timing does not reorder a batch
         metrics = self._metrics(kept, elapsed)
         metrics.update({
             "rollout/groups_seen": seen, "rollout/groups_dropped_by_filter": dropped_filter,
             "rollout/groups_dropped_failed": dropped_failed, "rollout/groups_returned": returned,
-            "rollout/samples_failed": samples_failed, "rollout/step_failed": float(failure is not None),
+            "rollout/samples_failed": failed_samples.failed, "rollout/step_failed": float(failure is not None),
         })
         return ScoredGroups(kept, metrics, returned, exhausted, failure)
 
