@@ -31,7 +31,9 @@ Figures, per mode:
 
 ``--kill-engine-after S``: S seconds after the start notice, every SGLang server of the run (found by its
 ``--model-path``) is SIGKILLed with its process group; the run must complete and count the restart
-(``engine/restarts`` in the step metrics), else the script exits 1.
+(``engine/restarts`` in the step metrics), else the script exits 1. ``--kill-engine-at-step N`` kills at the
+N-th step's notice instead: the same point of the run on any machine, so the run can be sized to end soon
+after (the CPU test's).
 """
 
 from __future__ import annotations
@@ -179,6 +181,8 @@ def run_mode(args, mode: str, folder: Path, prompts: Path, work: Path) -> ModeRe
                 kill_timer.start()
         elif event == "step":
             marks["last_step"] = time.perf_counter()
+            if payload["step"] == args.kill_engine_at_step and not killed:
+                kill_engines()
 
     summary = train(Config.model_validate(run_config(args, mode, folder, prompts, work / f"run-{mode}")), callback)
     if kill_timer is not None:
@@ -233,7 +237,9 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
     parser.add_argument("--engine-python", default=None, help="interpreter that runs sglang.launch_server")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--mem-fraction", type=float, default=0.4, help="SGLang --mem-fraction-static")
-    parser.add_argument("--kill-engine-after", type=float, default=None, help="seconds after the start notice")
+    kill = parser.add_mutually_exclusive_group()
+    kill.add_argument("--kill-engine-after", type=float, default=None, help="seconds after the start notice")
+    kill.add_argument("--kill-engine-at-step", type=int, default=None, help="at the notice of this step")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -263,7 +269,7 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
     print("\n".join(table(results)), flush=True)
     if args.json:
         args.json.write_text(json.dumps([{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in results], indent=1))
-    if args.kill_engine_after is not None:
+    if args.kill_engine_after is not None or args.kill_engine_at_step is not None:
         failed = [r.mode for r in results if not r.killed or r.restarts < 1]
         print(f"engine kill: {'FAIL (' + ', '.join(failed) + ')' if failed else 'PASS'}: "
               + "; ".join(f"{r.mode}: killed {r.killed}, engine/restarts {r.restarts:.0f}" for r in results)
