@@ -1,12 +1,14 @@
 """Shared pieces of the trainer-megatron tests: tiny random HF models, samples, configs,
-the single-rank process group, and a launcher for multi-rank runs (one subprocess per rank)."""
+the single-rank process group, and a launcher for multi-rank runs (one process per rank)."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -147,6 +149,40 @@ def megatron_on_cpu_single_rank() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
+# What a rank imports before it does anything (~4-7 s of CPU each, once per process): on the CPU a forkserver
+# imports it once per pytest process and forks every rank from there, where each rank was a fresh interpreter.
+_RANK_IMPORTS = ["torch", "transformers", "megatron.core", "slime_rl.trainer_megatron.trainer", "megatron_worker"]
+_forkserver: multiprocessing.context.BaseContext | None = None
+
+
+def _rank_context() -> multiprocessing.context.BaseContext | None:
+    """The forkserver the ranks fork from; None on a CUDA machine, where a fork after CUDA was touched (an
+    import may ask for the device count) breaks the child: there each rank is a fresh interpreter."""
+    global _forkserver
+    if torch.cuda.is_available():
+        return None
+    if _forkserver is None:
+        _forkserver = multiprocessing.get_context("forkserver")
+        _forkserver.set_forkserver_preload(_RANK_IMPORTS)
+    return _forkserver
+
+
+def _forked_rank(spec_file: str, env: dict[str, str], log_file: str) -> None:
+    """One rank in a process forked from the preloaded forkserver: its environment, its output to its log."""
+    import warnings
+
+    log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.clear()  # the launching test's environment, not the one the forkserver started with
+    os.environ.update(env)
+    warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore, read only at an interpreter's start
+    torch.set_num_threads(1)
+    import megatron_worker
+
+    megatron_worker.main(spec_file)
+
+
 def launch(world_size: int, spec: dict, tmp_path: Path, timeout: float = 300.0) -> dict:
     """Run megatron_worker.py on ``world_size`` ranks (one process each); rank 0's result."""
     spec_file = tmp_path / f"spec-{os.getpid()}-{free_port()}.json"
@@ -154,27 +190,54 @@ def launch(world_size: int, spec: dict, tmp_path: Path, timeout: float = 300.0) 
     spec = {**spec, "out": str(out_file)}
     spec_file.write_text(json.dumps(spec))
     port = free_port()
-    procs = []
-    for rank in range(world_size):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1",
-               "PYTHONWARNINGS": "ignore"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_file)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs, failed = [], False
-    for rank, proc in enumerate(procs):
+    envs = [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+             "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            for rank in range(world_size)]
+    context = _rank_context()
+    if context is None:
+        results = _launch_interpreters(spec_file, envs, timeout)
+    else:
+        results = _launch_forked(context, spec_file, envs, timeout)
+    if any(code != 0 for code, _ in results):
+        raise AssertionError("multi-rank run failed:\n" + "\n".join(
+            f"--- rank {rank} (exit {code}) ---\n{out[-6000:]}" for rank, (code, out) in enumerate(results)))
+    return torch.load(out_file, weights_only=True)
+
+
+def _launch_interpreters(spec_file: Path, envs: list[dict[str, str]], timeout: float) -> list[tuple[int, str]]:
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(spec_file)], env={**os.environ, **env},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for env in envs]
+    results = []
+    for proc in procs:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
             out, _ = proc.communicate()
-            failed = True
-        logs.append(f"--- rank {rank} (exit {proc.returncode}) ---\n{out[-6000:]}")
-        failed |= proc.returncode != 0
-    if failed:
-        raise AssertionError("multi-rank run failed:\n" + "\n".join(logs))
-    return torch.load(out_file, weights_only=True)
+            out += f"\n(killed after {timeout:.0f} s)"
+        results.append((proc.returncode, out))
+    return results
+
+
+def _launch_forked(context, spec_file: Path, envs: list[dict[str, str]], timeout: float) -> list[tuple[int, str]]:
+    logs = [spec_file.with_suffix(f".rank{rank}.log") for rank in range(len(envs))]
+    procs = [context.Process(target=_forked_rank, args=(str(spec_file), {**os.environ, **env}, str(log)))
+             for env, log in zip(envs, logs, strict=True)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            timed_out = True
+            for p in procs:
+                p.kill()
+            proc.join()
+    note = f"\n(killed after {timeout:.0f} s)" if timed_out else ""
+    return [(proc.exitcode, (log.read_text(errors="replace") if log.exists() else "") + note)
+            for proc, log in zip(procs, logs, strict=True)]
 
 
 def assert_replayed_like_one_rank(single: dict, multi: dict) -> None:

@@ -329,8 +329,8 @@ SCENARIOS = {"critic": run_critic, "train": run_scenario, "packed_kernels": run_
              "nonfinite_on_one_rank": run_nonfinite_on_one_rank, "grouped_experts_kernel": run_grouped_experts_kernel}
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
+def main(spec_file: str | None = None) -> None:
+    spec = json.loads(Path(spec_file or sys.argv[1]).read_text())
     sys.path.insert(0, str(Path(__file__).parent))
     from lora_scenario import run_lora
     from vlm_scenario import run_vlm, run_vlm_hf_parity
