@@ -3,6 +3,7 @@ the single-rank process group, and a launcher for multi-rank runs (one process p
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -152,19 +153,17 @@ def megatron_on_cpu_single_rank() -> None:
 # What a rank imports before it does anything (~4-7 s of CPU each, once per process): on the CPU a forkserver
 # imports it once per pytest process and forks every rank from there, where each rank was a fresh interpreter.
 _RANK_IMPORTS = ["torch", "transformers", "megatron.core", "slime_rl.trainer_megatron.trainer", "megatron_worker"]
-_forkserver: multiprocessing.context.BaseContext | None = None
 
 
+@functools.cache
 def _rank_context() -> multiprocessing.context.BaseContext | None:
     """The forkserver the ranks fork from; None on a CUDA machine, where a fork after CUDA was touched (an
     import may ask for the device count) breaks the child: there each rank is a fresh interpreter."""
-    global _forkserver
     if torch.cuda.is_available():
         return None
-    if _forkserver is None:
-        _forkserver = multiprocessing.get_context("forkserver")
-        _forkserver.set_forkserver_preload(_RANK_IMPORTS)
-    return _forkserver
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_RANK_IMPORTS)
+    return context
 
 
 def _forked_rank(spec_file: str, env: dict[str, str], log_file: str) -> None:
